@@ -1,0 +1,291 @@
+"""ToolEnv: a multi-turn tool-use episode as a `gymnasium.Env`.
+
+Text mode (default): observations and actions are strings. Token mode (given a tokenizer): actions are
+the policy's token ids, observations are the ids of the new context tokens (the prompt after reset, the
+rendered tool results after a tool turn), and `trajectory.token_ids` / `trajectory.loss_mask` hold the
+whole episode exactly as the policy saw and produced it, never re-tokenised.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from rlf_envs import runtime
+from rlf_envs.env.spaces import AnyText, as_token_array, token_space
+from rlf_envs.env.tokens import TokenizerAdapter
+from rlf_envs.formats import Format, get_format
+from rlf_envs.rewards.base import Verifier
+from rlf_envs.tasks import TaskSource, load_tasks
+from rlf_envs.tools.caller import CallerConfig, truncate
+from rlf_envs.tools.toolbox import MCPSource, Toolbox, ToolLike, shared_toolbox
+from rlf_envs.types import ActionKind, EndReason, Score, Task, ToolResult, Trajectory, Turn, TurnStats
+
+CHARS_PER_TOKEN = 4  # text mode measures budgets in characters / 4
+
+
+def _default_verifier() -> Verifier:
+    from rlf_envs.rewards.rules import ExactMatch
+
+    return ExactMatch()
+
+
+class ToolEnv(gym.Env[Any, Any]):
+    """A multi-turn tool environment.
+
+    Args:
+        tools: rlf Tools or typed Python functions the policy may call.
+        tasks: Tasks, dicts, or a path to a JSONL file (see `rlf_envs.tasks.load_tasks`).
+        format: "qwen3" | "hermes" | "search_r1" or a Format instance; `format_kwargs` configure a named one.
+        verifier: scores the finished episode (a Verifier or a reward config dict); default exact match.
+        turn_rewarder: optional per-turn (process) reward: anything with `turn_reward(turn) -> float`.
+        max_turns: policy turns per episode (truncation after that).
+        max_total_tokens: budget for the whole trajectory (prompt + actions + observations).
+        max_obs_tokens: cap for one observation (tool outputs are shortened with a visible marker).
+        tokenizer: enables token mode (transformers tokenizer or tokenizers.Tokenizer).
+        mcp_servers: an `mcpServers` config (dict or YAML/JSON path) whose tools are added.
+        caller: tool-caller limits (CallerConfig or dict: timeout_s, max_retries, max_concurrency, ...).
+        toolbox: a ready Toolbox (instead of tools/mcp_servers/caller).
+    """
+
+    metadata = {"render_modes": ["ansi"], "render_fps": 4}
+
+    def __init__(
+        self,
+        tools: Sequence[ToolLike] = (),
+        tasks: TaskSource = (),
+        format: str | Format = "qwen3",
+        verifier: Verifier | dict[str, Any] | None = None,
+        turn_rewarder: Any = None,
+        max_turns: int = 4,
+        max_total_tokens: int = 4096,
+        max_obs_tokens: int = 512,
+        tokenizer: Any = None,
+        system_prompt: str | None = None,
+        mcp_servers: MCPSource | None = None,
+        caller: CallerConfig | dict[str, Any] | None = None,
+        toolbox: Toolbox | None = None,
+        format_kwargs: dict[str, Any] | None = None,
+        render_mode: str | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_obs_tokens < 16 or max_total_tokens < 16:
+            raise ValueError("max_obs_tokens and max_total_tokens must be >= 16")
+        if render_mode not in (None, "ansi"):
+            raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        self.render_mode = render_mode
+        self.tasks: list[Task] = load_tasks(tasks)
+        if not self.tasks:
+            raise ValueError("ToolEnv needs at least one task (tasks=[...] or a JSONL path)")
+        self.format = get_format(format, **(format_kwargs or {}))
+        self.toolbox = toolbox or shared_toolbox(tools, mcp_servers, caller)
+        if isinstance(verifier, dict):
+            from rlf_envs.rewards.config import build_verifier
+
+            verifier = build_verifier(verifier, tools=self.toolbox)
+        self.verifier: Verifier = verifier or _default_verifier()
+        self.turn_rewarder = turn_rewarder
+        self.max_turns = max_turns
+        self.max_total_tokens = max_total_tokens
+        self.max_obs_tokens = max_obs_tokens
+        self.system_prompt = system_prompt
+        self.tok = TokenizerAdapter(tokenizer) if tokenizer is not None else None
+        if self.tok is None:
+            self.observation_space: gym.Space[Any] = AnyText()
+            self.action_space: gym.Space[Any] = AnyText()
+        else:
+            self.observation_space = token_space(self.tok.vocab_size)
+            self.action_space = token_space(self.tok.vocab_size)
+        self._traj: Trajectory | None = None
+        self._done = True
+        self._n_tokens = 0
+
+    # -- properties ---------------------------------------------------------------------------------
+    @property
+    def token_mode(self) -> bool:
+        return self.tok is not None
+
+    @property
+    def trajectory(self) -> Trajectory:
+        if self._traj is None:
+            raise RuntimeError("no episode yet: call reset() first")
+        return self._traj
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    # -- reset --------------------------------------------------------------------------------------
+    def _pick_task(self, options: dict[str, Any] | None) -> Task:
+        options = options or {}
+        if "task" in options:
+            t = options["task"]
+            return t if isinstance(t, Task) else load_tasks([t])[0]
+        if "task_index" in options:
+            i = int(options["task_index"])
+            if not 0 <= i < len(self.tasks):
+                raise IndexError(f"task_index {i} out of range: this env has {len(self.tasks)} tasks")
+            return self.tasks[i]
+        return self.tasks[int(self.np_random.integers(len(self.tasks)))]
+
+    def _begin(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+        super().reset(seed=seed)
+        task = self._pick_task(options)
+        prompt = self.format.render_prompt(task, self.toolbox.specs, self.system_prompt)
+        traj = Trajectory(task=task, prompt=prompt)
+        obs: Any
+        if self.tok is not None:
+            ids = self.tok.encode(prompt)
+            traj.token_ids = list(ids)
+            traj.loss_mask = [0] * len(ids)
+            self._n_tokens = len(ids)
+            obs = as_token_array(ids)
+        else:
+            self._n_tokens = -(-len(prompt) // CHARS_PER_TOKEN)
+            obs = prompt
+        self._traj = traj
+        self._done = False
+        return obs, {"task_id": task.id, "turn": 0}
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        return self._begin(seed, options)
+
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Any, dict[str, Any]]:
+        return self._begin(seed, options)
+
+    # -- step ---------------------------------------------------------------------------------------
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        return runtime.run(self.astep(action))
+
+    def _action_text(self, action: Any) -> tuple[str, list[int] | None]:
+        if self.tok is None:
+            if not isinstance(action, str):
+                raise TypeError(f"text-mode ToolEnv takes str actions, got {type(action).__name__}")
+            return action, None
+        if isinstance(action, str):  # convenience: text given to a token-mode env
+            return action, self.tok.encode(action)
+        ids = [int(x) for x in (action.tolist() if isinstance(action, np.ndarray) else action)]
+        return self.tok.decode(ids), ids
+
+    def _cap_results(self, results: list[ToolResult]) -> None:
+        """Shorten tool outputs so one observation stays within max_obs_tokens."""
+        if not results:
+            return
+        per = max(8, (self.max_obs_tokens - 16 * len(results)) // len(results))
+        for r in results:
+            if self.tok is None:
+                r.content, cut = truncate(r.content, per * CHARS_PER_TOKEN)
+            else:
+                ids = self.tok.encode(r.content)
+                cut = len(ids) > per
+                if cut:
+                    r.content = self.tok.decode(ids[:per]) + f"\n...[truncated: {len(ids) - per} more tokens]"
+            r.truncated = r.truncated or cut
+
+    async def astep(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        if self._done or self._traj is None:
+            raise RuntimeError("episode is over: call reset() (or areset()) before step()")
+        traj = self._traj
+        text, ids = self._action_text(action)
+        parsed = self.format.parse(text)
+        turn = Turn(action=parsed, stats=TurnStats(invalid=parsed.kind is ActionKind.INVALID))
+        if ids is not None and traj.token_ids is not None and traj.loss_mask is not None:
+            start = len(traj.token_ids)
+            traj.token_ids.extend(ids)
+            traj.loss_mask.extend([1] * len(ids))
+            turn.action_span = (start, len(traj.token_ids))
+            self._n_tokens = len(traj.token_ids)
+        else:
+            self._n_tokens += -(-len(text) // CHARS_PER_TOKEN)
+        traj.turns.append(turn)
+
+        terminated = parsed.kind is ActionKind.ANSWER
+        obs_text = ""
+        if parsed.kind is ActionKind.TOOL_CALLS:
+            t0 = time.perf_counter()
+            turn.results = await self.toolbox.call_batch(parsed.calls)
+            turn.stats.tool_seconds = time.perf_counter() - t0
+            self._cap_results(turn.results)
+            st = turn.stats
+            st.calls = len(turn.results)
+            for r in turn.results:
+                st.errors += not r.ok
+                st.timeouts += r.status.value == "timeout"
+                st.truncated += r.truncated
+            obs_text = self.format.render_observation(text, turn.results)
+        elif parsed.kind is ActionKind.INVALID:
+            obs_text = self.format.render_correction(text, parsed)
+        else:
+            traj.answer = parsed.answer
+
+        truncated = False
+        obs_ids: list[int] = []
+        if not terminated:
+            if len(traj.turns) >= self.max_turns:
+                truncated, traj.end = True, EndReason.MAX_TURNS
+            else:
+                n_obs = (
+                    len(obs_ids := self.tok.encode(obs_text))
+                    if self.tok is not None
+                    else -(-len(obs_text) // CHARS_PER_TOKEN)
+                )
+                if self._n_tokens + n_obs >= self.max_total_tokens:
+                    truncated, traj.end = True, EndReason.TOKEN_BUDGET
+        else:
+            traj.end = EndReason.ANSWER
+
+        if truncated:
+            obs_text, obs_ids = "", []
+        turn.observation = obs_text
+        if traj.token_ids is not None and traj.loss_mask is not None and obs_ids:
+            start = len(traj.token_ids)
+            traj.token_ids.extend(obs_ids)
+            traj.loss_mask.extend([0] * len(obs_ids))
+            turn.observation_span = (start, len(traj.token_ids))
+            self._n_tokens = len(traj.token_ids)
+        elif obs_text:
+            self._n_tokens += -(-len(obs_text) // CHARS_PER_TOKEN)
+
+        if self.turn_rewarder is not None:
+            turn.reward = float(self.turn_rewarder.turn_reward(turn))
+        reward = turn.reward
+        info: dict[str, Any] = {
+            "turn": len(traj.turns),
+            "action_kind": parsed.kind.value,
+            "turn_stats": turn.stats,
+            "tool_calls": turn.stats.calls,
+            "tool_errors": turn.stats.errors,
+            "invalid": turn.stats.invalid,
+            "turn_reward": turn.reward,
+        }
+        if terminated or truncated:
+            self._done = True
+            score: Score = await runtime.bridge(self.verifier.safe_score(traj, traj.task))
+            traj.reward = score.value
+            traj.score_info = dict(score.info)
+            if score.per_turn:
+                for t, r in zip(traj.turns, score.per_turn, strict=False):
+                    t.reward += r
+            reward += score.value
+            info.update(trajectory=traj, score=score, end_reason=traj.end.value)
+        obs: Any = as_token_array(obs_ids) if self.tok is not None else obs_text
+        return obs, float(reward), terminated, truncated, info
+
+    # -- misc ---------------------------------------------------------------------------------------
+    def render(self) -> str | None:
+        if self.render_mode != "ansi" or self._traj is None:
+            return None
+        return self._traj.text
+
+    def close(self) -> None:
+        """Envs share their toolbox (servers stay up for other envs); see `rlf_envs.close_all()`."""
+        self._done = True
+
+

@@ -1,0 +1,38 @@
+"""The verifier interface: `async score(trajectory, task) -> Score`."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from rlf_envs.types import Score, Task, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class Verifier(abc.ABC):
+    """Scores a finished trajectory. Subclasses implement `score`; `score_batch` runs them
+    concurrently. Verifiers must not raise for bad policy output (score it low instead); an
+    exception is logged with the task id and replaced by `fallback` (see `safe_score`)."""
+
+    name: str = "verifier"
+    fallback: float = 0.0
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Verifier:
+        # verifiers may hold sessions / caches shared by all envs; gymnasium.make deep-copies kwargs
+        return self
+
+    @abc.abstractmethod
+    async def score(self, trajectory: Trajectory, task: Task) -> Score: ...
+
+    async def safe_score(self, trajectory: Trajectory, task: Task) -> Score:
+        try:
+            return await self.score(trajectory, task)
+        except Exception as e:  # noqa: BLE001 - a verifier bug must not kill the batch
+            log.warning("verifier %s failed on task %s: %r; scoring %s", self.name, task.id, e, self.fallback)
+            return Score(self.fallback, info={f"{self.name}/error": 1.0})
+
+    async def score_batch(self, trajectories: Sequence[Trajectory]) -> list[Score]:
+        return list(await asyncio.gather(*(self.safe_score(t, t.task) for t in trajectories)))

@@ -1,0 +1,102 @@
+"""One asyncio event loop per process, on a daemon thread, that owns every shared toolset.
+
+MCP sessions, HTTP sessions and server processes are bound to the loop they were opened on. rlf opens
+them once per process on this loop and every env (sync or async, in any thread or loop) sends its tool
+batches here. Sync APIs (`ToolEnv.step`, `VectorEnv.step`) block on `run()`; async APIs hop onto the
+loop with `bridge()` (no hop when already on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+_closers: list[Any] = []
+
+
+def get_loop() -> asyncio.AbstractEventLoop:
+    """The process-wide rlf loop (started on first use)."""
+    global _loop, _thread
+    if _loop is not None and not _loop.is_closed():
+        return _loop
+    with _lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            ready = threading.Event()
+
+            def _run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(ready.set)
+                loop.run_forever()
+
+            _thread = threading.Thread(target=_run, name="rlf-runtime", daemon=True)
+            _thread.start()
+            ready.wait()
+            _loop = loop
+    return _loop
+
+
+def on_runtime_loop() -> bool:
+    try:
+        return asyncio.get_running_loop() is _loop
+    except RuntimeError:
+        return False
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    """Run a coroutine on the rlf loop and wait for it from synchronous code."""
+    if on_runtime_loop():
+        coro.close()
+        raise RuntimeError(
+            "a synchronous rlf call (env.step/reset) was made from inside rlf's own event loop; "
+            "use the async twins (await env.astep / env.areset) there"
+        )
+    fut = asyncio.run_coroutine_threadsafe(coro, get_loop())
+    return fut.result(timeout)
+
+
+async def bridge(coro: Coroutine[Any, Any, T]) -> T:
+    """Await a coroutine on the rlf loop from any running loop."""
+    if on_runtime_loop():
+        return await coro
+    fut = asyncio.run_coroutine_threadsafe(coro, get_loop())
+    return await asyncio.wrap_future(fut)
+
+
+def register_closer(closer: Any) -> None:
+    """Register an object with `async aclose()` to be closed (servers reaped) at interpreter exit."""
+    _closers.append(closer)
+
+
+def unregister_closer(closer: Any) -> None:
+    try:
+        _closers.remove(closer)
+    except ValueError:
+        pass
+
+
+@atexit.register
+def _shutdown() -> None:
+    loop = _loop
+    if loop is None or loop.is_closed() or not loop.is_running():
+        return
+    closers = list(_closers)
+    _closers.clear()
+
+    async def _close_all() -> None:
+        await asyncio.gather(*(c.aclose() for c in closers), return_exceptions=True)
+
+    if closers:
+        try:
+            asyncio.run_coroutine_threadsafe(_close_all(), loop).result(15)
+        except Exception:
+            pass
+    loop.call_soon_threadsafe(loop.stop)

@@ -1,0 +1,71 @@
+"""The Tool contract: name, description, JSON-Schema parameters, `async call(args) -> str`."""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ToolError(Exception):
+    """Raise from a tool to return a clean error message to the policy (no traceback)."""
+
+
+class ToolCrashed(Exception):
+    """The process or connection behind a tool died; the toolset restarts it for the next call."""
+
+
+class InvalidArguments(ToolError):
+    """The arguments did not match the tool's schema."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """The schema the policy sees (OpenAI / Qwen3 function-calling shape)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+class Tool(abc.ABC):
+    """Anything the policy can call.
+
+    `idempotent` tools may be retried by the caller after a timeout or crash; `timeout_s` overrides
+    the caller's default deadline; `max_concurrency` caps in-flight calls of this tool.
+    """
+
+    spec: ToolSpec
+    idempotent: bool = False
+    timeout_s: float | None = None
+    max_concurrency: int | None = None
+
+    _gate: asyncio.Semaphore | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def concurrency_gate(self) -> asyncio.Semaphore | None:
+        """The semaphore that caps this tool's in-flight calls process-wide (None: unlimited)."""
+        if self.max_concurrency and self._gate is None:
+            self._gate = asyncio.Semaphore(self.max_concurrency)
+        return self._gate
+
+    @abc.abstractmethod
+    async def call(self, arguments: dict[str, Any]) -> str:
+        """Run the tool. Return the text the policy sees; raise ToolError for a clean error."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tool:
+        # tools are shared resources (sessions, processes): gymnasium.make deep-copies kwargs, never copy them
+        return self
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (sessions, processes). Called once by the Toolbox on close."""

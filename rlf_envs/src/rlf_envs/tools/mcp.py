@@ -1,0 +1,320 @@
+"""Tools from MCP servers (the `mcp` SDK v2), over stdio or streamable HTTP.
+
+Configured by the usual `mcpServers` map (YAML or JSON)::
+
+    mcpServers:
+      time:   {command: mcp-server-time, args: ["--local-timezone", "UTC"], timeout: 10}
+      remote: {url: "http://127.0.0.1:8931/mcp", headers: {Authorization: "Bearer ..."}, tools: [search]}
+
+One `MCPServer` (one session, one server process) per configured server per process, shared by every
+env that uses it (see `shared_mcp_tools`). Its session lives in an owner task on rlf's runtime loop;
+when the server dies, the next call starts it again. Server processes are reaped on close, on errors,
+and at interpreter exit.
+
+Per-episode state: a shared server sees calls from many episodes interleaved. Tools that keep state
+must key it by an explicit argument (e.g. `session_id`), or be given to each env as its own server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import yaml
+
+from rlf_envs import runtime
+from rlf_envs.tools.base import Tool, ToolCrashed, ToolError, ToolSpec
+
+log = logging.getLogger(__name__)
+
+try:
+    from mcp_types import CONNECTION_CLOSED as _CONNECTION_CLOSED
+except ImportError:  # pragma: no cover - older layouts
+    _CONNECTION_CLOSED = -32000
+
+
+class MCPServerConfig(pydantic.BaseModel):
+    """One entry of an `mcpServers` map: either `command` (stdio) or `url` (streamable HTTP)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", populate_by_name=True)
+
+    command: str | None = None
+    args: list[str] = []
+    env: dict[str, str] = {}
+    cwd: str | None = None
+    url: str | None = None
+    headers: dict[str, str] = {}
+    type: str | None = pydantic.Field(None, description="stdio | http | streamable-http (inferred if absent)")
+    timeout_s: float = pydantic.Field(30.0, gt=0, alias="timeout", description="per-call deadline, seconds")
+    startup_timeout_s: float = pydantic.Field(30.0, gt=0, description="deadline to start + list tools")
+    tools: list[str] | None = pydantic.Field(None, description="allow-list of tool names (default: all)")
+    prefix: str = pydantic.Field("", description="prepended to tool names, to avoid clashes between servers")
+    idempotent: bool | list[str] = pydantic.Field(False, description="tools that may be retried on timeout/crash")
+    max_concurrency: int | None = pydantic.Field(None, ge=1, description="in-flight calls per tool")
+
+    @pydantic.model_validator(mode="after")
+    def _one_transport(self) -> MCPServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise ValueError("give exactly one of `command` (stdio server) or `url` (streamable HTTP server)")
+        if self.type not in (None, "stdio", "http", "streamable-http", "streamable_http"):
+            raise ValueError(f"type {self.type!r} is not supported; use stdio, http or streamable-http")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url {self.url!r} must start with http:// or https://")
+        return self
+
+    def key(self) -> str:
+        return self.model_dump_json()
+
+
+class MCPConfig(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", populate_by_name=True)
+    servers: dict[str, MCPServerConfig] = pydantic.Field(alias="mcpServers")
+
+
+def load_mcp_config(source: str | os.PathLike[str] | dict[str, Any] | MCPConfig) -> MCPConfig:
+    """Read an `mcpServers` config from a YAML/JSON file or a dict; errors name the bad field."""
+    if isinstance(source, MCPConfig):
+        return source
+    if isinstance(source, dict):
+        data = source
+    else:
+        path = Path(source)
+        if not path.exists():
+            raise FileNotFoundError(f"MCP config {path} does not exist")
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(data, dict) or "mcpServers" not in data:
+        raise ValueError("an MCP config must be a mapping with a top-level `mcpServers` key")
+    try:
+        return MCPConfig.model_validate(data)
+    except pydantic.ValidationError as e:
+        lines = [f"mcpServers.{'.'.join(str(x) for x in err['loc'][1:])}: {err['msg']}" for err in e.errors()]
+        raise ValueError("invalid MCP config:\n  " + "\n  ".join(lines)) from None
+
+
+def _result_text(result: Any) -> str:
+    parts: list[str] = []
+    for block in result.content or []:
+        kind = getattr(block, "type", None)
+        if kind == "text":
+            parts.append(block.text)
+        elif kind == "resource" and hasattr(block.resource, "text"):
+            parts.append(block.resource.text)
+        else:
+            parts.append(f"[{kind} content omitted]")
+    if not parts and result.structured_content is not None:
+        parts.append(json.dumps(result.structured_content, ensure_ascii=False))
+    return "\n".join(parts)
+
+
+class MCPServer:
+    """A connection to one MCP server, restarted on demand after a crash. Use on rlf's runtime loop."""
+
+    def __init__(self, name: str, config: MCPServerConfig) -> None:
+        self.name = name
+        self.config = config
+        self._client: Any = None
+        self._owner: asyncio.Task[None] | None = None
+        self._stop: asyncio.Event | None = None
+        self._starting: asyncio.Lock | None = None
+        self.restarts = 0
+        self.specs: list[ToolSpec] = []
+        self.closed = False
+
+    def _make_client(self) -> Any:
+        from mcp import Client
+        from mcp.client.stdio import StdioServerParameters
+
+        c = self.config
+        if c.command is not None:
+            env = {**c.env} if c.env else None
+            server: Any = StdioServerParameters(command=c.command, args=c.args, env=env, cwd=c.cwd)
+        elif c.headers:
+            from mcp.client.streamable_http import streamable_http_client
+            from mcp.shared._httpx_utils import create_mcp_http_client
+
+            server = streamable_http_client(c.url or "", http_client=create_mcp_http_client(headers=c.headers))
+        else:
+            server = c.url
+        return Client(server, read_timeout_seconds=c.timeout_s + 5.0)
+
+    async def _run_owner(self, ready: asyncio.Future[Any], stop: asyncio.Event) -> None:
+        try:
+            async with self._make_client() as client:
+                if not ready.done():
+                    ready.set_result(client)
+                await stop.wait()
+        except BaseException as e:
+            if not ready.done():
+                ready.set_exception(e if isinstance(e, Exception) else ToolCrashed(repr(e)))
+            elif not isinstance(e, asyncio.CancelledError):
+                log.warning("MCP server %s: session ended: %r", self.name, e)
+        finally:
+            self._client = None
+
+    async def ensure(self) -> Any:
+        """The live client, starting (or restarting) the server if needed."""
+        if self.closed:
+            raise ToolCrashed(f"MCP server {self.name!r} is closed")
+        if self._client is not None and self._owner is not None and not self._owner.done():
+            return self._client
+        if self._starting is None:
+            self._starting = asyncio.Lock()
+        async with self._starting:
+            if self._client is not None and self._owner is not None and not self._owner.done():
+                return self._client
+            if self._owner is not None:  # a previous session died
+                self.restarts += 1
+                await self._stop_owner()
+            loop = asyncio.get_running_loop()
+            ready: asyncio.Future[Any] = loop.create_future()
+            self._stop = asyncio.Event()
+            self._owner = loop.create_task(self._run_owner(ready, self._stop), name=f"mcp:{self.name}")
+            try:
+                async with asyncio.timeout(self.config.startup_timeout_s):
+                    client = await ready
+            except TimeoutError:
+                await self._stop_owner()
+                raise ToolCrashed(
+                    f"MCP server {self.name!r} did not start within {self.config.startup_timeout_s:g}s "
+                    f"(command: {self.config.command or self.config.url})"
+                ) from None
+            except Exception as e:
+                await self._stop_owner()
+                raise ToolCrashed(f"MCP server {self.name!r} failed to start: {type(e).__name__}: {e}") from None
+            self._client = client
+            return client
+
+    async def list_tools(self) -> list[ToolSpec]:
+        client = await self.ensure()
+        specs: list[ToolSpec] = []
+        cursor = None
+        async with asyncio.timeout(self.config.startup_timeout_s):
+            while True:
+                res = await client.list_tools(cursor=cursor)
+                for t in res.tools:
+                    specs.append(ToolSpec(t.name, t.description or "", dict(t.input_schema or {"type": "object"})))
+                cursor = getattr(res, "next_cursor", None)
+                if not cursor:
+                    break
+        allow = self.config.tools
+        if allow is not None:
+            missing = sorted(set(allow) - {s.name for s in specs})
+            if missing:
+                raise ValueError(
+                    f"MCP server {self.name!r} has no tool(s) {missing}; it offers {sorted(s.name for s in specs)}"
+                )
+            specs = [s for s in specs if s.name in allow]
+        self.specs = specs
+        return specs
+
+    async def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        client = await self.ensure()
+        try:
+            result = await client.call_tool(name, arguments)
+        except (asyncio.CancelledError, TimeoutError):
+            raise
+        except Exception as e:
+            # a protocol-level error from a live server is the tool's error; a closed connection is a crash
+            code = getattr(e, "code", None)
+            alive = self._owner is not None and not self._owner.done()
+            if alive and code is not None and code != _CONNECTION_CLOSED:
+                raise ToolError(f"{name}: {getattr(e, 'message', None) or e}") from None
+            await self._stop_owner()
+            raise ToolCrashed(f"MCP server {self.name!r} connection failed: {type(e).__name__}: {e}") from None
+        text = _result_text(result)
+        if result.is_error:
+            raise ToolError(text or f"{name} reported an error")
+        return text
+
+    async def _stop_owner(self) -> None:
+        owner, self._owner = self._owner, None
+        self._client = None
+        if owner is None:
+            return
+        if self._stop is not None:
+            self._stop.set()
+        try:
+            async with asyncio.timeout(10):
+                await asyncio.shield(owner)
+        except BaseException:
+            owner.cancel()
+            try:
+                async with asyncio.timeout(5):
+                    await owner
+            except BaseException:
+                pass
+
+    async def aclose(self) -> None:
+        """Stop the session and reap the server process (idempotent)."""
+        self.closed = True
+        await self._stop_owner()
+
+
+class MCPTool(Tool):
+    """One tool of an MCP server."""
+
+    def __init__(self, server: MCPServer, spec: ToolSpec) -> None:
+        self.server = server
+        self.remote_name = spec.name
+        cfg = server.config
+        self.spec = ToolSpec(cfg.prefix + spec.name, spec.description, spec.parameters)
+        self.timeout_s = cfg.timeout_s
+        self.max_concurrency = cfg.max_concurrency
+        idem = cfg.idempotent
+        self.idempotent = idem if isinstance(idem, bool) else spec.name in idem
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        return await self.server.call_tool(self.remote_name, arguments)
+
+
+_shared: dict[str, MCPServer] = {}
+
+
+async def open_mcp_tools(config: str | os.PathLike[str] | dict[str, Any] | MCPConfig) -> list[MCPTool]:
+    """Start (or reuse) every configured server on rlf's runtime loop and return their tools.
+
+    Servers are shared process-wide: the same server config gives the same running server.
+    """
+
+    async def _open() -> list[MCPTool]:
+        cfg = load_mcp_config(config)
+        tools: list[MCPTool] = []
+        for name, scfg in cfg.servers.items():
+            key = f"{name}:{scfg.key()}"
+            server = _shared.get(key)
+            if server is None or server.closed:
+                server = _shared[key] = MCPServer(name, scfg)
+                runtime.register_closer(server)
+            specs = server.specs or await server.list_tools()
+            tools.extend(MCPTool(server, s) for s in specs)
+        return tools
+
+    return await runtime.bridge(_open())
+
+
+def mcp_tools(config: str | os.PathLike[str] | dict[str, Any] | MCPConfig) -> list[MCPTool]:
+    """Synchronous `open_mcp_tools` (from code that is not on an event loop)."""
+    return runtime.run(_open_sync(config))
+
+
+async def _open_sync(config: Any) -> list[MCPTool]:
+    return await open_mcp_tools(config)
+
+
+async def close_mcp_servers() -> None:
+    """Stop every shared MCP server and reap its process."""
+
+    async def _close() -> None:
+        servers = list(_shared.values())
+        _shared.clear()
+        for s in servers:
+            runtime.unregister_closer(s)
+        await asyncio.gather(*(s.aclose() for s in servers), return_exceptions=True)
+
+    await runtime.bridge(_close())

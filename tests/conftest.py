@@ -1,0 +1,30 @@
+"""Shared test setup: slow/GPU tests are skipped by default with a visible reason."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", default=False, help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    run_slow = config.getoption("--runslow") or os.environ.get("RLF_SLOW") == "1"
+    try:
+        import torch
+
+        has_gpu = bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no torch in the `envs` tox env
+        has_gpu = False
+    for item in items:
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow test: run with RLF_SLOW=1 or --runslow"))
+        if "gpu" in item.keywords and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
