@@ -11,6 +11,7 @@ import sys
 import time
 
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
 
 server = MCPServer("misbehaving")
 _counter = {"n": 0}
@@ -50,8 +51,14 @@ def huge(n: int) -> str:
 
 @server.tool()
 def fail(message: str) -> str:
-    """Raise an error inside the tool."""
-    raise ValueError(message)
+    """Report a tool error (its message reaches the client)."""
+    raise ToolError(message)
+
+
+@server.tool()
+def bug() -> str:
+    """An unexpected exception inside the tool (the SDK hides its message)."""
+    raise ValueError("hidden")
 
 
 @server.tool()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import abc
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
+
+from rlf_envs.tools.limits import Limiter
 
 
 class ToolError(Exception):
@@ -44,19 +45,21 @@ class Tool(abc.ABC):
 
     spec: ToolSpec
     idempotent: bool = False
+    #: True when `call` validates its own arguments (the caller then skips JSON-Schema validation)
+    validates_arguments: bool = False
     timeout_s: float | None = None
     max_concurrency: int | None = None
 
-    _gate: asyncio.Semaphore | None = None
+    _gate: Limiter | None = None
 
     @property
     def name(self) -> str:
         return self.spec.name
 
-    def concurrency_gate(self) -> asyncio.Semaphore | None:
+    def concurrency_gate(self) -> Limiter | None:
         """The semaphore that caps this tool's in-flight calls process-wide (None: unlimited)."""
         if self.max_concurrency and self._gate is None:
-            self._gate = asyncio.Semaphore(self.max_concurrency)
+            self._gate = Limiter(self.max_concurrency)
         return self._gate
 
     @abc.abstractmethod

@@ -17,6 +17,7 @@ import jsonschema
 import pydantic
 
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolCrashed, ToolError
+from rlf_envs.tools.limits import Limiter
 from rlf_envs.types import ToolCall, ToolResult, ToolStatus
 
 
@@ -117,13 +118,13 @@ class ToolCaller:
                 )
             self.tools[t.name] = t
         self.metrics = CallerMetrics()
-        self._global = asyncio.Semaphore(self.config.max_concurrency)
+        self._global = Limiter(self.config.max_concurrency)
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
 
     def _validate(self, tool: Tool, arguments: object) -> str | None:
         if not isinstance(arguments, dict):
             return f"arguments must be a JSON object, got {type(arguments).__name__}"
-        if not self.config.validate_arguments:
+        if not self.config.validate_arguments or tool.validates_arguments:
             return None
         v = self._validators.get(tool.name)
         if v is None:

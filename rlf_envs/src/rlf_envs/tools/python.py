@@ -31,6 +31,8 @@ def _parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
             break
         summary.append(lines[i])
         i += 1
+    while i < len(lines) and not _ARGS_HEADER.match(lines[i]):
+        i += 1  # skip to the Args: section, if any
     current: str | None = None
     for line in lines[i + 1 :]:
         if re.match(r"^\S.*:\s*$", line):  # next section (Returns:, Raises:)
@@ -50,6 +52,8 @@ class FunctionTool(Tool):
     Sync functions run in a worker thread so they never block the loop, unless `inline=True` (for
     cheap pure functions: no thread hop, but no deadline can interrupt them either).
     """
+
+    validates_arguments = True  # pydantic, from the type hints
 
     def __init__(
         self,
@@ -87,6 +91,7 @@ class FunctionTool(Tool):
         self._model = pydantic.create_model(  # type: ignore[call-overload]
             f"{fn.__name__}_args", __config__=pydantic.ConfigDict(extra="forbid"), **fields
         )
+        self._fields = tuple(fields)
         schema = self._model.model_json_schema()
         schema.pop("title", None)
         for prop in schema.get("properties", {}).values():
@@ -102,7 +107,7 @@ class FunctionTool(Tool):
                 f"{'.'.join(str(x) for x in err['loc']) or '(arguments)'}: {err['msg']}" for err in e.errors()
             )
             raise InvalidArguments(f"invalid arguments for {self.spec.name}: {problems}") from None
-        return {k: getattr(model, k) for k in type(model).model_fields}
+        return {k: getattr(model, k) for k in self._fields}
 
     async def call(self, arguments: dict[str, Any]) -> str:
         kwargs = self.validate(arguments)
