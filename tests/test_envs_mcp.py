@@ -150,7 +150,7 @@ def test_streamable_http_server(clean_servers: None) -> None:
 
 
 def test_unstartable_server_is_an_error_observation(clean_servers: None) -> None:
-    with pytest.raises(Exception, match="failed to start|did not start"):
+    with pytest.raises(Exception, match=r"failed to start|did not start"):
         mcp_tools({"mcpServers": {"x": {"command": "/nonexistent/server-binary"}}})
 
 

@@ -298,7 +298,7 @@ def http_server() -> Any:
 
 
 def test_http_tool_against_real_server(http_server: Any) -> None:
-    base, hits = http_server
+    base, _ = http_server
     params = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
     tools = [
         HTTPTool("greet", f"{base}/ok", parameters=params, result_key="result"),
