@@ -15,13 +15,13 @@ import pytest
 import tokenizers
 from gymnasium.utils.env_checker import check_env
 from gymnasium.vector import AutoresetMode
+
+import rlf_envs  # noqa: F401 - registers the ids
 from rlf_envs.env import ToolEnv, ToolVectorEnv
 from rlf_envs.envs.calculator import calculate
 from rlf_envs.tools import tool
 from rlf_envs.tools.base import ToolError
 from rlf_envs.types import ActionKind, EndReason, Task
-
-import rlf_envs  # noqa: F401 - registers the ids
 
 pytestmark = pytest.mark.envs
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlf_envs.formats import Qwen3Format, SearchR1Format, get_format
 from rlf_envs.tools.base import ToolSpec
 from rlf_envs.types import ActionKind, Task, ToolCall, ToolResult, ToolStatus

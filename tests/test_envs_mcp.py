@@ -13,11 +13,11 @@ from typing import Any
 
 import psutil
 import pytest
+
+from rlf_envs import runtime
 from rlf_envs.env import ToolEnv
 from rlf_envs.tools import CallerConfig, ToolCaller, close_mcp_servers, load_mcp_config, mcp_tools
 from rlf_envs.types import ToolCall, ToolStatus
-
-from rlf_envs import runtime
 
 pytestmark = pytest.mark.envs
 

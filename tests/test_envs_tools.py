@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+
+from rlf_envs import runtime
 from rlf_envs.tools import (
     CallerConfig,
     FunctionTool,
@@ -24,8 +26,6 @@ from rlf_envs.tools import (
 )
 from rlf_envs.tools.limits import Limiter
 from rlf_envs.types import ToolCall, ToolStatus
-
-from rlf_envs import runtime
 
 pytestmark = pytest.mark.envs
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.tools.base import ToolSpec
 from rlf_envs.types import Task, ToolCall, ToolResult

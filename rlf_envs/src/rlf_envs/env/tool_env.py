@@ -29,7 +29,7 @@ CHARS_PER_TOKEN = 4  # text mode measures budgets in characters / 4
 
 
 def _default_verifier() -> Verifier:
-    from rlf_envs.rewards.rules import ExactMatch
+    from rlf_envs.rewards import ExactMatch
 
     return ExactMatch()
 
@@ -42,7 +42,8 @@ class ToolEnv(gym.Env[Any, Any]):
         tasks: Tasks, dicts, or a path to a JSONL file (see `rlf_envs.tasks.load_tasks`).
         format: "qwen3" | "hermes" | "search_r1" or a Format instance; `format_kwargs` configure a named one.
         verifier: scores the finished episode (a Verifier or a reward config dict); default exact match.
-        turn_rewarder: optional per-turn (process) reward: anything with `turn_reward(turn) -> float`.
+        turn_rewarder: optional per-turn (process) reward: a TurnRewarder, its config dict, or anything with
+            `turn_reward(turn) -> float`.
         max_turns: policy turns per episode (truncation after that).
         max_total_tokens: budget for the whole trajectory (prompt + actions + observations).
         max_obs_tokens: cap for one observation (tool outputs are shortened with a visible marker).
@@ -85,10 +86,14 @@ class ToolEnv(gym.Env[Any, Any]):
         self.format = get_format(format, **(format_kwargs or {}))
         self.toolbox = toolbox or shared_toolbox(tools, mcp_servers, caller)
         if isinstance(verifier, dict):
-            from rlf_envs.rewards.config import build_verifier
+            from rlf_envs.rewards import build_verifier
 
             verifier = build_verifier(verifier, tools=self.toolbox)
         self.verifier: Verifier = verifier or _default_verifier()
+        if isinstance(turn_rewarder, dict):
+            from rlf_envs.rewards import build_turn_rewarder
+
+            turn_rewarder = build_turn_rewarder(turn_rewarder)
         self.turn_rewarder = turn_rewarder
         self.max_turns = max_turns
         self.max_total_tokens = max_total_tokens

@@ -165,8 +165,9 @@ class ToolCaller:
                     content = await self._attempt(tool, call, deadline)
                     if not isinstance(content, str):
                         content = str(content)
-                except TimeoutError:
-                    status, content = ToolStatus.TIMEOUT, f"Error: tool {tool.name} timed out after {deadline:g}s."
+                except TimeoutError as e:
+                    status = ToolStatus.TIMEOUT
+                    content = str(e) if e.args else f"Error: tool {tool.name} timed out after {deadline:g}s."
                 except InvalidArguments as e:
                     status, content = ToolStatus.INVALID_ARGS, f"Error: {e}"
                 except ToolCrashed as e:

@@ -264,13 +264,20 @@ class MCPTool(Tool):
         self.remote_name = spec.name
         cfg = server.config
         self.spec = ToolSpec(cfg.prefix + spec.name, spec.description, spec.parameters)
-        self.timeout_s = cfg.timeout_s
+        # the call's own deadline starts once the server is up; a (re)start is bounded by startup_timeout_s
+        self.call_timeout_s = cfg.timeout_s
+        self.timeout_s = cfg.timeout_s + cfg.startup_timeout_s
         self.max_concurrency = cfg.max_concurrency
         idem = cfg.idempotent
         self.idempotent = idem if isinstance(idem, bool) else spec.name in idem
 
     async def call(self, arguments: dict[str, Any]) -> str:
-        return await self.server.call_tool(self.remote_name, arguments)
+        await self.server.ensure()
+        try:
+            async with asyncio.timeout(self.call_timeout_s):
+                return await self.server.call_tool(self.remote_name, arguments)
+        except TimeoutError:
+            raise TimeoutError(f"Error: tool {self.name} timed out after {self.call_timeout_s:g}s.") from None
 
 
 _shared: dict[str, MCPServer] = {}

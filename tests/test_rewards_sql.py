@@ -1,0 +1,186 @@
+"""SQL execution-match verifier: result-set comparison and hostile queries that must not harm host or data."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from rlf_envs.rewards import SqlQueryError, SqlVerifier, build_verifier, run_readonly_query
+from rlf_envs.rewards.sql import extract_sql, has_top_level_order_by, results_equal
+from rlf_envs.types import Task, Trajectory
+
+pytestmark = pytest.mark.rewards
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Path:
+    p = tmp_path / "shop.db"
+    con = sqlite3.connect(p)
+    con.executescript(
+        """
+        CREATE TABLE customer(id INTEGER PRIMARY KEY, name TEXT, city TEXT);
+        CREATE TABLE orders(id INTEGER PRIMARY KEY, customer_id INTEGER, amount REAL);
+        INSERT INTO customer VALUES (1,'Ann','Paris'),(2,'Bob','Lyon'),(3,'Cid','Paris'),(4,'Dee','Nice');
+        INSERT INTO orders VALUES (1,1,10.5),(2,1,20.25),(3,2,5.0),(4,3,7.75),(5,3,7.75);
+        """
+    )
+    con.commit()
+    con.close()
+    return p
+
+
+def digest(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def traj(answer: str | None, gold: str, db: Path | None = None, tid: str = "q1") -> Trajectory:
+    meta = {"db_path": str(db)} if db else {}
+    return Trajectory(Task(tid, "question", gold, meta=meta), "P", [], answer)
+
+
+async def run(v: SqlVerifier, t: Trajectory) -> tuple[float, dict[str, float]]:
+    s = await v.safe_score(t, t.task)
+    return s.value, s.info
+
+
+def test_helpers() -> None:
+    assert extract_sql("Here:\n```sql\nSELECT 1;\n```") == "SELECT 1"
+    assert extract_sql("SELECT name FROM t ;  ") == "SELECT name FROM t"
+    assert has_top_level_order_by("SELECT a FROM t ORDER BY a")
+    assert not has_top_level_order_by("SELECT * FROM (SELECT a FROM t ORDER BY a LIMIT 3)")
+    assert not has_top_level_order_by("SELECT 'order by' FROM t -- order by x")
+    assert has_top_level_order_by("select a from t where b in (select c from u) order  by a desc")
+    assert results_equal([(1, "a"), (2, "b")], [(2, "b"), (1, "a")], ordered=False)
+    assert not results_equal([(1, "a"), (2, "b")], [(2, "b"), (1, "a")], ordered=True)
+    assert not results_equal([(1,), (1,)], [(1,)], ordered=False)
+    assert results_equal([(1,), (1,)], [(1,)], ordered=False, compare="set")
+    assert results_equal([(0.1 + 0.2,)], [(0.3,)], ordered=True)
+    assert results_equal([(2.0,)], [(2,)], ordered=True)
+    assert not results_equal([("a", 1)], [(1, "a")], ordered=False)  # column order matters
+
+
+@pytest.mark.asyncio
+async def test_execution_match_cases(db: Path) -> None:
+    v = SqlVerifier()
+    gold = "SELECT name FROM customer WHERE city = 'Paris'"
+    assert (await run(v, traj("SELECT name FROM customer WHERE city='Paris' ORDER BY name DESC", gold, db)))[0] == 1.0
+    assert (await run(v, traj("```sql\nselect c.name from customer c where c.id in (1, 3);\n```", gold, db)))[0] == 1.0
+    assert (await run(v, traj("SELECT name FROM customer", gold, db)))[0] == 0.0
+    ordered_gold = "SELECT name FROM customer ORDER BY name DESC"
+    assert (await run(v, traj("SELECT name FROM customer ORDER BY name", ordered_gold, db)))[0] == 0.0
+    assert (await run(v, traj("SELECT name FROM customer ORDER BY id DESC", ordered_gold, db)))[0] == 1.0
+    assert (await run(SqlVerifier(order="unordered"), traj("SELECT name FROM customer", ordered_gold, db)))[0] == 1.0
+    # float aggregates compared after rounding
+    assert (await run(v, traj("SELECT sum(amount) FROM orders", "SELECT 10.5+20.25+5+7.75+7.75", db)))[0] == 1.0
+    # duplicates matter by default (multiset)
+    dup_gold = "SELECT amount FROM orders WHERE customer_id = 3"
+    assert (await run(v, traj("SELECT DISTINCT amount FROM orders WHERE customer_id = 3", dup_gold, db)))[0] == 0.0
+    v_set = SqlVerifier(compare="set")
+    assert (await run(v_set, traj("SELECT DISTINCT amount FROM orders WHERE customer_id = 3", dup_gold, db)))[0] == 1.0
+    value, info = await run(v, traj("SELECT name FRM customer", gold, db))
+    assert value == 0.0 and info["sql/pred_error"] == 1.0
+    assert (await run(v, traj(None, gold, db)))[1]["sql/no_answer"] == 1.0
+
+
+@pytest.mark.asyncio
+async def test_config_db_path_and_bad_gold_is_logged_fallback(db: Path, caplog: pytest.LogCaptureFixture) -> None:
+    v = build_verifier({"type": "sql", "db_path": str(db), "fallback": -1.0, "gold_key": "gold_sql"})
+    t = Trajectory(Task("q9", "?", None, meta={"gold_sql": "SELECT count(*) FROM customer"}), "P", [], "SELECT 4")
+    assert (await v.safe_score(t, t.task)).value == 1.0
+    bad = Trajectory(Task("bad-gold-3", "?", None, meta={"gold_sql": "SELECT nope FROM nowhere"}), "P", [], "SELECT 1")
+    s = await v.safe_score(bad, bad.task)
+    assert s.value == -1.0 and s.info == {"sql/error": 1.0}
+    assert "bad-gold-3" in caplog.text and "gold query failed" in caplog.text
+    no_db = traj("SELECT 1", "SELECT 1", None, tid="no-db")
+    assert (await SqlVerifier().safe_score(no_db, no_db.task)).info == {"sql/error": 1.0}
+
+
+HOSTILE_WRITES = [
+    "DROP TABLE customer",
+    "DELETE FROM customer",
+    "UPDATE customer SET name = 'pwned'",
+    "INSERT INTO customer VALUES (99, 'x', 'y')",
+    "REPLACE INTO customer VALUES (1, 'x', 'y')",
+    "CREATE TABLE evil(x)",
+    "CREATE TEMP TABLE evil(x)",
+    "CREATE INDEX ix ON customer(name)",
+    "ALTER TABLE customer ADD COLUMN z",
+    "PRAGMA writable_schema = 1",
+    "PRAGMA query_only = 0",
+    "PRAGMA journal_mode = DELETE",
+    "VACUUM",
+    "SELECT 1; DROP TABLE customer",
+    "SELECT load_extension('/tmp/evil.so')",
+    "BEGIN IMMEDIATE",
+    "REINDEX",
+]
+
+
+@pytest.mark.asyncio
+async def test_writes_cannot_touch_the_database(db: Path, tmp_path: Path) -> None:
+    before = digest(db)
+    v = SqlVerifier()
+    gold = "SELECT count(*) FROM customer"
+    for q in HOSTILE_WRITES:
+        value, info = await run(v, traj(q, gold, db))
+        assert value == 0.0, q
+        assert info.get("sql/pred_denied") or info.get("sql/pred_error"), (q, info)
+    # files outside the database: ATTACH and VACUUM INTO must not create them
+    for q in [f"ATTACH DATABASE '{tmp_path / 'att.db'}' AS a", f"VACUUM INTO '{tmp_path / 'copy.db'}'"]:
+        assert (await run(v, traj(q, gold, db)))[0] == 0.0
+    assert not (tmp_path / "att.db").exists() and not (tmp_path / "copy.db").exists()
+    assert digest(db) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shop.db"]  # no journal / wal / shm left behind
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT count(*), group_concat(name) FROM customer").fetchone() == (4, "Ann,Bob,Cid,Dee")
+    con.close()
+
+
+@pytest.mark.asyncio
+async def test_infinite_query_hits_deadline_without_blocking_the_loop(db: Path) -> None:
+    v = SqlVerifier(timeout_s=0.5)
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT x FROM c ORDER BY x"
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.02)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    t0 = time.monotonic()
+    try:
+        results = await asyncio.gather(*(run(v, traj(endless, "SELECT 1", db, tid=f"loop{i}")) for i in range(3)))
+    finally:
+        task.cancel()
+    elapsed = time.monotonic() - t0
+    assert all(r == (0.0, {"sql": 0.0, "sql/pred_timeout": 1.0}) for r in results)
+    assert elapsed < 3.0
+    assert ticks >= 0.25 * elapsed / 0.02  # the event loop kept running
+
+
+@pytest.mark.asyncio
+async def test_huge_outputs_are_capped(db: Path) -> None:
+    v = SqlVerifier(max_rows=1000)
+    many = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT 5000) SELECT x FROM c"
+    assert (await run(v, traj(many, "SELECT 1", db)))[1]["sql/pred_too_many_rows"] == 1.0
+    assert (await run(v, traj("SELECT randomblob(2000000000)", "SELECT 1", db)))[1]["sql/pred_error"] == 1.0
+    assert (await run(v, traj("SELECT zeroblob(500000000)", "SELECT 1", db)))[1]["sql/pred_error"] == 1.0
+    cross = "SELECT * FROM customer a, customer b, customer c, customer d, customer e, customer f"  # 4096 rows
+    assert (await run(v, traj(cross, "SELECT 1", db)))[1]["sql/pred_too_many_rows"] == 1.0
+
+
+def test_run_readonly_query_directly(db: Path) -> None:
+    assert run_readonly_query(db, "SELECT count(*) FROM orders") == [(5,)]
+    with pytest.raises(SqlQueryError) as ei:
+        run_readonly_query(db, "DELETE FROM orders")
+    assert ei.value.kind == "denied" and "read-only" in str(ei.value)
+    with pytest.raises(FileNotFoundError):
+        run_readonly_query(db.parent / "missing.db", "SELECT 1")
+    assert not (db.parent / "missing.db").exists()  # mode=ro never creates the file
