@@ -115,8 +115,10 @@ def main() -> None:
     args = ap.parse_args()
 
     rows = [bench_latency(n, args.latency_ms / 1e3, args.turns) for n in args.envs]
-    print(f"\nTool calls: one {args.latency_ms:g} ms call per env per turn (async = rlf caller, baseline = one at a time)")
-    print(f"{'envs':>6} {'async turn s':>13} {'sequential s':>13} {'speedup':>9} {'efficiency':>11} {'overhead/call':>14}")
+    print(f"\nTool calls: one {args.latency_ms:g} ms call per env per turn "
+          "(async = rlf caller, baseline = one at a time)")
+    head = ["envs", "async turn s", "sequential s", "speedup", "efficiency", "overhead/call"]
+    print(" ".join(f"{h:>{w}}" for h, w in zip(head, [6, 13, 13, 9, 11, 14], strict=True)))
     for r in rows:
         print(
             f"{r['envs']:>6} {r['turn_seconds_async']:>13.4f} {r['turn_seconds_sequential']:>13.3f} "

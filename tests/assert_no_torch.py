@@ -13,6 +13,9 @@ import rlf_envs  # noqa: E402,F401
 
 env = gym.make("rlf/Calculator-v0")
 env.reset(seed=0)
-_, reward, terminated, _, _ = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+action = '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+_, reward, terminated, _, _ = env.step(action)
 assert not terminated
-print("rlf_envs imports and runs without torch/transformers:", sorted(m for m in ("torch", "transformers") if m in sys.modules) == [])
+loaded = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+assert loaded == [], loaded
+print("rlf_envs imports and runs without torch/transformers")

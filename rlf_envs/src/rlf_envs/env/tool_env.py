@@ -276,8 +276,8 @@ class ToolEnv(gym.Env[Any, Any]):
             traj.reward = score.value
             traj.score_info = dict(score.info)
             if score.per_turn:
-                for t, r in zip(traj.turns, score.per_turn, strict=False):
-                    t.reward += r
+                for t, value in zip(traj.turns, score.per_turn, strict=False):
+                    t.reward += value
             reward += score.value
             info.update(trajectory=traj, score=score, end_reason=traj.end.value)
         obs: Any = as_token_array(obs_ids) if self.tok is not None else obs_text

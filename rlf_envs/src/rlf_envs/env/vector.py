@@ -74,6 +74,7 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
         self.observation_space = TupleSpace([first.observation_space] * self.num_envs)
         self.action_space = TupleSpace([first.action_space] * self.num_envs)
         self._autoreset = np.zeros(self.num_envs, dtype=bool)
+        self._last_obs: tuple[Any, ...] = (None,) * self.num_envs
         self.closed = False
 
     # -- trainer-facing async API --------------------------------------------------------------------
@@ -120,7 +121,7 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
             if mask.shape != (self.num_envs,):
                 raise ValueError(f"reset_mask must have shape ({self.num_envs},), got {mask.shape}")
         infos: dict[str, Any] = {}
-        obs = list(self._last_obs) if hasattr(self, "_last_obs") else [None] * self.num_envs
+        obs = list(self._last_obs)
         for i, env in enumerate(self.envs):
             if mask is not None and not mask[i]:
                 continue
