@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -22,6 +23,18 @@ _thread: threading.Thread | None = None
 _closers: list[Any] = []
 
 
+def _new_loop() -> asyncio.AbstractEventLoop:
+    """uvloop when installed (a default dependency on POSIX; RLF_UVLOOP=0 opts out), else asyncio's loop."""
+    if os.environ.get("RLF_UVLOOP", "1") != "0":
+        try:
+            import uvloop
+
+            return uvloop.new_event_loop()
+        except ImportError:
+            pass
+    return asyncio.new_event_loop()
+
+
 def get_loop() -> asyncio.AbstractEventLoop:
     """The process-wide rlf loop (started on first use)."""
     global _loop, _thread
@@ -29,7 +42,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
         return _loop
     with _lock:
         if _loop is None or _loop.is_closed():
-            loop = asyncio.new_event_loop()
+            loop = _new_loop()
             ready = threading.Event()
 
             def _run() -> None:
