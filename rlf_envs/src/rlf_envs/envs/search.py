@@ -1,0 +1,258 @@
+"""`rlf/Search-v0`: question answering with a `search(query, topk)` tool, Search-R1 style.
+
+The tool is backed either by a retrieval server (`retriever="http://127.0.0.1:8000"`, Search-R1's
+`/retrieve` API, e.g. `python -m servers.retrieval serve`) or by an in-process index
+(`retriever="inprocess"`, zero setup: by default a BM25 index of the shipped invented-world corpus,
+built once into a cache directory). Results are shown like Search-R1 shows them:
+`Doc 1(Title: "X") text`. Reward: exact match against the task's answers (ToolEnv's default).
+
+In-process search needs `pip install 'rlf-envs[search]'`; the HTTP mode needs nothing extra.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import aiohttp
+
+from rlf_envs import runtime
+from rlf_envs.env.tool_env import ToolEnv
+from rlf_envs.tools.base import InvalidArguments, Tool, ToolCrashed, ToolError, ToolSpec
+from rlf_envs.types import Task
+
+DEFAULT_TOPK = 3
+MAX_TOPK = 10
+SEARCH_DESCRIPTION = (
+    "Search the knowledge corpus. Returns the top documents for the query as "
+    "'Doc i(Title: ...) text' lines. Search for the name of the entity you need facts about."
+)
+
+
+class SearchBackend(Protocol):
+    async def search(self, queries: list[str], topk: int) -> list[list[Any]]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _render(hits: Sequence[Any]) -> str:
+    from rlf_envs.retrieval.corpus import format_hits
+
+    return format_hits(list(hits)).rstrip("\n") if hits else "No results."
+
+
+# -- backends ---------------------------------------------------------------------------------------
+
+
+class InProcessBackend:
+    """An index loaded in this process; concurrent searches are micro-batched (one encode + one search)."""
+
+    def __init__(self, index_dir: str | Path, max_wait_s: float = 0.001) -> None:
+        from rlf_envs.retrieval import MicroBatcher, load_index
+
+        self.index = load_index(index_dir)
+        self.batcher = MicroBatcher(self.index, max_wait_s=max_wait_s)
+        runtime.register_closer(self)  # stop the batcher task on rlf's loop at interpreter exit
+
+    async def search(self, queries: list[str], topk: int) -> list[list[Any]]:
+        return await self.batcher.search(queries, topk)
+
+    async def aclose(self) -> None:
+        runtime.unregister_closer(self)
+        await self.batcher.aclose()
+        self.index.close()
+
+
+class HTTPBackend:
+    """A Search-R1-compatible retrieval server (`POST {url}/retrieve`), via rlf's shared aiohttp session."""
+
+    def __init__(self, url: str, timeout_s: float = 10.0, max_response_bytes: int = 8 << 20) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"retriever must be 'inprocess' or an http(s):// URL, got {url!r}")
+        url = url.rstrip("/")
+        self.url = url if url.endswith("/retrieve") else url + "/retrieve"
+        self.timeout_s = timeout_s
+        self.max_response_bytes = max_response_bytes
+
+    async def search(self, queries: list[str], topk: int) -> list[list[Any]]:
+        from rlf_envs.retrieval.types import Document, Hit
+        from rlf_envs.tools.http import http_session
+
+        session = await http_session()
+        payload = {"queries": queries, "topk": topk, "return_scores": True}
+        try:
+            async with (
+                asyncio.timeout(self.timeout_s),
+                session.post(self.url, json=payload) as resp,
+            ):
+                body = await resp.content.read(self.max_response_bytes + 1)
+                status = resp.status
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            raise ToolCrashed(f"cannot reach the retrieval server at {self.url}: {type(e).__name__}") from None
+        if status >= 500:
+            raise ToolCrashed(f"retrieval server answered HTTP {status}")
+        try:
+            data = json.loads(body) if len(body) <= self.max_response_bytes else None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None
+        if status >= 400:
+            why = data.get("error") if isinstance(data, dict) else body[:300].decode("utf-8", "replace")
+            raise ToolError(f"search rejected: {why}")
+        try:
+            result = data["result"]  # type: ignore[index]
+            if len(result) != len(queries):
+                raise ValueError("one result list per query expected")
+            return [
+                [Hit(Document(str(h["document"]["id"]), str(h["document"]["contents"])), float(h["score"])) for h in hs]
+                for hs in result
+            ]
+        except (TypeError, KeyError, ValueError):
+            raise ToolError(f"the retrieval server at {self.url} sent an unexpected response") from None
+
+    async def aclose(self) -> None:
+        """The session is rlf's shared one (closed by rlf_envs.close_all)."""
+
+
+# -- the tool ---------------------------------------------------------------------------------------
+
+
+class SearchTool(Tool):
+    """`search(query: str, topk: int = 3)` over a backend; idempotent (safe to retry)."""
+
+    idempotent = True
+
+    def __init__(self, backend: SearchBackend, default_topk: int = DEFAULT_TOPK, max_topk: int = MAX_TOPK) -> None:
+        if not 1 <= default_topk <= max_topk:
+            raise ValueError(f"topk must be between 1 and {max_topk}, got {default_topk}")
+        self.backend = backend
+        self.default_topk = default_topk
+        self.max_topk = max_topk
+        self.spec = ToolSpec(
+            name="search",
+            description=SEARCH_DESCRIPTION,
+            parameters={
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string", "description": "what to search for, e.g. an entity name"},
+                    "topk": {
+                        "type": "integer",
+                        "minimum": 1,
+                        "maximum": max_topk,
+                        "default": default_topk,
+                        "description": "number of documents to return",
+                    },
+                },
+                "required": ["query"],
+            },
+        )
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        query = arguments.get("query")
+        if not isinstance(query, str) or not query.strip():
+            raise InvalidArguments("'query' must be a non-empty string")
+        topk = arguments.get("topk", self.default_topk)
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= self.max_topk:
+            raise InvalidArguments(f"'topk' must be an integer between 1 and {self.max_topk}, got {topk!r}")
+        [hits] = await self.backend.search([query.strip()], topk)
+        return _render(hits)
+
+    async def aclose(self) -> None:
+        with _TOOLS_LOCK:
+            for k, v in list(_TOOLS.items()):
+                if v is self:
+                    del _TOOLS[k]
+        await self.backend.aclose()
+
+
+_TOOLS: dict[tuple[Any, ...], SearchTool] = {}
+_TOOLS_LOCK = threading.Lock()
+
+
+def search_tool(
+    retriever: str = "inprocess",
+    index_dir: str | Path | None = None,
+    topk: int = DEFAULT_TOPK,
+    max_topk: int = MAX_TOPK,
+    request_timeout_s: float = 10.0,
+) -> SearchTool:
+    """The process-wide search tool for this configuration (envs share it, so an index is loaded once)."""
+    if retriever == "inprocess":
+        path = Path(index_dir) if index_dir is not None else default_index_dir()
+        key: tuple[Any, ...] = ("inprocess", str(path.resolve()), topk, max_topk)
+    else:
+        if index_dir is not None:
+            raise ValueError("index_dir applies only to retriever='inprocess' (the server loads its own index)")
+        key = ("http", retriever, topk, max_topk, request_timeout_s)
+    with _TOOLS_LOCK:
+        tool = _TOOLS.get(key)
+        if tool is None:
+            backend: SearchBackend = (
+                InProcessBackend(key[1]) if retriever == "inprocess" else HTTPBackend(retriever, request_timeout_s)
+            )
+            tool = _TOOLS[key] = SearchTool(backend, topk, max_topk)
+        return tool
+
+
+def default_index_dir() -> Path:
+    """A BM25 index of the shipped corpus in rlf's cache dir (`$RLF_CACHE_DIR`, else ~/.cache/rlf), built once."""
+    from rlf_envs.data.search import CORPUS_PATH
+    from rlf_envs.retrieval import FORMAT_VERSION, RetrievalError, build_index
+
+    digest = hashlib.sha256(CORPUS_PATH.read_bytes()).hexdigest()[:12]
+    cache = Path(os.environ.get("RLF_CACHE_DIR") or Path.home() / ".cache" / "rlf")
+    out = cache / f"search-bm25-v{FORMAT_VERSION}-{digest}"
+    if not (out / "manifest.json").is_file():
+        try:
+            build_index(CORPUS_PATH, out, kind="bm25", show_progress=False)
+        except RetrievalError:
+            if not (out / "manifest.json").is_file():  # not a lost race with another process: a real error
+                raise
+    return out
+
+
+def search_tasks(split: str = "train") -> list[Task]:
+    """The shipped invented-world questions of `split` ("train" or "test")."""
+    from rlf_envs.data.search import split_path
+    from rlf_envs.tasks import load_jsonl
+
+    return load_jsonl(split_path(split))
+
+
+class SearchEnv(ToolEnv):
+    """Question answering with a `search` tool.
+
+    Args:
+        retriever: "inprocess" (index in this process) or the URL of a retrieval server.
+        index_dir: in-process index directory (default: BM25 over the shipped corpus, cached).
+        split: "train" or "test" questions of the shipped data (ignored when `tasks` is given).
+        topk: documents per search when the policy does not say (Search-R1 uses 3).
+        format: "search_r1" (`<search>`/`<information>`/`<answer>` tags) or "qwen3" (tool calls).
+        max_topk: the largest topk the policy may ask for.
+        request_timeout_s: deadline of one HTTP search.
+        **kwargs: passed to ToolEnv (tasks, verifier, max_turns, tokenizer, extra tools, ...).
+    """
+
+    def __init__(
+        self,
+        retriever: str = "inprocess",
+        index_dir: str | Path | None = None,
+        split: str = "train",
+        topk: int = DEFAULT_TOPK,
+        format: Any = "search_r1",
+        max_topk: int = MAX_TOPK,
+        request_timeout_s: float = 10.0,
+        **kwargs: Any,
+    ) -> None:
+        if format not in ("search_r1", "qwen3", "hermes") and not hasattr(format, "parse"):
+            raise ValueError(f"format must be 'search_r1' or 'qwen3', got {format!r}")
+        self.search_tool = search_tool(retriever, index_dir, topk, max_topk, request_timeout_s)
+        extra_tools = list(kwargs.pop("tools", ()))
+        if kwargs.get("tasks") is None:
+            kwargs["tasks"] = search_tasks(split)
+        super().__init__(tools=[self.search_tool, *extra_tools], format=format, **kwargs)

@@ -1,0 +1,169 @@
+"""Micro-batching of concurrent searches into one retriever call.
+
+Many rollouts each asking for a handful of queries are gathered for at most `max_wait_s` (measured
+from the oldest waiting request) or until `max_batch` queries, then answered by ONE
+`search_batch` call (one encoder pass + one faiss search) in a worker thread, so the event loop
+keeps accepting requests meanwhile. While a batch runs, the next one accumulates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from rlf_envs.retrieval.types import Hit, Retriever
+
+
+class BatcherClosed(RuntimeError):
+    """The batcher was closed while a request waited."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    queries: list[str]
+    topk: int
+    future: asyncio.Future[list[list[Hit]]]
+    arrived: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class BatcherStats:
+    batches: int = 0
+    queries: int = 0
+    requests: int = 0
+    max_batch_queries: int = 0
+    search_seconds: float = 0.0
+
+    @property
+    def mean_batch_queries(self) -> float:
+        return self.queries / self.batches if self.batches else 0.0
+
+
+class MicroBatcher:
+    """Coalesces concurrent `search` calls on one event loop into batched `search_batch` calls.
+
+    Results are identical to calling `retriever.search_batch(queries, topk)` directly, provided the
+    retriever's top-k is prefix-consistent (rlf's DenseIndex and BM25Index are): a batch is searched
+    once with its largest topk and each request's lists are truncated to its own topk.
+    """
+
+    def __init__(self, retriever: Retriever, max_batch: int = 256, max_wait_s: float = 0.002) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if max_wait_s < 0:
+            raise ValueError("max_wait_s must be >= 0")
+        self.retriever = retriever
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self.stats = BatcherStats()
+        self._pending: list[_Pending] = []
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._inflight: list[_Pending] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlf-retrieval")
+        self._closed = False
+
+    def _ensure_started(self) -> asyncio.Event:
+        if self._closed:
+            raise BatcherClosed("the retrieval batcher is closed")
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.done() or self._loop is not loop:
+            # first use, or used from a new event loop: whatever waited on an old loop is gone with it
+            self._pending.clear()
+            self._loop = loop
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._run(), name="rlf-retrieval-batcher")
+        assert self._wake is not None
+        return self._wake
+
+    async def search(self, queries: list[str], topk: int) -> list[list[Hit]]:
+        """Top-`topk` hits for each query, best first (batched with concurrent callers)."""
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        if not queries:
+            return []
+        wake = self._ensure_started()
+        fut: asyncio.Future[list[list[Hit]]] = asyncio.get_running_loop().create_future()
+        self._pending.append(_Pending(list(queries), topk, fut))
+        wake.set()
+        return await fut
+
+    def _queued_queries(self) -> int:
+        return sum(len(p.queries) for p in self._pending)
+
+    def _take_batch(self) -> list[_Pending]:
+        batch: list[_Pending] = []
+        n = 0
+        while self._pending and (not batch or n + len(self._pending[0].queries) <= self.max_batch):
+            p = self._pending.pop(0)
+            if p.future.done():  # the caller gave up (cancelled / deadline)
+                continue
+            batch.append(p)
+            n += len(p.queries)
+        return batch
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if not self._pending:
+                continue
+            # bounded wait, counted from the oldest request, for more requests to join
+            while self._queued_queries() < self.max_batch:
+                remaining = self._pending[0].arrived + self.max_wait_s - time.monotonic()
+                if remaining <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), remaining)
+                self._wake.clear()
+            batch = self._take_batch()
+            if not batch:
+                continue
+            queries = [q for p in batch for q in p.queries]
+            topk = max(p.topk for p in batch)
+            t0 = time.monotonic()
+            self._inflight = batch
+            try:
+                results = await loop.run_in_executor(self._executor, self.retriever.search_batch, queries, topk)
+            except Exception as e:
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(e)
+                continue
+            finally:
+                self._inflight = []
+                self.stats.search_seconds += time.monotonic() - t0
+            self.stats.batches += 1
+            self.stats.requests += len(batch)
+            self.stats.queries += len(queries)
+            self.stats.max_batch_queries = max(self.stats.max_batch_queries, len(queries))
+            pos = 0
+            for p in batch:
+                part = results[pos : pos + len(p.queries)]
+                pos += len(p.queries)
+                if not p.future.done():
+                    p.future.set_result([hits[: p.topk] for hits in part])
+            if self._pending:
+                self._wake.set()
+
+    async def aclose(self) -> None:
+        """Stop the batcher: waiting callers get BatcherClosed, a running search is allowed to finish."""
+        self._closed = True
+        stranded = [*self._inflight, *self._pending]  # captured first: cancelling the runner clears _inflight
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for p in [*stranded, *self._pending]:
+            if not p.future.done():
+                p.future.set_exception(BatcherClosed("the retrieval batcher was closed"))
+        self._pending.clear()
+        self._inflight = []
+        await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)

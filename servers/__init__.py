@@ -1,0 +1,1 @@
+"""Runnable servers that sit next to the rlf packages (e.g. `python -m servers.retrieval`)."""

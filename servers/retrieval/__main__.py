@@ -1,0 +1,100 @@
+"""CLI: `python -m servers.retrieval build ...` and `python -m servers.retrieval serve ...`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from rlf_envs.retrieval import RetrievalError, build_index
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m servers.retrieval", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build an index directory from a wiki-18-style JSONL corpus")
+    b.add_argument("--corpus", type=Path, required=True, help='JSONL, one {"id", "contents": "\\"Title\\"\\ntext"}')
+    b.add_argument("--out", type=Path, required=True, help="index directory to create (written atomically)")
+    b.add_argument("--kind", choices=("dense", "bm25"), default="dense")
+    b.add_argument("--model", default=None, help="local sentence-transformers dir (default: bundled MiniLM)")
+    b.add_argument("--e5", action="store_true", help='e5 models: prefix "query: " / "passage: "')
+    b.add_argument("--faiss", choices=("flat", "ivf", "hnsw"), default="flat", help="faiss index type (dense)")
+    b.add_argument("--nlist", type=int, default=None, help="ivf: number of lists (default 4*sqrt(n))")
+    b.add_argument("--nprobe", type=int, default=32, help="ivf: lists probed per query")
+    b.add_argument("--ef-search", type=int, default=128, help="hnsw: efSearch")
+    b.add_argument("--batch-size", type=int, default=128, help="encoder batch size")
+    b.add_argument("--device", default=None, help="encoder device (default: cuda if available, else cpu)")
+    b.add_argument("--keep-embeddings", action="store_true", help="keep embeddings.npy in the index dir")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing index directory")
+
+    s = sub.add_parser("serve", help="serve an index over HTTP (Search-R1's /retrieve API)")
+    s.add_argument("--index", type=Path, required=True)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
+    s.add_argument("--max-queries", type=int, default=512, help="max queries per request")
+    s.add_argument("--max-topk", type=int, default=100)
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    s.add_argument("--max-query-chars", type=int, default=4096)
+    s.add_argument("--max-batch", type=int, default=512, help="max queries per micro-batch")
+    s.add_argument("--max-wait-ms", type=float, default=2.0, help="max wait for a micro-batch to fill")
+    s.add_argument("--device", default=None, help="encoder device (default: cuda if available, else cpu)")
+    gpu = s.add_mutually_exclusive_group()
+    gpu.add_argument("--gpu", dest="use_gpu", action="store_true", default=None, help="require faiss on GPU")
+    gpu.add_argument("--no-gpu", dest="use_gpu", action="store_false", help="keep faiss on CPU")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if args.command == "build":
+            m = build_index(
+                args.corpus,
+                args.out,
+                args.kind,
+                model=args.model,
+                faiss_kind=args.faiss,
+                e5=args.e5,
+                nlist=args.nlist,
+                nprobe=args.nprobe,
+                ef_search=args.ef_search,
+                device=args.device,
+                batch_size=args.batch_size,
+                keep_embeddings=args.keep_embeddings,
+                overwrite=args.overwrite,
+            )
+            print(f"built {m.kind} index of {m.count} documents in {args.out}")
+            return 0
+        from servers.retrieval.app import Limits, serve
+
+        for name in ("max_queries", "max_topk", "max_body_bytes", "max_query_chars", "max_batch"):
+            if getattr(args, name) < 1:
+                raise RetrievalError(f"--{name.replace('_', '-')} must be >= 1")
+        limits = Limits(args.max_queries, args.max_topk, args.max_body_bytes, args.max_query_chars)
+        asyncio.run(
+            serve(
+                args.index,
+                args.host,
+                args.port,
+                limits,
+                max_batch=args.max_batch,
+                max_wait_s=args.max_wait_ms / 1000,
+                device=args.device,
+                use_gpu=args.use_gpu,
+            )
+        )
+        return 0
+    except RetrievalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

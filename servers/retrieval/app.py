@@ -1,0 +1,210 @@
+"""The aiohttp application: `POST /retrieve` (Search-R1's API) and `GET /health`, over a MicroBatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rlf_envs.retrieval import MicroBatcher, Retriever, load_index
+from rlf_envs.retrieval.batcher import BatcherClosed
+
+log = logging.getLogger("rlf.retrieval.server")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request limits; anything beyond gets a 400 JSON error naming the field."""
+
+    max_queries: int = 512
+    max_topk: int = 100
+    max_body_bytes: int = 1 << 20
+    max_query_chars: int = 4096
+
+
+class RetrieveRequest(BaseModel):
+    """Search-R1's request body. Types are strict: `"topk": "3"` or `"queries": "x"` is an error."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    queries: list[str]
+    topk: int = 3
+    return_scores: bool = False
+
+
+class BadRequest(Exception):
+    """A client error, answered with 400 and `{"error": message}`."""
+
+
+BATCHER = web.AppKey("batcher", MicroBatcher)
+RETRIEVER = web.AppKey("retriever", Retriever)  # type: ignore[type-abstract]
+LIMITS = web.AppKey("limits", Limits)
+INFO: web.AppKey[dict[str, Any]] = web.AppKey("info", dict)
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+@web.middleware
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Every failure becomes a JSON `{"error": ...}` body (404/405 included), never an HTML page."""
+    try:
+        return await handler(request)
+    except BadRequest as e:
+        return _error(400, str(e))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, e.reason or str(e))
+    except BatcherClosed:
+        return _error(503, "the server is shutting down")
+    except Exception as e:
+        log.exception("retrieval failed")
+        return _error(500, f"retrieval failed: {type(e).__name__}: {e}")
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise BadRequest(f"body: {request.content_length} bytes exceeds the limit of {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await request.content.read(65536)
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(f"body: more than the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_request(body: bytes, limits: Limits) -> RetrieveRequest:
+    """Validate a /retrieve body; raises BadRequest with a field-specific message."""
+    if not body.strip():
+        raise BadRequest('body: empty; send JSON like {"queries": ["..."], "topk": 3, "return_scores": true}')
+    try:
+        raw = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"body: malformed JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise BadRequest(f"body: must be a JSON object, got {type(raw).__name__}")
+    try:
+        req = RetrieveRequest.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"]) or "body"
+        raise BadRequest(f"{loc}: {first['msg']}") from e
+    if not req.queries:
+        raise BadRequest("queries: must hold at least one query")
+    if len(req.queries) > limits.max_queries:
+        raise BadRequest(f"queries: at most {limits.max_queries} queries per request, got {len(req.queries)}")
+    for i, q in enumerate(req.queries):
+        if not q.strip():
+            raise BadRequest(f"queries.{i}: empty query")
+        if len(q) > limits.max_query_chars:
+            raise BadRequest(f"queries.{i}: {len(q)} characters exceeds the limit of {limits.max_query_chars}")
+    if not 1 <= req.topk <= limits.max_topk:
+        raise BadRequest(f"topk: must be between 1 and {limits.max_topk}, got {req.topk}")
+    return req
+
+
+async def _retrieve(request: web.Request) -> web.Response:
+    app = request.app
+    req = parse_request(await _read_body(request, app[LIMITS].max_body_bytes), app[LIMITS])
+    results = await app[BATCHER].search(req.queries, req.topk)
+    if req.return_scores:
+        payload: list[list[Any]] = [[h.to_dict() for h in hits] for hits in results]
+    else:
+        payload = [[h.document.to_dict() for h in hits] for hits in results]
+    return web.json_response({"result": payload})
+
+
+async def _health(request: web.Request) -> web.Response:
+    stats = request.app[BATCHER].stats
+    info: dict[str, Any] = request.app[INFO]
+    body: dict[str, Any] = {"status": "ok", **info}
+    body.update(
+        count=len(request.app[RETRIEVER]),
+        batches=stats.batches,
+        queries=stats.queries,
+        mean_batch_queries=round(stats.mean_batch_queries, 2),
+    )
+    return web.json_response(body)
+
+
+def make_app(
+    retriever: Retriever,
+    limits: Limits | None = None,
+    max_batch: int = 512,
+    max_wait_s: float = 0.002,
+    info: dict[str, Any] | None = None,
+) -> web.Application:
+    """The server app over any Retriever. The batcher is closed on app cleanup."""
+    limits = limits or Limits()
+    # body reading is bounded by our own limit (to answer 400 JSON, not aiohttp's 413 page)
+    app = web.Application(middlewares=[_json_errors], client_max_size=limits.max_body_bytes + 1)
+    app[RETRIEVER] = retriever
+    app[LIMITS] = limits
+    app[BATCHER] = MicroBatcher(retriever, max_batch=max_batch, max_wait_s=max_wait_s)
+    app[INFO] = info or {}
+    app.router.add_post("/retrieve", _retrieve)
+    app.router.add_get("/health", _health)
+
+    async def _close(app: web.Application) -> None:
+        await app[BATCHER].aclose()
+
+    app.on_cleanup.append(_close)
+    return app
+
+
+async def serve(
+    index_dir: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    limits: Limits | None = None,
+    max_batch: int = 512,
+    max_wait_s: float = 0.002,
+    device: str | None = None,
+    use_gpu: bool | None = None,
+    shutdown_timeout_s: float = 5.0,
+) -> None:
+    """Load the index, listen, and run until SIGTERM/SIGINT; then stop accepting, drain and exit."""
+    retriever = await asyncio.to_thread(load_index, index_dir, device=device, use_gpu=use_gpu)
+    manifest = retriever.manifest
+    info = {"kind": manifest.kind, "model": manifest.model, "faiss": manifest.faiss}
+    app = make_app(retriever, limits, max_batch=max_batch, max_wait_s=max_wait_s, info=info)
+    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=shutdown_timeout_s)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    try:
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        bound = runner.addresses[0]
+        print(
+            f"rlf retrieval server listening on http://{host}:{bound[1]} ({manifest.kind}, {len(retriever)} docs)",
+            flush=True,
+        )
+        await stop.wait()
+        print("rlf retrieval server: shutting down", file=sys.stderr, flush=True)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(ValueError, RuntimeError):
+                loop.remove_signal_handler(sig)
+        await runner.cleanup()
+        retriever.close()
