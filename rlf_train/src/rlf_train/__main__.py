@@ -1,0 +1,7 @@
+"""`python -m rlf_train`."""
+
+import sys
+
+from rlf_train.cli import main
+
+sys.exit(main())

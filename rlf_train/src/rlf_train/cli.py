@@ -1,0 +1,83 @@
+"""`python -m rlf_train --config X.yaml [--set a.b=c ...] [--resume RUN_DIR] [--dry-run]`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlf_train.config import ConfigError, TrainConfig, dump_config, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m rlf_train",
+        description="Train a tool-using LLM policy with RL (GRPO) on an rlf env. "
+        "Backends: local (one process, CPU or one GPU) and openrlhf (not in this build yet).",
+    )
+    p.add_argument("--config", type=Path, help="YAML config (see configs/quickstart.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set algorithm.steps=10 (repeatable; value parsed as YAML)")
+    p.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its latest checkpoint (uses RUN_DIR/config.yaml "
+                        "unless --config is given)")
+    p.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and plan, exit")
+    return p
+
+
+def plan(cfg: TrainConfig) -> str:
+    r, a = cfg.rollout, cfg.algorithm
+    lines = [f"backend: {cfg.backend}", f"run dir: {cfg.resolved_run_dir()}",
+             f"policy: {cfg.model.name_or_path} on {cfg.model.device}", f"env: {cfg.env.id} {cfg.env.kwargs}"]
+    if cfg.sft.enabled:
+        src = cfg.sft.demos_path or (f"{cfg.sft.num_demos} scripted demos (no-search {cfg.sft.p_no_search:.0%}, "
+                                     f"wrong query {cfg.sft.p_wrong_query:.0%})")
+        lines.append(f"stage 1 SFT: {cfg.sft.steps} steps x {cfg.sft.batch_size} on {src}, lr {cfg.sft.lr}")
+    lines.append(f"stage 2 {a.name}: {a.steps} steps x {r.prompts_per_step} prompts x G={r.samples_per_prompt} "
+                 f"(T={r.temperature}, max {r.max_turns} turns), lr {cfg.optim.lr}, std_norm={a.std_normalize}, "
+                 f"agg={a.loss_agg}, kl={a.kl_coef}")
+    lines.append(f"eval: {cfg.eval.num_tasks} {cfg.env.eval_split} tasks "
+                 f"{'every ' + str(cfg.eval.every) + ' steps' if cfg.eval.every else 'at the end'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config_path = args.config
+    if config_path is None and args.resume is not None:
+        config_path = args.resume / "config.yaml"
+    if config_path is None:
+        print("error: --config is required (or --resume RUN_DIR)", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(config_path, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.resume is not None:
+        cfg.logging.run_dir = str(args.resume)
+    if args.dry_run:
+        print(dump_config(cfg))
+        print("plan:\n" + plan(cfg))
+        if cfg.backend == "openrlhf":
+            print("note: backend 'openrlhf' validated, but it is not available in this build yet")
+        return 0
+    if cfg.backend == "openrlhf":
+        print("error: backend 'openrlhf' is valid config but not available in this build yet; "
+              "use backend: local", file=sys.stderr)
+        return 2
+    from rlf_train.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg, resume=args.resume is not None)
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summary = trainer.run()
+    last = summary["evals"][-1] if summary["evals"] else {}
+    first = summary["evals"][0] if summary["evals"] else {}
+    print(f"done in {summary['seconds']:.0f}s; held-out success greedy {first.get('success_greedy', float('nan')):.3f}"
+          f" -> {last.get('success_greedy', float('nan')):.3f}, T={cfg.eval.temperature} "
+          f"{first.get('success_sampled', float('nan')):.3f} -> {last.get('success_sampled', float('nan')):.3f}; "
+          f"see {summary['run_dir']}")
+    return 0

@@ -1,0 +1,238 @@
+"""The one training config: pydantic models, YAML loading and `--set a.b=c` overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config problem, with the dotted key and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(_Section):
+    """Shape of the offline tiny Qwen3-architecture policy (built from scratch, random init)."""
+
+    hidden_size: int = Field(64, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(192, ge=8)
+    max_position_embeddings: int = Field(1024, ge=64)
+    tokenizer_vocab_size: int = Field(3072, ge=300, description="target vocab of the BPE tokenizer trained offline")
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
+class ModelConfig(_Section):
+    """`name_or_path: tiny` builds the offline tiny model; anything else is a transformers causal LM path/id."""
+
+    name_or_path: str = "tiny"
+    tokenizer: str | None = Field(None, description="tokenizer path/id; default: same as name_or_path")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+class EnvConfig(_Section):
+    """Any registered gymnasium id (rlf envs or your own); kwargs go to gymnasium.make."""
+
+    id: str = "rlf/Search-v0"
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    train_split: str = "train"
+    eval_split: str = "test"
+    imports: list[str] = Field(default_factory=lambda: ["rlf_envs"], description="modules imported to register envs")
+
+
+class RolloutConfig(_Section):
+    prompts_per_step: int = Field(8, ge=1)
+    samples_per_prompt: int = Field(8, ge=1, description="G: the group size for GRPO")
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_turns: int = Field(4, ge=1)
+    max_new_tokens_per_turn: int = Field(48, ge=1)
+    max_total_tokens: int = Field(1024, ge=16)
+    max_obs_tokens: int = Field(256, ge=1)
+    batch_size: int = Field(64, ge=1, description="max sequences generated together")
+
+
+class SFTConfig(_Section):
+    """Supervised warm start on scripted demonstrations (or a JSONL of demonstrations)."""
+
+    enabled: bool = False
+    steps: int = Field(200, ge=0)
+    batch_size: int = Field(16, ge=1)
+    lr: float = Field(1e-3, gt=0.0)
+    num_demos: int = Field(512, ge=1)
+    demos_path: str | None = Field(None, description="JSONL of {task_index, actions: [str,...]}; default: scripted")
+    # scripted demos (Search): shares of imperfect behaviour
+    p_no_search: float = Field(0.5, ge=0.0, le=1.0, description="answer directly (a guess) without searching")
+    p_wrong_query: float = Field(0.0, ge=0.0, le=1.0, description="search for the wrong entity")
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["grpo", "dr_grpo"] = "grpo"
+    steps: int = Field(100, ge=0)
+    std_normalize: bool = Field(True, description="divide group advantages by the group std (off for Dr.GRPO)")
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    clip_eps_low: float = Field(0.2, ge=0.0)
+    clip_eps_high: float = Field(0.2, ge=0.0)
+    ppo_epochs: int = Field(1, ge=1)
+    micro_batch_size: int = Field(32, ge=1, description="sequences per forward/backward (gradient accumulation)")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per rollout batch per epoch")
+    kl_coef: float = Field(0.0, ge=0.0, description="k3 KL to a frozen reference; 0 disables (no ref model)")
+    per_turn_rewards: bool = Field(True, description="add per-turn env rewards as reward-to-go when present")
+    eps: float = 1e-6
+
+    @model_validator(mode="after")
+    def _dr(self) -> AlgorithmConfig:
+        if self.name == "dr_grpo":
+            if "std_normalize" not in self.model_fields_set:
+                object.__setattr__(self, "std_normalize", False)
+            if "loss_agg" not in self.model_fields_set:
+                object.__setattr__(self, "loss_agg", "seq_mean_token_sum_norm")
+        return self
+
+
+class OptimConfig(_Section):
+    lr: float = Field(3e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0.0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0, description="evaluate every N RL steps (0: only at the end)")
+    num_tasks: int = Field(128, ge=1)
+    greedy: bool = True
+    sampled: bool = Field(True, description="also evaluate at temperature `temperature`")
+    temperature: float = Field(1.0, gt=0.0)
+    before_rl: bool = Field(True, description="evaluate after the warm start, before RL")
+
+
+class LoggingConfig(_Section):
+    run_dir: str = "runs/{name}"
+    tensorboard: bool = True
+    wandb_project: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] = "offline"
+    progress: bool = True
+    save_every: int = Field(0, ge=0, description="checkpoint every N RL steps (0: only at the end)")
+    keep_last: int = Field(2, ge=1)
+
+
+class TrainConfig(_Section):
+    name: str = "run"
+    seed: int = 0
+    backend: Literal["local", "openrlhf"] = "local"
+    threads: int = Field(0, ge=0, description="torch CPU threads (0: torch default)")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.logging.run_dir.format(name=self.name, seed=self.seed))
+
+
+def _format_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+            parent = _model_at(err["loc"][:-1])
+            if parent is not None:
+                msg += f"; allowed keys here: {', '.join(sorted(parent.model_fields))}"
+        elif err["type"] == "literal_error":
+            msg = f"{msg} (got {err.get('input')!r})"
+        else:
+            msg = f"{msg} (got {err.get('input')!r})"
+        lines.append(f"  {key}: {msg}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = TrainConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `a.b=c` override in place (c is parsed as YAML: numbers, bools, lists...)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key=value, got {assignment!r}")
+    key, value = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set: bad key {key!r}")
+    node = data
+    for p in parts[:-1]:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {p!r} is not a section")
+        node = child
+    node[parts[-1]] = _parse_scalar(value)
+
+
+def config_from_dict(data: dict[str, Any]) -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Load YAML (or defaults if path is None), apply overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    for o in overrides or []:
+        apply_override(data, o)
+    return config_from_dict(data)
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,138 @@
+"""Supervised warm start: scripted (deliberately imperfect) demonstrations run through the real env in
+token mode, then cross-entropy on the policy tokens (loss_mask = 1) only.
+
+The scripted demonstrator for search-style envs: with probability `p_no_search` it answers at once
+with a guess (another task's answer); with `p_wrong_query` it searches for another task's subject and
+answers what that search would support; otherwise it searches for the task's subject and answers
+correctly. Imitation alone therefore plateaus well below what always searching reaches; GRPO has
+to discover that searching (with the right query) is what earns reward.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlf_envs.types import Task, Trajectory
+
+
+@dataclass(frozen=True)
+class Demo:
+    task_index: int
+    actions: tuple[str, ...]  # policy turns as text, in order
+    kind: str = "scripted"
+
+
+def task_subject(task: Task) -> str:
+    """What to search for: the task's subject entity when the task names one, else its question."""
+    for key in ("entity", "subject", "query"):
+        v = task.meta.get(key) if task.meta else None
+        if isinstance(v, str) and v.strip():
+            return v.strip()
+    return task.question.strip()
+
+
+def _tag(fmt_name: str, kind: str, text: str) -> str:
+    if fmt_name == "qwen3":
+        if kind == "search":
+            return '<tool_call>{"name": "search", "arguments": {"query": ' + json.dumps(text) + "}}</tool_call>"
+        return f"<answer> {text}</answer>"
+    return f"<{kind}> {text}</{kind}>"
+
+
+def scripted_demos(tasks: Sequence[Task], n: int, fmt_name: str, p_no_search: float, p_wrong_query: float,
+                   seed: int) -> list[Demo]:
+    """`n` demonstrations on tasks drawn uniformly (seeded)."""
+    if len(tasks) < 2:
+        raise ValueError("scripted demos need at least 2 tasks (guesses use other tasks' answers)")
+    rng = random.Random(seed)
+    # multi-hop tasks need a bridge entity the script does not know: demonstrate on single-hop ones
+    pool = [k for k, t in enumerate(tasks) if int((t.meta or {}).get("hops", 1)) <= 1] or list(range(len(tasks)))
+    demos = []
+    for _ in range(n):
+        i = pool[rng.randrange(len(pool))]
+        task = tasks[i]
+        gold = task.gold_answers[0] if task.gold_answers else ""
+        j = rng.randrange(len(tasks) - 1)
+        j = j + 1 if j >= i else j
+        other = tasks[j]
+        other_gold = other.gold_answers[0] if other.gold_answers else ""
+        u = rng.random()
+        if u < p_no_search:
+            acts = (_tag(fmt_name, "answer", other_gold),)
+            kind = "no_search"
+        elif u < p_no_search + p_wrong_query:
+            acts = (_tag(fmt_name, "search", task_subject(other)), _tag(fmt_name, "answer", other_gold))
+            kind = "wrong_query"
+        else:
+            acts = (_tag(fmt_name, "search", task_subject(task)), _tag(fmt_name, "answer", gold))
+            kind = "correct"
+        demos.append(Demo(i, acts, kind))
+    return demos
+
+
+def load_demos(path: str | Path) -> list[Demo]:
+    """JSONL: one {"task_index": int, "actions": [str, ...]} per line."""
+    demos = []
+    for ln, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            demos.append(Demo(int(rec["task_index"]), tuple(str(a) for a in rec["actions"]), "file"))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{ln}: a demo needs task_index (int) and actions (list of str): {e}") from None
+    if not demos:
+        raise ValueError(f"{path}: no demonstrations")
+    return demos
+
+
+async def demo_trajectories(env: Any, demos: Sequence[Demo], tokenizer: Any) -> list[Trajectory]:
+    """Replay each demo's text turns through the env (token mode): exact ids + loss mask from the env."""
+    out = []
+    for d in demos:
+        await env.areset(seed=0, options={"task_index": d.task_index})
+        for a in d.actions:
+            ids = tokenizer.encode(a, add_special_tokens=False)
+            _obs, _r, term, trunc, _info = await env.astep(ids)
+            if term or trunc:
+                break
+        out.append(env.trajectory)
+    return out
+
+
+def pad_batch(trajs: Sequence[Trajectory], pad_id: int, device: torch.device
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded (input_ids, attention_mask, targets, target_mask) for next-token training.
+    target_mask[t] = loss_mask of token t+1: only policy tokens are trained on."""
+    seqs = [t.token_ids for t in trajs]
+    masks = [t.loss_mask for t in trajs]
+    if any(s is None for s in seqs) or any(m is None for m in masks):
+        raise ValueError("trajectories lack token_ids/loss_mask: run the env in token mode (pass a tokenizer)")
+    T = max(len(s) for s in seqs)  # type: ignore[arg-type]
+    B = len(seqs)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, T), dtype=torch.long)
+    lm = torch.zeros((B, T), dtype=torch.float32)
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):
+        ids[i, :len(s)] = torch.as_tensor(s)  # type: ignore[arg-type]
+        attn[i, :len(s)] = 1  # type: ignore[arg-type]
+        lm[i, :len(m)] = torch.as_tensor(m, dtype=torch.float32)  # type: ignore[arg-type]
+    return ids[:, :-1].to(device), attn[:, :-1].to(device), ids[:, 1:].to(device), lm[:, 1:].to(device)
+
+
+def sft_loss(model: torch.nn.Module, trajs: Sequence[Trajectory], pad_id: int) -> tuple[torch.Tensor, float]:
+    """Token-mean cross-entropy on policy tokens; returns (loss, policy token count)."""
+    device = next(model.parameters()).device
+    ids, attn, tgt, mask = pad_batch(trajs, pad_id, device)
+    from rlf_train.grpo import masked_logprobs
+
+    lp, _ = masked_logprobs(model, ids, attn, tgt, mask)
+    n = mask.sum().clamp(min=1.0)
+    return -(lp * mask).sum() / n, float(n)

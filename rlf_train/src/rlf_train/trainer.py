@@ -1,0 +1,426 @@
+"""The local backend: optional SFT warm start, then GRPO on rollouts from the env, with eval,
+checkpoints, exact resume, metrics (JSONL + TensorBoard [+ W&B]), progress bar and reward curve."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import math
+import random
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlf_envs.types import Trajectory
+from rlf_train.checkpoint import CheckpointMeta, latest_checkpoint, load_weights, read_checkpoint, save_checkpoint
+from rlf_train.config import TrainConfig, dump_config
+from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
+from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
+from rlf_train.model import load_policy, load_tokenizer, num_parameters
+from rlf_train.rollout import RolloutStats, SamplingParams, run_episodes
+from rlf_train.sft import demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
+
+SUCCESS_THRESHOLD = 1.0 - 1e-6
+
+
+def make_envs(cfg: TrainConfig, tokenizer: Any, split: str | None, n: int) -> list[Any]:
+    """`n` unwrapped envs from gymnasium.make(cfg.env.id, tokenizer=..., split=..., budgets..., **kwargs)."""
+    import gymnasium
+
+    for mod in cfg.env.imports:
+        importlib.import_module(mod)
+    r = cfg.rollout
+    # the env only needs encode/decode: hand it the Rust `tokenizers` object behind a fast HF tokenizer
+    # (same ids, ~10x less per-call overhead than the transformers wrapper)
+    env_tok = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
+    kwargs: dict[str, Any] = {"tokenizer": env_tok, "max_turns": r.max_turns,
+                              "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens}
+    if split is not None:
+        kwargs["split"] = split
+    kwargs.update(cfg.env.kwargs)
+    try:
+        envs = [gymnasium.make(cfg.env.id, disable_env_checker=True, **kwargs).unwrapped for _ in range(n)]
+    except gymnasium.error.Error as e:
+        raise ValueError(f"env.id {cfg.env.id!r}: {e}") from None
+    for attr in ("areset", "astep", "trajectory", "format"):
+        if not (hasattr(type(envs[0]), attr) or attr in vars(envs[0])):
+            raise ValueError(f"env.id {cfg.env.id!r} is not an rlf ToolEnv (missing {attr!r}); "
+                             "the local backend needs token-mode async envs")
+    return envs
+
+
+def env_tasks(env: Any) -> list[Any]:
+    tasks = getattr(env, "tasks", None)
+    if not tasks:
+        raise ValueError("the env exposes no tasks (need env.tasks to sample prompts)")
+    return list(tasks)
+
+
+def is_success(t: Trajectory) -> bool:
+    return t.reward >= SUCCESS_THRESHOLD
+
+
+def episode_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    n = max(len(trajs), 1)
+    rewards = np.array([t.reward for t in trajs], dtype=np.float64)
+    return {
+        "reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
+        "reward_std": float(rewards.std()) if len(trajs) else 0.0,
+        "success_rate": sum(is_success(t) for t in trajs) / n,
+        "turns_mean": sum(len(t.turns) for t in trajs) / n,
+        "tool_calls_mean": sum(t.num_tool_calls for t in trajs) / n,
+        "tool_errors_mean": sum(t.num_tool_errors for t in trajs) / n,
+        "search_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
+        "answered_rate": sum(t.answer is not None for t in trajs) / n,
+        "tokens_total_mean": sum(len(t.token_ids or []) for t in trajs) / n,
+        "tokens_policy_mean": sum(sum(t.loss_mask or []) for t in trajs) / n,
+    }
+
+
+def token_returns(trajs: Sequence[Trajectory], T: int, per_turn: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-target-position returns [N, T] (target t = token t+1) and episode returns [N]."""
+    N = len(trajs)
+    ret = torch.zeros((N, T))
+    ep = torch.zeros(N)
+    for i, tr in enumerate(trajs):
+        turn_r = [t.reward for t in tr.turns] if per_turn else []
+        total = tr.reward + sum(turn_r)
+        ep[i] = total
+        ret[i, :] = total
+        if per_turn and any(turn_r):
+            togo = tr.reward
+            for k in range(len(tr.turns) - 1, -1, -1):
+                togo += turn_r[k]
+                span = tr.turns[k].action_span
+                if span is not None:
+                    s, e = span
+                    ret[i, max(s - 1, 0):max(e - 1, 0)] = togo
+    return ret, ep
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path | None = None, resume: bool = False) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(run_dir) if run_dir is not None else cfg.resolved_run_dir()
+        self.resume = resume
+        if cfg.backend != "local":
+            raise ValueError(f"Trainer is the local backend; backend={cfg.backend!r}")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.loop = asyncio.new_event_loop()
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.meta: CheckpointMeta | None = None
+        self.state: dict[str, Any] | None = None
+        ckpt = None
+        if resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is None:
+                raise FileNotFoundError(f"--resume {self.run_dir}: no checkpoint found (checkpoints/latest)")
+            self.meta, self.state = read_checkpoint(ckpt)
+        elif (self.run_dir / "metrics.jsonl").exists():
+            raise FileExistsError(f"run dir {self.run_dir} already holds a run; use --resume {self.run_dir} "
+                                  "or pick another logging.run_dir / name")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        self.model = load_policy(cfg.model, self.tokenizer, cfg.seed, weights_dir=ckpt)
+        self.device = next(self.model.parameters()).device
+        self.gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.data_rng = np.random.default_rng(cfg.seed + 2)
+        self.order: list[int] = []
+        self.order_pos = 0
+        self.ref_model: torch.nn.Module | None = None
+        self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard,
+                                    wandb_project=cfg.logging.wandb_project, wandb_mode=cfg.logging.wandb_mode,
+                                    config_dict=cfg.model_dump(mode="json"))
+        if self.meta is not None:
+            self.logger.truncate_after(self.meta.step if self.meta.stage == "rl" else -1, "rl")
+        self.evals: list[dict[str, Any]] = []
+        if resume and (self.run_dir / "eval.json").is_file():
+            import json
+
+            self.evals = [e for e in json.loads((self.run_dir / "eval.json").read_text()).get("evals", [])
+                          if self.meta is None or e["step"] <= self.meta.step]
+        r = cfg.rollout
+        self.n_rollout = r.prompts_per_step * r.samples_per_prompt
+        self.train_envs = make_envs(cfg, self.tokenizer, cfg.env.train_split, self.n_rollout)
+        self.train_tasks = env_tasks(self.train_envs[0])
+        self._eval_envs: list[Any] | None = None
+
+    # ---------------------------------------------------------------- helpers
+    def _save(self, name: str, stage: str, step: int, optimizer: torch.optim.Optimizer | None,
+              scheduler: Any = None) -> Path:
+        state = {
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "torch_rng": torch.get_rng_state(),
+            "gen": self.gen.get_state(),
+            "data_rng": self.data_rng.bit_generator.state,
+            "order": list(self.order),
+            "order_pos": self.order_pos,
+            "python_rng": random.getstate(),
+        }
+        meta = CheckpointMeta(stage=stage, step=step, sft_done=stage == "rl" or self.cfg.sft.enabled)
+        return save_checkpoint(self.run_dir, name, self.model, state, meta,
+                               keep_last=self.cfg.logging.keep_last, tokenizer=self.tokenizer)
+
+    def _restore_rng(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(state["torch_rng"])
+        self.gen.set_state(state["gen"])
+        self.data_rng.bit_generator.state = state["data_rng"]
+        self.order = list(state["order"])
+        self.order_pos = int(state["order_pos"])
+        random.setstate(state["python_rng"])
+
+    def _next_tasks(self, k: int) -> list[int]:
+        out = []
+        for _ in range(k):
+            if self.order_pos >= len(self.order):
+                self.order = self.data_rng.permutation(len(self.train_tasks)).tolist()
+                self.order_pos = 0
+            out.append(self.order[self.order_pos])
+            self.order_pos += 1
+        return out
+
+    def eval_envs(self) -> list[Any]:
+        if self._eval_envs is None:
+            n = min(self.cfg.eval.num_tasks, self.cfg.rollout.batch_size)
+            self._eval_envs = make_envs(self.cfg, self.tokenizer, self.cfg.env.eval_split, n)
+        return self._eval_envs
+
+    def rollouts(self, envs: Sequence[Any], task_indices: Sequence[int], params: SamplingParams,
+                 seed_base: int, gen: torch.Generator | None) -> tuple[list[Trajectory], RolloutStats]:
+        seeds = [seed_base + i for i in range(len(task_indices))]
+        trajs, stats = self.loop.run_until_complete(run_episodes(
+            envs, task_indices, self.model, self.tokenizer, params, seeds=seeds,
+            batch_size=self.cfg.rollout.batch_size, gen=gen))
+        return [copy.copy(t) for t in trajs], stats
+
+    # ---------------------------------------------------------------- eval
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Held-out success/reward/tool stats, greedy and sampled (on `eval.num_tasks` test tasks)."""
+        envs = self.eval_envs()
+        n_tasks = min(self.cfg.eval.num_tasks, len(env_tasks(envs[0])))
+        result: dict[str, Any] = {"step": step, "num_tasks": n_tasks}
+        modes = []
+        if self.cfg.eval.greedy:
+            modes.append(("greedy", 0.0))
+        if self.cfg.eval.sampled:
+            modes.append(("sampled", self.cfg.eval.temperature))
+        for mode, temp in modes:
+            params = SamplingParams(temperature=temp, top_p=1.0,
+                                    max_new_tokens=self.cfg.rollout.max_new_tokens_per_turn)
+            gen = torch.Generator().manual_seed(10_000 + self.cfg.seed)  # same eval samples at every eval
+            trajs: list[Trajectory] = []
+            for s in range(0, n_tasks, len(envs)):
+                idx = list(range(s, min(s + len(envs), n_tasks)))
+                tr, _ = self.rollouts(envs[:len(idx)], idx, params, seed_base=s, gen=gen)
+                trajs.extend(tr)
+            st = episode_stats(trajs)
+            result[mode] = st
+            result[f"success_{mode}"] = st["success_rate"]
+        return result
+
+    def _record_eval(self, res: dict[str, Any], progress: Progress) -> None:
+        self.evals.append(res)
+        write_json_atomic(self.run_dir / "eval.json", {"latest": res, "evals": self.evals})
+        rec = {"stage": "eval", "step": res["step"], "global_step": res["step"]}
+        rec.update({k: v for k, v in res.items() if k.startswith("success_")})
+        for mode in ("greedy", "sampled"):
+            if mode in res:
+                rec[f"reward_{mode}"] = res[mode]["reward_mean"]
+                rec[f"search_rate_{mode}"] = res[mode]["search_rate"]
+        self.logger.log(rec)
+        parts = [f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("success_")]
+        progress.print(f"[eval step {res['step']}] " + " ".join(parts))
+
+    # ---------------------------------------------------------------- SFT
+    def run_sft(self, progress: Progress) -> None:
+        c = self.cfg.sft
+        env = self.train_envs[0]
+        fmt_name = getattr(env.format, "name", "search_r1")
+        if c.demos_path:
+            demos = load_demos(c.demos_path)
+        else:
+            demos = scripted_demos(self.train_tasks, c.num_demos, fmt_name, c.p_no_search, c.p_wrong_query,
+                                   seed=self.cfg.seed + 3)
+        trajs = self.loop.run_until_complete(demo_trajectories(env, demos, self.tokenizer))
+        trajs = [copy.copy(t) for t in trajs]
+        kinds = {k: sum(d.kind == k for d in demos) / len(demos) for k in {d.kind for d in demos}}
+        progress.print(f"SFT: {len(trajs)} demos ({', '.join(f'{k} {v:.0%}' for k, v in sorted(kinds.items()))}), "
+                       f"demo success {sum(map(is_success, trajs)) / len(trajs):.2f}")
+        opt = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=self.cfg.optim.weight_decay)
+        rng = random.Random(self.cfg.seed + 4)
+        progress.add("SFT", total=c.steps)
+        self.model.train()
+        t0 = time.perf_counter()
+        for step in range(1, c.steps + 1):
+            batch = [trajs[rng.randrange(len(trajs))] for _ in range(c.batch_size)]
+            lr = c.lr * min(1.0, step / max(1, c.steps // 10)) * (0.5 * (1 + math.cos(math.pi * step / c.steps)))
+            for g in opt.param_groups:
+                g["lr"] = max(lr, c.lr * 0.05)
+            loss, ntok = sft_loss(self.model, batch, self.pad_id)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+            opt.step()
+            if step % 10 == 0 or step == c.steps:
+                self.logger.log({"stage": "sft", "step": step, "global_step": step - c.steps - 1, "loss": loss.item(),
+                                 "grad_norm": float(gn), "tokens": ntok, "seconds": time.perf_counter() - t0})
+            progress.update("SFT", info=f"loss {loss.item():.3f}")
+        self._save("sft", "sft", 0, None)
+
+    # ---------------------------------------------------------------- GRPO
+    def _logprobs(self, model: torch.nn.Module, trajs: Sequence[Trajectory], grad: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        ids, attn, tgt, mask = pad_batch(trajs, self.pad_id, self.device)
+        with torch.set_grad_enabled(grad):
+            lp, ent = masked_logprobs(model, ids, attn, tgt, mask, with_entropy=grad)
+        return lp, mask, ent
+
+    def grpo_step(self, step: int, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+        cfg, a = self.cfg, self.cfg.algorithm
+        r = cfg.rollout
+        t_step = time.perf_counter()
+        prompts = self._next_tasks(r.prompts_per_step)
+        task_indices = [p for p in prompts for _ in range(r.samples_per_prompt)]
+        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens_per_turn)
+        trajs, rstats = self.rollouts(self.train_envs, task_indices, params,
+                                      seed_base=(cfg.seed * 1_000_003 + step * 10_007) % (2**31), gen=self.gen)
+        t_train = time.perf_counter()
+        mb = a.micro_batch_size
+        N = len(trajs)
+        T = max(len(t.token_ids or []) for t in trajs) - 1
+
+        def all_logprobs(model: torch.nn.Module) -> torch.Tensor:
+            out = torch.zeros((N, T), device=self.device)
+            for s in range(0, N, mb):
+                lp = self._logprobs(model, trajs[s:s + mb], grad=False)[0]
+                out[s:s + lp.shape[0], :lp.shape[1]] = lp
+            return out
+
+        with torch.no_grad():
+            old_lp = all_logprobs(self.model)
+            ref_lp = all_logprobs(self.ref_model) if self.ref_model is not None else None
+        returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
+        adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
+        norm_len = r.max_total_tokens
+        losses, kls, clips, ents, gns = [], [], [], [], []
+        self.model.train()
+        for _epoch in range(a.ppo_epochs):
+            mini_size = math.ceil(N / a.mini_batches)
+            for ms in range(0, N, mini_size):
+                me = min(ms + mini_size, N)
+                total_tokens = float(sum(sum((t.loss_mask or [])[1:]) for t in trajs[ms:me]))
+                optimizer.zero_grad(set_to_none=True)
+                loss_sum = 0.0
+                for s in range(ms, me, mb):
+                    e = min(s + mb, me)
+                    chunk = trajs[s:e]
+                    lp, mask, ent = self._logprobs(self.model, chunk, grad=True)
+                    Tc = lp.shape[1]
+                    old = old_lp[s:e, :Tc]
+                    ref = ref_lp[s:e, :Tc] if ref_lp is not None else None
+                    out = policy_loss(lp, old, adv[s:e, :Tc].to(self.device), mask, clip_low=a.clip_eps_low,
+                                      clip_high=a.clip_eps_high, agg=a.loss_agg, total_tokens=total_tokens,
+                                      total_seqs=me - ms, norm_len=norm_len, ref_logp=ref, kl_coef=a.kl_coef)
+                    out.loss.backward()
+                    loss_sum += float(out.loss.detach())
+                    kls.append(out.kl)
+                    clips.append(out.clip_frac)
+                    if ent is not None:
+                        ents.append(float((ent * mask).sum() / mask.sum().clamp(min=1.0)))
+                gns.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)))
+                optimizer.step()
+                losses.append(loss_sum)
+        scheduler.step()
+        now = time.perf_counter()
+        rec: dict[str, Any] = {"stage": "rl", "step": step, "global_step": step}
+        rec.update(episode_stats(trajs))
+        groups = ep_returns.view(-1, r.samples_per_prompt)
+        rec.update({
+            "loss": float(np.mean(losses)), "kl": float(np.mean(kls)) if kls else 0.0,
+            "clip_frac": float(np.mean(clips)) if clips else 0.0, "entropy": float(np.mean(ents)) if ents else 0.0,
+            "grad_norm": float(np.mean(gns)), "lr": scheduler.get_last_lr()[0],
+            "groups_with_signal": float((groups.std(dim=1) > 0).float().mean()),
+            "gen_tokens": rstats.gen_tokens,
+            "time_rollout": rstats.total_seconds, "time_generate": rstats.gen_seconds, "time_env": rstats.env_seconds,
+            "time_train": now - t_train, "time_step": now - t_step,
+        })
+        return rec
+
+    def run_rl(self, progress: Progress, start_step: int) -> None:
+        cfg = self.cfg
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                      weight_decay=cfg.optim.weight_decay)
+        warm = cfg.optim.warmup_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        if self.state is not None and self.meta is not None and self.state.get("optimizer") is not None:
+            optimizer.load_state_dict(self.state["optimizer"])
+            scheduler.load_state_dict(self.state["scheduler"])
+        if cfg.algorithm.kl_coef > 0:
+            self.ref_model = self._reference_model()
+        progress.add("GRPO", total=cfg.algorithm.steps, completed=start_step)
+        rec: dict[str, Any] = {}
+        for step in range(start_step + 1, cfg.algorithm.steps + 1):
+            rec = self.grpo_step(step, optimizer, scheduler)
+            self.logger.log(rec)
+            progress.update("GRPO", info=f"reward {rec['reward_mean']:.3f} success {rec['success_rate']:.2f} "
+                                         f"search {rec['search_rate']:.2f}")
+            if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.algorithm.steps:
+                self._record_eval(self.evaluate(step), progress)
+            if cfg.logging.save_every and step % cfg.logging.save_every == 0:
+                self._save(f"step_{step}", "rl", step, optimizer, scheduler)
+        final = cfg.algorithm.steps
+        if start_step < final or not self.evals or self.evals[-1]["step"] != final:
+            self._save(f"step_{final}", "rl", final, optimizer, scheduler)
+            self._record_eval(self.evaluate(final), progress)
+
+    def _reference_model(self) -> torch.nn.Module:
+        ref = load_policy(self.cfg.model, self.tokenizer, self.cfg.seed)
+        sft_ckpt = self.run_dir / "checkpoints" / "sft"
+        if self.cfg.sft.enabled and sft_ckpt.is_dir():
+            load_weights(ref, sft_ckpt)
+        elif self.meta is None:
+            ref.load_state_dict(self.model.state_dict())
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        return ref
+
+    # ---------------------------------------------------------------- entry
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        with Progress(cfg.logging.progress) as progress:
+            progress.print(f"run dir: {self.run_dir}  policy: {cfg.model.name_or_path} "
+                           f"({num_parameters(self.model) / 1e6:.2f}M params, vocab {len(self.tokenizer)})  "
+                           f"train tasks: {len(self.train_tasks)}")
+            start_step = 0
+            if self.meta is None:
+                if cfg.sft.enabled and cfg.sft.steps > 0:
+                    self.run_sft(progress)
+                if cfg.eval.before_rl:
+                    self._record_eval(self.evaluate(0), progress)
+                if cfg.algorithm.steps > 0 and cfg.logging.save_every:
+                    self._save("step_0", "rl", 0, None)
+            else:
+                assert self.state is not None
+                self._restore_rng(self.state)
+                start_step = self.meta.step if self.meta.stage == "rl" else 0
+                if self.meta.stage == "sft" and cfg.eval.before_rl and not self.evals:
+                    self._record_eval(self.evaluate(0), progress)
+                progress.print(f"resumed from {self.meta.stage} checkpoint at step {start_step}")
+            self.run_rl(progress, start_step)
+        self.logger.close()
+        plot_reward_curve(self.run_dir)
+        summary = {"run_dir": str(self.run_dir), "seconds": time.perf_counter() - t0, "evals": self.evals}
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        return summary

@@ -1,0 +1,95 @@
+"""Config loading, overrides, CLI help / dry-run, and the promised errors for bad configs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlf_train.cli import main
+from rlf_train.config import ConfigError, TrainConfig, load_config
+
+pytestmark = pytest.mark.train
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_defaults_and_overrides(tmp_path: Path) -> None:
+    p = _write(tmp_path, "name: x\nrollout:\n  samples_per_prompt: 4\n")
+    cfg = load_config(p, ["rollout.temperature=0.7", "algorithm.kl_coef=0.01", "env.kwargs.format=qwen3"])
+    assert isinstance(cfg, TrainConfig)
+    assert cfg.rollout.samples_per_prompt == 4 and cfg.rollout.temperature == 0.7
+    assert cfg.algorithm.kl_coef == 0.01 and cfg.env.kwargs == {"format": "qwen3"}
+
+
+def test_dr_grpo_defaults() -> None:
+    cfg = load_config(None, ["algorithm.name=dr_grpo"])
+    assert cfg.algorithm.std_normalize is False and cfg.algorithm.loss_agg == "seq_mean_token_sum_norm"
+    cfg = load_config(None, ["algorithm.name=dr_grpo", "algorithm.std_normalize=true"])
+    assert cfg.algorithm.std_normalize is True
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("rollout.temprature=1", "rollout.temprature: unknown key; allowed keys here:"),
+        ("backend=ray", "backend: Input should be 'local' or 'openrlhf'"),
+        ("rollout.samples_per_prompt=0", "rollout.samples_per_prompt: Input should be greater than or equal to 1"),
+        ("algorithm.loss_agg=sum", "algorithm.loss_agg"),
+        ("model.tiny.num_heads=3", "hidden_size (64) must be divisible by num_heads (3)"),
+        ("optim.lr=fast", "optim.lr: Input should be a valid number"),
+    ],
+)
+def test_bad_config_errors_name_the_key(override: str, needle: str) -> None:
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [override])
+    assert needle in str(ei.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(_write(tmp_path, "- a\n- b\n"))
+    with pytest.raises(ConfigError, match="--set expects key=value"):
+        load_config(None, ["rollout.temperature"])
+    with pytest.raises(ConfigError, match="is not a section"):
+        load_config(_write(tmp_path, "name: a\n"), ["name.x=1"])
+    with pytest.raises(ConfigError, match="name: Input should be a valid string"):
+        load_config(None, ["name.x=1"])
+
+
+def test_cli_errors_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = _write(tmp_path, "rollout:\n  max_turns: -1\n")
+    assert main(["--config", str(bad)]) == 2
+    assert "rollout.max_turns" in capsys.readouterr().err
+    assert main(["--config", str(QUICKSTART), "--dry-run", "--set", "algorithm.steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "plan:" in out and "steps: 3" in out and "stage 1 SFT" in out
+    assert main(["--config", str(QUICKSTART), "--set", "backend=openrlhf", "--dry-run"]) == 0
+    assert "not available in this build yet" in capsys.readouterr().out
+    assert main(["--config", str(QUICKSTART), "--set", "backend=openrlhf"]) == 2
+    assert "not available in this build yet" in capsys.readouterr().err
+    assert main([]) == 2
+
+
+def test_quickstart_config_is_valid() -> None:
+    cfg = load_config(QUICKSTART)
+    assert cfg.backend == "local" and cfg.sft.enabled and cfg.model.name_or_path == "tiny"
+
+
+def test_module_help() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-m", "rlf_train", "--help"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert r.returncode == 0 and "--config" in r.stdout and "--resume" in r.stdout and "--dry-run" in r.stdout
