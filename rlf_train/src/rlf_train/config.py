@@ -27,6 +27,9 @@ class TinyModelConfig(_Section):
     intermediate_size: int = Field(192, ge=8)
     max_position_embeddings: int = Field(1024, ge=64)
     tokenizer_vocab_size: int = Field(3072, ge=300, description="target vocab of the BPE tokenizer trained offline")
+    tokenizer_file: str | None = Field(
+        None, description="a `tokenizers` JSON file (a bare name is looked up in rlf_train's assets, e.g. "
+                          "quickstart_tokenizer.json); default: the shipped tokenizer of the shipped search data")
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:

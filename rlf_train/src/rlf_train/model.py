@@ -76,8 +76,23 @@ def build_tiny_tokenizer(vocab_size: int, text_file: Path = TOKENIZER_TEXT) -> P
     return wrap_tokenizer(train_tokenizer(lines, vocab_size))
 
 
+def tokenizer_file_path(name: str) -> Path:
+    """A tokenizer JSON: an existing path as given, else a file of that name in rlf_train's assets."""
+    p = Path(name)
+    if p.is_file():
+        return p
+    if (ASSETS / name).is_file():
+        return ASSETS / name
+    raise FileNotFoundError(f"model.tiny.tokenizer_file: {name!r} is neither a file nor one of rlf_train's assets "
+                            f"({', '.join(sorted(f.name for f in ASSETS.glob('*.json')))})")
+
+
 def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     if cfg.name_or_path == "tiny" and cfg.tokenizer is None:
+        if cfg.tiny.tokenizer_file is not None:
+            from tokenizers import Tokenizer
+
+            return wrap_tokenizer(Tokenizer.from_file(str(tokenizer_file_path(cfg.tiny.tokenizer_file))))
         return build_tiny_tokenizer(cfg.tiny.tokenizer_vocab_size)
     from transformers import AutoTokenizer
 
@@ -171,8 +186,52 @@ def write_tokenizer_text(out: Path = TOKENIZER_TEXT) -> Path:
     return out
 
 
-if __name__ == "__main__":
+QUICKSTART_TOKENIZER_FILE = ASSETS / "quickstart_tokenizer.json"
+# the short instruction of configs/quickstart.yaml (fewer tokens per step on CPU)
+QUICKSTART_INSTRUCTION = ("Answer the question. Search with <search> query </search>; results appear in "
+                          "<information> </information>. Answer with <answer> answer </answer>. Question: {question}\n")
+
+
+def quickstart_tokenizer_text() -> list[str]:
+    """Training text of the quickstart tokenizer: the instruction texts and the generated quickstart world
+    (corpus, train questions, answer/search tags), so every answer value is a single token."""
+    import json
+
+    from rlf_envs.data.search.generate import world_dir
+    from rlf_envs.formats import search_r1
+
+    lines: list[str] = [search_r1.SEARCH_R1_INSTRUCTION.replace("{question}", "").strip(),
+                        search_r1.CORRECTION.replace("{why}", "").strip()]
+    lines.extend([QUICKSTART_INSTRUCTION.replace("{question}", "").strip()] * 1000)  # weight: it prefixes every prompt
+    d = world_dir("quickstart")
+    for raw in (d / "corpus.jsonl").read_text(encoding="utf-8").splitlines():
+        title, _, text = json.loads(raw)["contents"].partition("\n")
+        lines.append(f"<information>Doc 1(Title: {title}) {text}</information>")  # as the env renders a hit
+    for raw in (d / "train.jsonl").read_text(encoding="utf-8").splitlines():
+        rec = json.loads(raw)
+        lines.append(rec["question"])
+        lines.extend(f"<answer> {a}</answer>" for a in rec["answers"])
+        lines.append(f"<search> {rec['meta']['entity']}</search>")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Regenerate the shipped tokenizers: `python -m rlf_train.model [--world quickstart]`."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--world", choices=("default", "quickstart"), default="default")
+    args = ap.parse_args(argv)
+    if args.world == "quickstart":
+        tok = train_tokenizer(quickstart_tokenizer_text(), 3072)
+        tok.save(str(QUICKSTART_TOKENIZER_FILE))  # type: ignore[attr-defined]
+        print(f"wrote {QUICKSTART_TOKENIZER_FILE} (vocab {tok.get_vocab_size()})")  # type: ignore[attr-defined]
+        return
     p = write_tokenizer_text()
     tok = train_tokenizer([ln for ln in p.read_text().splitlines() if ln.strip()], 3072)
     tok.save(str(TOKENIZER_FILE))  # type: ignore[attr-defined]
     print(f"wrote {p} and {TOKENIZER_FILE} (vocab {tok.get_vocab_size()})")  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    main()

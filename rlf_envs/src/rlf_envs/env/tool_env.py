@@ -187,6 +187,8 @@ class ToolEnv(gym.Env[Any, Any]):
         for r in results:
             if self.tok is None:
                 r.content, cut = truncate(r.content, per * CHARS_PER_TOKEN)
+            elif len(r.content.encode("utf-8")) <= per:  # a token is >= 1 byte: surely within budget
+                cut = False
             else:
                 ids = self.tok.encode(r.content)
                 cut = len(ids) > per

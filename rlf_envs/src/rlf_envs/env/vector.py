@@ -167,6 +167,33 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
         self._last_obs = tuple(obs)
         return self._last_obs, rewards, terms, truncs, infos
 
+    def _add_info(self, vector_infos: dict[str, Any], env_info: dict[str, Any], env_num: int) -> dict[str, Any]:
+        """Gymnasium's info batching (same arrays, dtypes and `_key` masks), without allocating a fresh mask
+        per key per env (the base class builds its default eagerly: ~2x slower at 512 envs)."""
+        n = self.num_envs
+        for key, value in env_info.items():
+            array = vector_infos.get(key)
+            if isinstance(value, dict) and key != "final_obs":
+                array = self._add_info(array if array is not None else {}, value, env_num)
+            else:
+                if array is None:
+                    if key == "final_obs":
+                        array = np.full(n, None, dtype=object)
+                    elif type(value) in (int, float, bool) or isinstance(value, np.number):
+                        array = np.zeros(n, dtype=type(value))
+                    elif isinstance(value, np.ndarray) and key != "final_obs":
+                        array = np.zeros((n, *value.shape), dtype=value.dtype)
+                    else:
+                        array = np.full(n, None, dtype=object)
+                array[env_num] = value
+            mask = vector_infos.get(f"_{key}")
+            if mask is None:
+                mask = np.zeros(n, dtype=np.bool_)
+            mask[env_num] = True
+            vector_infos[key] = array
+            vector_infos[f"_{key}"] = mask
+        return vector_infos
+
     def render(self) -> tuple[Any, ...] | None:
         return tuple(e.render() for e in self.envs)
 

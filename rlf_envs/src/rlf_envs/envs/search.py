@@ -199,29 +199,51 @@ def search_tool(
         return tool
 
 
-def default_index_dir() -> Path:
-    """A BM25 index of the shipped corpus in rlf's cache dir (`$RLF_CACHE_DIR`, else ~/.cache/rlf), built once."""
+def default_index_dir(world: str = "default") -> Path:
+    """A BM25 index of the shipped corpus (or of `world`'s corpus) in rlf's cache dir (`$RLF_CACHE_DIR`, else
+    ~/.cache/rlf), built once."""
     from rlf_envs.data.search import CORPUS_PATH
+    from rlf_envs.data.search.generate import world_dir
     from rlf_envs.retrieval import FORMAT_VERSION, RetrievalError, build_index
 
-    digest = hashlib.sha256(CORPUS_PATH.read_bytes()).hexdigest()[:12]
+    corpus = CORPUS_PATH if world == "default" else world_dir(world) / "corpus.jsonl"
+    digest = hashlib.sha256(corpus.read_bytes()).hexdigest()[:12]
     cache = Path(os.environ.get("RLF_CACHE_DIR") or Path.home() / ".cache" / "rlf")
     out = cache / f"search-bm25-v{FORMAT_VERSION}-{digest}"
     if not (out / "manifest.json").is_file():
         try:
-            build_index(CORPUS_PATH, out, kind="bm25", show_progress=False)
+            build_index(corpus, out, kind="bm25", show_progress=False)
         except RetrievalError:
             if not (out / "manifest.json").is_file():  # not a lost race with another process: a real error
                 raise
     return out
 
 
-def search_tasks(split: str = "train") -> list[Task]:
-    """The shipped invented-world questions of `split` ("train" or "test")."""
+def search_tasks(split: str = "train", world: str = "default") -> list[Task]:
+    """The invented-world questions of `split` ("train" or "test"): the shipped ones, or `world`'s
+    ("quickstart": a larger generated world, see `rlf_envs.data.search.generate`)."""
     from rlf_envs.data.search import split_path
     from rlf_envs.tasks import load_jsonl
 
-    return load_jsonl(split_path(split))
+    if world == "default":
+        return load_jsonl(split_path(split))
+    return list(_world_tasks(world, split))
+
+
+_WORLD_TASKS: dict[tuple[str, str], tuple[Task, ...]] = {}
+
+
+def _world_tasks(world: str, split: str) -> tuple[Task, ...]:
+    """A generated world's tasks, loaded once per process (many envs share them)."""
+    from rlf_envs.data.search.generate import world_dir
+    from rlf_envs.tasks import load_jsonl
+
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    with _TOOLS_LOCK:
+        if (world, split) not in _WORLD_TASKS:
+            _WORLD_TASKS[(world, split)] = tuple(load_jsonl(world_dir(world) / f"{split}.jsonl"))
+        return _WORLD_TASKS[(world, split)]
 
 
 class SearchEnv(ToolEnv):
@@ -235,6 +257,9 @@ class SearchEnv(ToolEnv):
         format: "search_r1" (`<search>`/`<information>`/`<answer>` tags) or "qwen3" (tool calls).
         max_topk: the largest topk the policy may ask for.
         request_timeout_s: deadline of one HTTP search.
+        world: "default" (the shipped data) or "quickstart" (a larger generated world for training tiny
+            policies: 3,200 people, 9,000 train / 200 test questions, test people unseen in train; built
+            once into rlf's cache dir). Chooses the questions and, in-process, the default index.
         **kwargs: passed to ToolEnv (tasks, verifier, max_turns, tokenizer, extra tools, ...).
     """
 
@@ -247,12 +272,19 @@ class SearchEnv(ToolEnv):
         format: Any = "search_r1",
         max_topk: int = MAX_TOPK,
         request_timeout_s: float = 10.0,
+        world: str = "default",
         **kwargs: Any,
     ) -> None:
+        from rlf_envs.data.search.generate import WORLDS
+
+        if world not in WORLDS:
+            raise ValueError(f"world must be one of {WORLDS}, got {world!r}")
+        if world != "default" and retriever == "inprocess" and index_dir is None:
+            index_dir = default_index_dir(world)
         if format not in ("search_r1", "qwen3", "hermes") and not hasattr(format, "parse"):
             raise ValueError(f"format must be 'search_r1' or 'qwen3', got {format!r}")
         self.search_tool = search_tool(retriever, index_dir, topk, max_topk, request_timeout_s)
         extra_tools = list(kwargs.pop("tools", ()))
         if kwargs.get("tasks") is None:
-            kwargs["tasks"] = search_tasks(split)
+            kwargs["tasks"] = search_tasks(split, world)
         super().__init__(tools=[self.search_tool, *extra_tools], format=format, **kwargs)

@@ -2,18 +2,29 @@
 
     python -m rlf_envs.data.search.generate            # rewrite corpus.jsonl, train.jsonl, test.jsonl here
     python -m rlf_envs.data.search.generate --check    # also verify retrieval with the BM25 index
+    python -m rlf_envs.data.search.generate --world quickstart --out DIR   # the larger quickstart world
 
 Every entity (country, city, person, company, river) has an invented name and random attributes,
 so no model can know a fact without searching. Documents are one or two regular sentences; every
 answer is a single word. See README.md next to this file.
+
+The `quickstart` world (not shipped: generated deterministically at first use into rlf's cache dir,
+see `world_dir`) is built for training tiny policies on CPU: 3,200 invented people with one short
+document each (`Name: job painter, pet goat, color red.`, the relation word right before its value,
+answers from small closed vocabularies), 9,000 single-hop train questions about 3,000 of them and
+200 test questions about the other 200, whose facts never appear in a train question. Memorising
+train answers is useless on the test split; reading the retrieved document is what pays.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,6 +193,87 @@ def questions(w: World, rng: random.Random) -> tuple[list[dict[str, object]], li
     return train, test
 
 
+# -- the quickstart world ---------------------------------------------------------------------------
+
+QUICKSTART_VERSION = 1
+QUICKSTART_SEED = 4242
+QUICKSTART_TRAIN_PEOPLE = 3000
+QUICKSTART_TEST_PEOPLE = 200
+QUICKSTART_RELATIONS: dict[str, tuple[str, ...]] = {
+    "job": ("painter", "farmer", "sailor", "poet", "doctor", "baker", "singer", "teacher", "miner", "weaver",
+            "hunter", "tailor", "potter", "smith", "judge", "nurse", "pilot", "dancer", "writer", "cook"),
+    "pet": ("cat", "dog", "goat", "horse", "rabbit", "parrot", "mouse", "snake", "turtle", "pig",
+            "duck", "lamb", "fox", "owl", "frog", "crow", "bee", "hen", "fish", "wolf"),
+    "color": ("red", "blue", "green", "black", "white", "yellow", "orange", "purple", "brown", "pink",
+              "gray", "silver", "gold", "violet", "amber", "teal", "cyan", "olive", "navy", "ivory"),
+}
+
+
+def quickstart_world(seed: int = QUICKSTART_SEED) -> tuple[list[dict[str, object]], list[dict[str, object]],
+                                                            list[dict[str, object]]]:
+    """(corpus, train, test) rows of the quickstart world; test people never appear in train questions."""
+    rng = random.Random(seed)
+    names = _Names(rng)
+    n = QUICKSTART_TRAIN_PEOPLE + QUICKSTART_TEST_PEOPLE
+    people = [names.make(rng.choice((2, 2, 3))) for _ in range(n)]
+    facts = [{rel: rng.choice(vals) for rel, vals in QUICKSTART_RELATIONS.items()} for _ in people]
+    corpus: list[dict[str, object]] = []
+    for i, (p, f) in enumerate(zip(people, facts, strict=True)):
+        text = f"{p}: " + ", ".join(f"{rel} {f[rel]}" for rel in QUICKSTART_RELATIONS) + "."
+        corpus.append({"id": str(i), "contents": f'"{p}"\n{text}'})
+
+    def q(i: int, rel: str) -> dict[str, object]:
+        return {"question": f"What is the {rel} of {people[i]}?", "answers": [facts[i][rel]],
+                "meta": {"hops": 1, "relation": rel, "entity": people[i], "docs": [str(i)]}}
+
+    rels = list(QUICKSTART_RELATIONS)
+    train = [q(i, rel) for i in range(QUICKSTART_TRAIN_PEOPLE) for rel in rels]
+    test = [q(i, rels[rng.randrange(len(rels))]) for i in range(QUICKSTART_TRAIN_PEOPLE, n)]
+    rng.shuffle(train)
+    rng.shuffle(test)
+    for prefix, rows in (("train", train), ("test", test)):
+        for k, row in enumerate(rows):
+            row["id"] = f"{prefix}-{k:05d}"
+    return corpus, train, test
+
+
+def generate_quickstart(out_dir: Path, seed: int = QUICKSTART_SEED) -> dict[str, int]:
+    """Write the quickstart world's corpus.jsonl, train.jsonl and test.jsonl into `out_dir`."""
+    corpus, train, test = quickstart_world(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _dump(corpus, out_dir / "corpus.jsonl", ("id", "contents"))
+    _dump(train, out_dir / "train.jsonl", ("id", "question", "answers", "meta"))
+    _dump(test, out_dir / "test.jsonl", ("id", "question", "answers", "meta"))
+    return {"documents": len(corpus), "train": len(train), "test": len(test)}
+
+
+WORLDS = ("default", "quickstart")
+
+
+def world_dir(world: str = "default") -> Path:
+    """The data directory of `world`: "default" is the shipped data here; "quickstart" is generated once
+    (deterministic, ~2 MB) into rlf's cache dir (`$RLF_CACHE_DIR`, else ~/.cache/rlf)."""
+    if world == "default":
+        return HERE
+    if world != "quickstart":
+        raise ValueError(f"world must be one of {WORLDS}, got {world!r}")
+    cache = Path(os.environ.get("RLF_CACHE_DIR") or Path.home() / ".cache" / "rlf")
+    out = cache / f"search-world-quickstart-v{QUICKSTART_VERSION}-{QUICKSTART_SEED}"
+    if not (out / "test.jsonl").is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=cache))
+        try:
+            generate_quickstart(tmp)
+            try:
+                os.replace(tmp, out)  # atomic; fails if another process won the race (then its copy is used)
+            except OSError:
+                if not (out / "test.jsonl").is_file():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def _dump(rows: Sequence[Mapping[str, object]], path: Path, key_order: tuple[str, ...]) -> None:
     with path.open("w", encoding="utf-8") as f:
         for row in rows:
@@ -226,8 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE)
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--check", action="store_true", help="verify that BM25 finds each entity's document")
+    ap.add_argument("--world", choices=WORLDS, default="default")
     args = ap.parse_args(argv)
-    print(json.dumps(generate(args.out, args.seed)))
+    if args.world == "quickstart":
+        seed = QUICKSTART_SEED if args.seed == SEED else args.seed
+        print(json.dumps(generate_quickstart(args.out, seed)))
+    else:
+        print(json.dumps(generate(args.out, args.seed)))
     if args.check:
         stats = check(args.out)
         print(json.dumps(stats))
