@@ -30,6 +30,7 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from rlf_envs.retrieval import build_index, load_index  # noqa: E402
+from rlf_envs.retrieval._deps import set_threads  # noqa: E402
 from servers.retrieval.process import ServerProcess  # noqa: E402
 
 DATA = ROOT / "rlf_envs" / "src" / "rlf_envs" / "data" / "search"
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--topk", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per level")
     ap.add_argument("--max-wait-ms", type=float, default=2.0, help="server micro-batch wait")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="encoder/faiss CPU threads, the same for in-process and server (0: library default)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
     args = ap.parse_args(argv)
     levels = [int(c) for c in args.clients.split(",")]
@@ -147,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             index_dir = Path(tmp) / f"{args.kind}-index"
             print(f"building a {args.kind} index of the shipped corpus ...", file=sys.stderr)
             build_index(DATA / "corpus.jsonl", index_dir, kind=args.kind, show_progress=False)
+        set_threads(args.threads)
         base = inprocess(index_dir, questions, batch, args.topk, args.seconds)
         rows = [base]
-        with ServerProcess(index_dir, ["--max-wait-ms", str(args.max_wait_ms)], start_timeout_s=120) as srv:
+        srv_args = ["--max-wait-ms", str(args.max_wait_ms), "--threads", str(args.threads)]
+        with ServerProcess(index_dir, srv_args, start_timeout_s=120) as srv:
             for clients in levels:
                 before = asyncio.run(_health(srv.url))
                 row = asyncio.run(_server_level(srv.url, questions, clients, args.topk, args.seconds))

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rlf_envs.retrieval import RetrievalError, build_index
+from rlf_envs.retrieval._deps import set_threads
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=512, help="max queries per micro-batch")
     s.add_argument("--max-wait-ms", type=float, default=2.0, help="max wait for a micro-batch to fill")
     s.add_argument("--device", default=None, help="encoder device (default: cuda if available, else cpu)")
+    s.add_argument("--threads", type=int, default=0, help="CPU threads for encoder + faiss (0: library default)")
     gpu = s.add_mutually_exclusive_group()
     gpu.add_argument("--gpu", dest="use_gpu", action="store_true", default=None, help="require faiss on GPU")
     gpu.add_argument("--no-gpu", dest="use_gpu", action="store_false", help="keep faiss on CPU")
@@ -70,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"built {m.kind} index of {m.count} documents in {args.out}")
             return 0
         from servers.retrieval.app import Limits, serve
+
+        set_threads(args.threads)
 
         for name in ("max_queries", "max_topk", "max_body_bytes", "max_query_chars", "max_batch"):
             if getattr(args, name) < 1:

@@ -48,3 +48,23 @@ def offline_env() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+
+def set_threads(n: int) -> None:
+    """Cap the encoder's (torch) and faiss's CPU threads at `n` for this process (n <= 0: leave defaults).
+
+    On a box shared with rollouts or training, spinning OpenMP threads oversubscribe the cores: one
+    MiniLM query took 460 ms with 2 threads vs 16 ms with 1 on a loaded 2-core machine.
+    """
+    if n <= 0:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(n)
+    if importlib.util.find_spec("faiss") is not None:
+        import faiss
+
+        faiss.omp_set_num_threads(n)
