@@ -330,3 +330,31 @@ def test_http_tool_rejects_bad_config() -> None:
         HTTPTool("x", "ftp://host/")
     with pytest.raises(ValueError, match="GET or POST"):
         HTTPTool("x", "http://127.0.0.1/", method="DELETE")
+
+
+def test_deadline_wheel_times_out_and_keeps_outside_cancellation() -> None:
+    from rlf_envs.tools.deadlines import DeadlineWheel
+
+    async def scenario() -> None:
+        wheel = DeadlineWheel(resolution_s=0.01)
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            async with wheel.deadline(0.05):
+                await asyncio.sleep(5)
+        assert 0.04 < time.perf_counter() - t0 < 0.5
+
+        async with wheel.deadline(0.05):  # finishes in time: no TimeoutError, later nothing fires on it
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.08)
+
+        async def outer() -> None:
+            async with wheel.deadline(10):
+                await asyncio.sleep(5)
+
+        task = asyncio.create_task(outer())
+        await asyncio.sleep(0.01)
+        task.cancel()  # a cancellation from outside stays a cancellation
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(scenario())

@@ -17,6 +17,7 @@ import jsonschema
 import pydantic
 
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolCrashed, ToolError
+from rlf_envs.tools.deadlines import DeadlineWheel
 from rlf_envs.tools.limits import Limiter
 from rlf_envs.types import ToolCall, ToolResult, ToolStatus
 
@@ -119,6 +120,7 @@ class ToolCaller:
             self.tools[t.name] = t
         self.metrics = CallerMetrics()
         self._global = Limiter(self.config.max_concurrency)
+        self._deadlines = DeadlineWheel()
         self._validators: dict[str, jsonschema.protocols.Validator] = {}
 
     def _validate(self, tool: Tool, arguments: object) -> str | None:
@@ -138,12 +140,11 @@ class ToolCaller:
 
     async def _attempt(self, tool: Tool, call: ToolCall, deadline: float) -> str:
         sem = tool.concurrency_gate()
-        async with asyncio.timeout(deadline):
-            async with self._global:
-                if sem is None:
-                    return await tool.call(call.arguments)
-                async with sem:
-                    return await tool.call(call.arguments)
+        async with self._deadlines.deadline(deadline), self._global:
+            if sem is None:
+                return await tool.call(call.arguments)
+            async with sem:
+                return await tool.call(call.arguments)
 
     async def call(self, call: ToolCall) -> ToolResult:
         """Run one call; always returns a ToolResult (never raises for the tool's faults)."""
