@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from rlf_envs.rewards.common import ConfiguredVerifier
+from rlf_envs.rewards.common import ConfiguredVerifier, LoopSemaphore
 from rlf_envs.rewards.config import BuildContext, VerifierConfig, register_verifier
 from rlf_envs.types import Score, Task, Trajectory
 
@@ -242,21 +242,14 @@ class CodeVerifier(ConfiguredVerifier[CodeConfig]):
 
     def __init__(self, config: CodeConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self._sem: asyncio.Semaphore | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _semaphore(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if self._sem is None or self._loop is not loop:
-            self._sem, self._loop = asyncio.Semaphore(self.cfg.max_concurrency), loop
-        return self._sem
+        self._gate = LoopSemaphore(self.cfg.max_concurrency)
 
     async def score(self, trajectory: Trajectory, task: Task) -> Score:
         c = self.cfg
         tests = _tests_of(task.meta.get(c.tests_key) if c.tests_key else task.ground_truth, task.id)
         if trajectory.answer is None or not extract_code(trajectory.answer).strip():
             return self.result(0.0, {"no_answer": 1.0})
-        async with self._semaphore():
+        async with self._gate.get():
             out = await run_sandboxed(
                 extract_code(trajectory.answer), tests, python=c.python, timeout_s=c.timeout_s, cpu_s=c.cpu_s,
                 memory_mb=c.memory_mb, file_mb=c.file_mb, max_output_bytes=c.max_output_bytes,

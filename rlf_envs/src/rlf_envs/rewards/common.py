@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -38,6 +39,21 @@ class ConfiguredVerifier(Verifier, Generic[CfgT]):
         if extra:
             info.update({f"{self.name}/{k}": float(v) for k, v in extra.items()})
         return Score(float(value), per_turn=per_turn, info=info)
+
+
+class LoopSemaphore:
+    """An asyncio.Semaphore per event loop (a verifier may be used from several loops over its life)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._sem: asyncio.Semaphore | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def get(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if self._sem is None or self._loop is not loop:
+            self._sem, self._loop = asyncio.Semaphore(self.limit), loop
+        return self._sem
 
 
 def action_texts(trajectory: Trajectory) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from rlf_envs.rewards.common import ConfiguredVerifier
+from rlf_envs.rewards.common import ConfiguredVerifier, LoopSemaphore
 from rlf_envs.rewards.config import BuildContext, VerifierConfig, register_verifier
 from rlf_envs.types import Score, Task, Trajectory
 
@@ -152,18 +152,11 @@ class SqlVerifier(ConfiguredVerifier[SqlConfig]):
 
     def __init__(self, config: SqlConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
-        self._sem: asyncio.Semaphore | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def _semaphore(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if self._sem is None or self._loop is not loop:
-            self._sem, self._loop = asyncio.Semaphore(self.cfg.max_concurrency), loop
-        return self._sem
+        self._gate = LoopSemaphore(self.cfg.max_concurrency)
 
     async def _run(self, db: str, sql: str) -> list[tuple[Any, ...]]:
         c = self.cfg
-        async with self._semaphore():
+        async with self._gate.get():
             return await asyncio.to_thread(
                 run_readonly_query, db, sql, timeout_s=c.timeout_s, max_rows=c.max_rows,
                 max_value_bytes=c.max_value_bytes,
