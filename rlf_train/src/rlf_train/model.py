@@ -188,8 +188,7 @@ def write_tokenizer_text(out: Path = TOKENIZER_TEXT) -> Path:
 
 QUICKSTART_TOKENIZER_FILE = ASSETS / "quickstart_tokenizer.json"
 # the short instruction of configs/quickstart.yaml (fewer tokens per step on CPU)
-QUICKSTART_INSTRUCTION = ("Answer the question. Search with <search> query </search>; results appear in "
-                          "<information> </information>. Answer with <answer> answer </answer>. Question: {question}\n")
+QUICKSTART_INSTRUCTION = "Question: {question}\n"
 
 
 def quickstart_tokenizer_text() -> list[str]:
@@ -202,14 +201,13 @@ def quickstart_tokenizer_text() -> list[str]:
 
     lines: list[str] = [search_r1.SEARCH_R1_INSTRUCTION.replace("{question}", "").strip(),
                         search_r1.CORRECTION.replace("{why}", "").strip()]
-    lines.extend([QUICKSTART_INSTRUCTION.replace("{question}", "").strip()] * 1000)  # weight: it prefixes every prompt
     d = world_dir("quickstart")
     for raw in (d / "corpus.jsonl").read_text(encoding="utf-8").splitlines():
         title, _, text = json.loads(raw)["contents"].partition("\n")
         lines.append(f"<information>Doc 1(Title: {title}) {text}</information>")  # as the env renders a hit
     for raw in (d / "train.jsonl").read_text(encoding="utf-8").splitlines():
         rec = json.loads(raw)
-        lines.append(rec["question"])
+        lines.append(QUICKSTART_INSTRUCTION.format(question=rec["question"]).strip())
         lines.extend(f"<answer> {a}</answer>" for a in rec["answers"])
         lines.append(f"<search> {rec['meta']['entity']}</search>")
     return lines

@@ -2,10 +2,11 @@
 token mode, then cross-entropy on the policy tokens (loss_mask = 1) only.
 
 The scripted demonstrator for search-style envs: with probability `p_no_search` it answers at once
-with a guess (another task's answer); with `p_wrong_query` it searches for another task's subject and
-answers what that search would support; otherwise it searches for the task's subject and answers
-correctly. Imitation alone therefore plateaus well below what always searching reaches; GRPO has
-to discover that searching (with the right query) is what earns reward.
+with a guess (another task's answer, of the same `meta.relation` when tasks name one); with
+`p_wrong_query` it searches for another task's subject and answers what that search would support;
+otherwise it searches for the task's subject and answers correctly. Imitation alone therefore plateaus
+well below what always searching reaches; GRPO has to discover that searching (with the right query)
+is what earns reward.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def scripted_demos(tasks: Sequence[Task], n: int, fmt_name: str, p_no_search: fl
         gold = task.gold_answers[0] if task.gold_answers else ""
         j = rng.randrange(len(tasks) - 1)
         j = j + 1 if j >= i else j
+        rel = (task.meta or {}).get("relation")
+        if rel is not None:  # a plausible guess: another answer to the same relation, when tasks name one
+            for _ in range(20):  # (if 20 draws miss, the last draw is kept: still a guess)
+                if (tasks[j].meta or {}).get("relation") == rel and j != i:
+                    break
+                j = rng.randrange(len(tasks))
         other = tasks[j]
         other_gold = other.gold_answers[0] if other.gold_answers else ""
         u = rng.random()

@@ -9,11 +9,10 @@ so no model can know a fact without searching. Documents are one or two regular 
 answer is a single word. See README.md next to this file.
 
 The `quickstart` world (not shipped: generated deterministically at first use into rlf's cache dir,
-see `world_dir`) is built for training tiny policies on CPU: 3,200 invented people with one short
-document each (`Name: job painter, pet goat, color red.`, the relation word right before its value,
-answers from small closed vocabularies), 9,000 single-hop train questions about 3,000 of them and
-200 test questions about the other 200, whose facts never appear in a train question. Memorising
-train answers is useless on the test split; reading the retrieved document is what pays.
+see `world_dir`) is built for training tiny policies on CPU: 9,200 invented people, each with one fact
+(job, pet or color, from 20-word vocabularies) in one short document (`Name: job painter.`) and one
+question; 9,000 train questions and 200 test questions about people who never appear in train.
+Memorising train answers is useless on the test split; reading the retrieved document is what pays.
 """
 
 from __future__ import annotations
@@ -195,9 +194,9 @@ def questions(w: World, rng: random.Random) -> tuple[list[dict[str, object]], li
 
 # -- the quickstart world ---------------------------------------------------------------------------
 
-QUICKSTART_VERSION = 1
+QUICKSTART_VERSION = 2
 QUICKSTART_SEED = 4242
-QUICKSTART_TRAIN_PEOPLE = 3000
+QUICKSTART_TRAIN_PEOPLE = 9000
 QUICKSTART_TEST_PEOPLE = 200
 QUICKSTART_RELATIONS: dict[str, tuple[str, ...]] = {
     "job": ("painter", "farmer", "sailor", "poet", "doctor", "baker", "singer", "teacher", "miner", "weaver",
@@ -211,28 +210,26 @@ QUICKSTART_RELATIONS: dict[str, tuple[str, ...]] = {
 
 def quickstart_world(seed: int = QUICKSTART_SEED) -> tuple[list[dict[str, object]], list[dict[str, object]],
                                                             list[dict[str, object]]]:
-    """(corpus, train, test) rows of the quickstart world; test people never appear in train questions."""
+    """(corpus, train, test) rows of the quickstart world: one person, one fact, one document, one question;
+    the test people never appear in train questions."""
     rng = random.Random(seed)
     names = _Names(rng)
     n = QUICKSTART_TRAIN_PEOPLE + QUICKSTART_TEST_PEOPLE
-    people = [names.make(rng.choice((2, 2, 3))) for _ in range(n)]
-    facts = [{rel: rng.choice(vals) for rel, vals in QUICKSTART_RELATIONS.items()} for _ in people]
-    corpus: list[dict[str, object]] = []
-    for i, (p, f) in enumerate(zip(people, facts, strict=True)):
-        text = f"{p}: " + ", ".join(f"{rel} {f[rel]}" for rel in QUICKSTART_RELATIONS) + "."
-        corpus.append({"id": str(i), "contents": f'"{p}"\n{text}'})
-
-    def q(i: int, rel: str) -> dict[str, object]:
-        return {"question": f"What is the {rel} of {people[i]}?", "answers": [facts[i][rel]],
-                "meta": {"hops": 1, "relation": rel, "entity": people[i], "docs": [str(i)]}}
-
     rels = list(QUICKSTART_RELATIONS)
-    train = [q(i, rel) for i in range(QUICKSTART_TRAIN_PEOPLE) for rel in rels]
-    test = [q(i, rels[rng.randrange(len(rels))]) for i in range(QUICKSTART_TRAIN_PEOPLE, n)]
+    corpus: list[dict[str, object]] = []
+    rows: list[dict[str, object]] = []
+    for i in range(n):
+        p = names.make(rng.choice((2, 2, 3)))
+        rel = rels[i % len(rels)]
+        value = rng.choice(QUICKSTART_RELATIONS[rel])
+        corpus.append({"id": str(i), "contents": f'"{p}"\n{p}: {rel} {value}.'})
+        rows.append({"question": f"What is the {rel} of {p}?", "answers": [value],
+                     "meta": {"hops": 1, "relation": rel, "entity": p, "docs": [str(i)]}})
+    train, test = rows[:QUICKSTART_TRAIN_PEOPLE], rows[QUICKSTART_TRAIN_PEOPLE:]
     rng.shuffle(train)
     rng.shuffle(test)
-    for prefix, rows in (("train", train), ("test", test)):
-        for k, row in enumerate(rows):
+    for prefix, split in (("train", train), ("test", test)):
+        for k, row in enumerate(split):
             row["id"] = f"{prefix}-{k:05d}"
     return corpus, train, test
 
@@ -252,7 +249,7 @@ WORLDS = ("default", "quickstart")
 
 def world_dir(world: str = "default") -> Path:
     """The data directory of `world`: "default" is the shipped data here; "quickstart" is generated once
-    (deterministic, ~2 MB) into rlf's cache dir (`$RLF_CACHE_DIR`, else ~/.cache/rlf)."""
+    (deterministic, ~2.5 MB) into rlf's cache dir (`$RLF_CACHE_DIR`, else ~/.cache/rlf)."""
     if world == "default":
         return HERE
     if world != "quickstart":
