@@ -328,3 +328,34 @@ def test_vector_env_rejects_bad_input() -> None:
     env.reset()
     with pytest.raises(TypeError, match="takes str actions"):
         env.step(3)
+
+
+def test_vector_step_pauses_gc_only_during_the_batch() -> None:
+    import gc
+
+    from rlf_envs import runtime
+
+    seen: list[bool] = []
+
+    @tool
+    async def probe() -> str:
+        """Report whether the GC is enabled."""
+        seen.append(gc.isenabled())
+        return "ok"
+
+    venv = ToolVectorEnv(num_envs=2, tools=[probe], tasks=TASKS)
+    venv.reset(seed=0)
+    assert gc.isenabled()
+    venv.step([call("probe")] * 2)
+    assert seen == [False, False] and gc.isenabled()  # held during the batch, back on after
+    gc.disable()
+    try:
+        venv.step([call("probe")] * 2)
+        assert not gc.isenabled()  # a GC the user turned off stays off
+    finally:
+        gc.enable()
+    with runtime.paused_gc(), runtime.paused_gc():  # re-entrant
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    seen.clear()
+    ToolVectorEnv(num_envs=1, tools=[probe], tasks=TASKS, pause_gc=False).reset(seed=0)

@@ -40,7 +40,10 @@ class StepResult:
 
 
 class ToolVectorEnv(VectorEnv[Any, Any, Any]):
-    """Vectorised ToolEnv. Pass `env_fns` (callables making ToolEnvs) or `num_envs` + ToolEnv kwargs."""
+    """Vectorised ToolEnv. Pass `env_fns` (callables making ToolEnvs) or `num_envs` + ToolEnv kwargs.
+
+    `pause_gc` (default on) holds Python's cyclic GC while a batch of steps runs; it runs once after.
+    """
 
     def __init__(
         self,
@@ -49,8 +52,10 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
         num_envs: int | None = None,
         env_cls: type[ToolEnv] = ToolEnv,
         autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        pause_gc: bool = True,
         **env_kwargs: Any,
     ) -> None:
+        self.pause_gc = pause_gc  # hold the cyclic GC during a batch of steps (see runtime.paused_gc)
         if env_fns is not None:
             if num_envs is not None and num_envs != len(env_fns):
                 raise ValueError(f"num_envs={num_envs} but {len(env_fns)} env_fns given")
@@ -100,7 +105,11 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
         return {i: StepResult(*r) for i, r in zip(idx, res, strict=True)}
 
     async def _gather(self, idx: list[int], acts: list[Any]) -> list[tuple[Any, float, bool, bool, dict[str, Any]]]:
-        return list(await asyncio.gather(*(self.envs[i].astep(a) for i, a in zip(idx, acts, strict=True))))
+        steps = (self.envs[i].astep(a) for i, a in zip(idx, acts, strict=True))
+        if not self.pause_gc:
+            return list(await asyncio.gather(*steps))
+        with runtime.paused_gc():
+            return list(await asyncio.gather(*steps))
 
     # -- gymnasium VectorEnv API ------------------------------------------------------------------------
     def reset(
