@@ -4,7 +4,8 @@
 
 Part 1: N envs each make one call per turn to a tool that takes `latency` (asyncio.sleep), stepped
 through rlf's vector env (all calls at once) vs the same calls awaited one at a time (the baseline).
-efficiency = tool latency / async turn time (1.0 = zero overhead); overhead per call = (turn - latency) / N.
+efficiency = tool latency / async turn time (median over --turns; 1.0 = zero overhead);
+overhead per call = (turn - latency) / N.
 
 Part 2: an instant tool; whole env steps (parse -> call -> render, text mode) per second through a
 ToolVectorEnv of 64, vs gymnasium's SyncVectorEnv stepping the same ToolEnvs one after another.
@@ -17,6 +18,7 @@ import asyncio
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -57,10 +59,12 @@ def bench_latency(n: int, latency_s: float, turns: int) -> dict[str, float]:
     venv.reset(seed=0)
     actions = [CALL] * n
     venv.step(actions)  # warm-up
-    t0 = time.perf_counter()
+    times = []
     for _ in range(turns):
+        t0 = time.perf_counter()
         venv.step(actions)
-    async_turn = (time.perf_counter() - t0) / turns
+        times.append(time.perf_counter() - t0)
+    async_turn = statistics.median(times)  # robust to a noisy (shared, virtualised) CPU
 
     caller = venv.envs[0].toolbox.caller
 
@@ -78,6 +82,7 @@ def bench_latency(n: int, latency_s: float, turns: int) -> dict[str, float]:
         "envs": n,
         "latency_ms": latency_s * 1e3,
         "turn_seconds_async": async_turn,
+        "turn_seconds_async_mean": statistics.fmean(times),
         "turn_seconds_sequential": seq_turn,
         "speedup": seq_turn / async_turn,
         "efficiency": latency_s / async_turn,
@@ -108,7 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--envs", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--latency-ms", type=float, default=50.0)
-    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--turns", type=int, default=15, help="measured turns (the median turn is reported)")
     ap.add_argument("--step-envs", type=int, default=64)
     ap.add_argument("--step-seconds", type=float, default=3.0)
     ap.add_argument("--json", type=Path, default=None)
