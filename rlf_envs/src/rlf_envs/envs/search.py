@@ -126,6 +126,7 @@ class SearchTool(Tool):
     """`search(query: str, topk: int = 3)` over a backend; idempotent (safe to retry)."""
 
     idempotent = True
+    validates_arguments = True  # `call` checks query/topk itself: the caller skips JSON-Schema validation
 
     def __init__(self, backend: SearchBackend, default_topk: int = DEFAULT_TOPK, max_topk: int = MAX_TOPK) -> None:
         if not 1 <= default_topk <= max_topk:
