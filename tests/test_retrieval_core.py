@@ -369,3 +369,18 @@ def test_shipped_questions_are_answerable_from_the_corpus() -> None:
     train_q = {json.loads(line)["question"] for line in (DATA / "train.jsonl").read_text().splitlines()}
     test_q = {json.loads(line)["question"] for line in (DATA / "test.jsonl").read_text().splitlines()}
     assert not train_q & test_q
+
+
+def test_sparse_topk_matches_full_ranking() -> None:
+    from rlf_envs.retrieval.bm25 import sparse_topk, stable_topk
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        s = np.zeros(n, dtype=np.float32)
+        hits = rng.integers(0, n, size=int(rng.integers(0, n + 1)))
+        s[hits] = rng.choice([0.5, 1.0, 2.0, -1.0], size=len(hits))  # ties, and negatives to exercise fallback
+        for k in (1, 3, 10):
+            a, b = sparse_topk(s, k), stable_topk(s, k)
+            np.testing.assert_array_equal(a[0], b[0])
+            np.testing.assert_array_equal(a[1], b[1])
