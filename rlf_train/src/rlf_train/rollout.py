@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlf_envs import runtime
 from rlf_envs.types import Trajectory
 
 
@@ -139,6 +140,16 @@ def _as_ids(obs: Any) -> list[int]:
     return [int(x) for x in obs]
 
 
+async def _gather(coros: Any) -> list[Any]:
+    return list(await asyncio.gather(*coros))
+
+
+async def _step_envs(envs: Sequence[Any], actions: dict[int, list[int]], active: list[int]) -> list[Any]:
+    """Step the active envs together on rlf's loop (one thread hop per batch, not per env; GC held)."""
+    with runtime.paused_gc():
+        return list(await asyncio.gather(*(envs[i].astep(actions[i]) for i in active)))
+
+
 async def run_episodes(
     envs: Sequence[Any],
     task_indices: Sequence[int],
@@ -161,7 +172,7 @@ async def run_episodes(
     was_training = model.training
     model.eval()
     t = time.perf_counter()
-    resets = await asyncio.gather(*(
+    resets = await runtime.bridge(_gather(
         env.areset(seed=None if seeds is None else int(seeds[i]), options={"task_index": int(ti)})
         for i, (env, ti) in enumerate(zip(envs, task_indices, strict=True))
     ))
@@ -180,7 +191,7 @@ async def run_episodes(
                     stats.gen_tokens += len(o)
             stats.gen_seconds += time.perf_counter() - t
             t = time.perf_counter()
-            results = await asyncio.gather(*(envs[i].astep(actions[i]) for i in active))
+            results = await runtime.bridge(_step_envs(envs, actions, active))
             stats.env_seconds += time.perf_counter() - t
             stats.turns += len(active)
             still = []
