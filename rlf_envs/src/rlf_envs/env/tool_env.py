@@ -23,7 +23,17 @@ from rlf_envs.rewards.base import Verifier
 from rlf_envs.tasks import TaskSource, load_tasks
 from rlf_envs.tools.caller import CallerConfig, truncate
 from rlf_envs.tools.toolbox import MCPSource, Toolbox, ToolLike, shared_toolbox
-from rlf_envs.types import ActionKind, EndReason, Score, Task, ToolResult, Trajectory, Turn, TurnStats
+from rlf_envs.types import (
+    ActionKind,
+    EndReason,
+    Score,
+    Task,
+    ToolResult,
+    ToolStatus,
+    Trajectory,
+    Turn,
+    TurnStats,
+)
 
 CHARS_PER_TOKEN = 4  # text mode measures budgets in characters / 4
 
@@ -224,7 +234,7 @@ class ToolEnv(gym.Env[Any, Any]):
             st.calls = len(turn.results)
             for r in turn.results:
                 st.errors += not r.ok
-                st.timeouts += r.status.value == "timeout"
+                st.timeouts += r.status is ToolStatus.TIMEOUT
                 st.truncated += r.truncated
             obs_text = self.format.render_observation(text, turn.results)
         elif parsed.kind is ActionKind.INVALID:

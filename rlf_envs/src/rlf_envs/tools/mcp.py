@@ -307,11 +307,7 @@ async def open_mcp_tools(config: str | os.PathLike[str] | dict[str, Any] | MCPCo
 
 def mcp_tools(config: str | os.PathLike[str] | dict[str, Any] | MCPConfig) -> list[MCPTool]:
     """Synchronous `open_mcp_tools` (from code that is not on an event loop)."""
-    return runtime.run(_open_sync(config))
-
-
-async def _open_sync(config: Any) -> list[MCPTool]:
-    return await open_mcp_tools(config)
+    return runtime.run(open_mcp_tools(config))
 
 
 async def close_mcp_servers() -> None:
