@@ -231,6 +231,28 @@ def test_token_mode_never_retokenises_policy_ids() -> None:
     assert info["trajectory"].token_ids[-len(odd):] == odd
 
 
+def test_tokenizer_adapter_caches_and_batches_without_changing_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlf_envs.env import tokens
+    from rlf_envs.env.tokens import TokenizerAdapter
+
+    tok = make_tokenizer()
+    a = TokenizerAdapter.shared(tok)
+    assert TokenizerAdapter.shared(tok) is a and TokenizerAdapter.shared(make_tokenizer()) is not a
+    texts = ["Say alpha", "<tool_response> beta ✓", "", "Say alpha", "x" * 5000, "gamma\n\n"]
+    want = [tok.encode(t, add_special_tokens=False).ids for t in texts]
+    assert [a.encode(t) for t in texts] == want
+    assert a.encode_batch(texts) == want
+    assert TokenizerAdapter(tok).encode_batch(texts) == want  # fresh cache: all through one batched call
+    got = a.encode("Say alpha")
+    got.append(-1)  # callers may extend what they get: the cache must not change
+    assert a.encode("Say alpha") == want[0]
+    assert "x" * 5000 not in a._cache  # long texts are not kept
+    monkeypatch.setattr(tokens, "ENCODE_CACHE_SIZE", 3)
+    for i in range(10):
+        assert a.encode(f"Say {i}") == tok.encode(f"Say {i}", add_special_tokens=False).ids
+    assert len(a._cache) <= 3
+
+
 def test_rlf_envs_imports_no_torch() -> None:
     code = ("import sys, rlf_envs, rlf_envs.rewards, rlf_envs.tasks, rlf_envs.formats, rlf_envs.tools; "
             "import gymnasium as gym; gym.make('rlf/Calculator-v0'); "
@@ -313,6 +335,63 @@ def test_async_api_steps_only_active_envs_and_slow_env_does_not_stall() -> None:
         assert venv.active == [0, 1, 3]
 
     asyncio.run(scenario())  # a foreign event loop: calls hop onto rlf's loop
+
+
+@pytest.mark.parametrize("token_mode", [True, False], ids=["tokens", "text"])
+def test_batched_vector_step_equals_stepping_each_env_alone(token_mode: bool) -> None:
+    """astep_active runs a step phase by phase for the whole batch (one gather for tool calls, one tokenizer
+    call): every return value and the whole trajectory must equal what each env's own astep gives."""
+    tok = make_tokenizer() if token_mode else None
+
+    class Custom(ToolEnv):  # overrides astep: a batch holding it is stepped env by env
+        async def astep(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+            return await super().astep(action)
+
+    script = [  # per env: its turns
+        [call("echo", text="alpha"), ANSWER.format("alpha")],
+        [call("broken"), "no tags at all", ANSWER.format("wrong")],
+        [call("echo", text="x y " * 600), call("echo", text="y")],  # hits the total-token budget
+        [ANSWER.format("gamma")],
+        [call("echo", text="a"), call("echo", text="b"), call("echo", text="c")],  # max_turns
+        ['<tool_call>\n{"name": "echo", "arguments": {"text": 1}}\n</tool_call><|im_end|>', ANSWER.format("beta")],
+    ]
+    kw: dict[str, Any] = dict(tools=[echo, broken], tasks=TASKS, tokenizer=tok, max_turns=3, max_total_tokens=1200,
+                          max_obs_tokens=1000)
+
+    def enc(text: str) -> Any:
+        return tok.encode(text, add_special_tokens=False).ids if tok is not None else text
+
+    def run(batched: bool, custom_at: int | None) -> list[list[Any]]:
+        venv = ToolVectorEnv([(lambda k=k: (Custom if k == custom_at else ToolEnv)(**kw)) for k in range(len(script))])
+
+        async def go() -> list[list[Any]]:
+            await venv.areset_envs({k: {"task_index": k % 3} for k in range(len(script))})
+            log: list[list[Any]] = [[] for _ in script]
+            for turn in range(3):
+                acts = {k: enc(t[turn]) for k, t in enumerate(script) if turn < len(t) and not venv.envs[k].done}
+                if batched:
+                    res = await venv.astep_active(acts)
+                    out = {k: (r.obs, r.reward, r.terminated, r.truncated, r.info) for k, r in res.items()}
+                else:
+                    out = {k: await venv.envs[k].astep(a) for k, a in acts.items()}
+                for k, (obs, rew, term, trunc, info) in out.items():
+                    obs = obs.tolist() if isinstance(obs, np.ndarray) else obs
+                    info = {key: v for key, v in info.items() if key not in ("trajectory", "turn_stats", "score")}
+                    log[k].append((obs, rew, term, trunc, info))
+            for k, e in enumerate(venv.envs):
+                t = e.trajectory
+                t_turns = [(x.observation, x.reward, x.action_span, x.observation_span, x.stats.calls,
+                            x.stats.errors, [r.content for r in x.results]) for x in t.turns]
+                log[k].append((t.token_ids, t.loss_mask, t.reward, t.end, t.answer, t_turns))
+            return log
+
+        return asyncio.run(go())
+
+    alone = run(False, None)
+    assert run(True, None) == alone
+    assert run(True, 3) == alone
+    assert [row[-1][3] for row in alone] == [EndReason.ANSWER, EndReason.ANSWER, EndReason.TOKEN_BUDGET,
+                                              EndReason.ANSWER, EndReason.MAX_TURNS, EndReason.ANSWER]
 
 
 def test_vector_env_rejects_bad_input() -> None:

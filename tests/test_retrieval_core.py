@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -241,6 +242,47 @@ async def test_batcher_respects_max_batch(bm25: BM25Index) -> None:
 
 
 @pytest.mark.asyncio
+async def test_batcher_searches_identical_queries_once(bm25: BM25Index) -> None:
+    """A GRPO group's samples often issue the same query: one search per distinct query in a batch."""
+    counting = _CountingRetriever(bm25)
+    batcher = MicroBatcher(counting, max_batch=1000, max_wait_s=0.05)
+    titles = _titles()[:5]
+    asks = [([titles[i % 5]], 1 + i % 3) for i in range(40)] + [([titles[0], titles[1], titles[0]], 2)]
+    try:
+        results = await asyncio.gather(*(batcher.search(q, k) for q, k in asks))
+    finally:
+        await batcher.aclose()
+    assert counting.calls == [(5, 3)]
+    for (q, k), got in zip(asks, results, strict=True):
+        assert got == bm25.search_batch(q, k)
+    assert (batcher.stats.queries, batcher.stats.unique_queries) == (43, 5)
+
+
+@pytest.mark.asyncio
+async def test_batcher_flush_when_idle_does_not_wait_out_max_wait(bm25: BM25Index) -> None:
+    """In-process callers are all tasks on the loop: once they have all asked, the batch goes at once."""
+    counting = _CountingRetriever(bm25)
+    batcher = MicroBatcher(counting, max_batch=1000, max_wait_s=5.0, flush_when_idle=True)
+
+    async def ask(t: str) -> list[list[Hit]]:
+        await asyncio.sleep(0)  # callers reach the batcher over a few loop iterations, as env steps do
+        await asyncio.sleep(0)
+        return await batcher.search([t], 2)
+
+    titles = _titles()[:30]
+    try:
+        t0 = time.monotonic()
+        results = await asyncio.gather(*(ask(t) for t in titles))
+        elapsed = time.monotonic() - t0
+        late = await asyncio.wait_for(batcher.search([titles[0]], 2), 1.0)  # a lone caller is not held either
+    finally:
+        await batcher.aclose()
+    assert elapsed < 1.0, elapsed
+    assert counting.calls == [(30, 2), (1, 2)]
+    assert results == [bm25.search_batch([t], 2) for t in titles] and late == results[0]
+
+
+@pytest.mark.asyncio
 async def test_batcher_propagates_errors_and_closes() -> None:
     class Broken:
         def search_batch(self, queries: list[str], topk: int) -> list[list[Hit]]:
@@ -371,16 +413,19 @@ def test_shipped_questions_are_answerable_from_the_corpus() -> None:
     assert not train_q & test_q
 
 
-def test_sparse_topk_matches_full_ranking() -> None:
-    from rlf_envs.retrieval.bm25 import sparse_topk, stable_topk
+def test_bm25_candidates_from_postings_match_a_full_scan(bm25: BM25Index) -> None:
+    """Search reads the nonzero-score docs off the query words' posting lists; the hits must equal a full
+    ranking of every document's score, for single and multi-word queries, stopwords and unknown words."""
+    from rlf_envs.retrieval.bm25 import stable_topk
 
-    rng = np.random.default_rng(0)
-    for _ in range(300):
-        n = int(rng.integers(1, 60))
-        s = np.zeros(n, dtype=np.float32)
-        hits = rng.integers(0, n, size=int(rng.integers(0, n + 1)))
-        s[hits] = rng.choice([0.5, 1.0, 2.0, -1.0], size=len(hits))  # ties, and negatives to exercise fallback
-        for k in (1, 3, 10):
-            a, b = sparse_topk(s, k), stable_topk(s, k)
-            np.testing.assert_array_equal(a[0], b[0])
-            np.testing.assert_array_equal(a[1], b[1])
+    words = " ".join(d["contents"] for d in _docs()[:60]).split()
+    rng = np.random.default_rng(1)
+    queries = [*_titles()[:40], "the of and", "zzqx unknownword", "", "Where was the painter born?"]
+    queries += [" ".join(rng.choice(words, size=int(rng.integers(1, 6)))) for _ in range(60)]
+    for k in (1, 3, 10):
+        got = bm25.search_batch(queries, k)
+        for q, hits in zip(queries, got, strict=True):
+            scores = bm25.scores(q)
+            idx, vals = stable_topk(scores, k)
+            assert [h.document.id for h in hits] == [bm25.docs[int(i)].id for i in idx], q
+            assert [h.score for h in hits] == [float(v) for v in vals], q

@@ -75,7 +75,11 @@ def run(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
             "use the async twins (await env.astep / env.areset) there"
         )
     fut = asyncio.run_coroutine_threadsafe(coro, get_loop())
-    return fut.result(timeout)
+    try:
+        return fut.result(timeout)
+    except BaseException:  # Ctrl-C or a timeout here: do not leave the work running on the loop
+        fut.cancel()
+        raise
 
 
 async def bridge(coro: Coroutine[Any, Any, T]) -> T:

@@ -4,7 +4,6 @@ tool stats (greedy and sampled) on the eval split, as JSON."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from rlf_train.config import ConfigError, TrainConfig, load_config
 from rlf_train.model import load_policy, load_tokenizer
-from rlf_train.rollout import SamplingParams, run_episodes
+from rlf_train.rollout import SamplingParams, rollout
 
 
 def evaluate_policy(cfg: TrainConfig, checkpoint: Path | None) -> dict[str, Any]:
@@ -26,28 +25,23 @@ def evaluate_policy(cfg: TrainConfig, checkpoint: Path | None) -> dict[str, Any]
     model = load_policy(cfg.model, tok, cfg.seed, weights_dir=checkpoint)
     n_env = min(cfg.eval.num_tasks, cfg.rollout.batch_size)
     envs = make_envs(cfg, tok, cfg.env.eval_split, n_env)
-    n_tasks = min(cfg.eval.num_tasks, len(env_tasks(envs[0])))
+    n_tasks = min(cfg.eval.num_tasks, len(env_tasks(envs.envs[0])))
     out: dict[str, Any] = {"checkpoint": str(checkpoint) if checkpoint else None, "split": cfg.env.eval_split,
                            "num_tasks": n_tasks}
     modes = ([("greedy", 0.0)] if cfg.eval.greedy else []) + (
         [("sampled", cfg.eval.temperature)] if cfg.eval.sampled else [])
-    loop = asyncio.new_event_loop()
-    try:
-        for mode, temp in modes:
-            params = SamplingParams(temperature=temp, max_new_tokens=cfg.rollout.max_new_tokens_per_turn)
-            gen = torch.Generator().manual_seed(10_000 + cfg.seed)
-            trajs = []
-            for s in range(0, n_tasks, n_env):
-                idx = list(range(s, min(s + n_env, n_tasks)))
-                tr, _ = loop.run_until_complete(run_episodes(envs[:len(idx)], idx, model, tok, params,
-                                                             seeds=[s + i for i in range(len(idx))],
-                                                             batch_size=cfg.rollout.batch_size, gen=gen))
-                trajs.extend(tr)
-            st = episode_stats(trajs)
-            st["em"] = sum(t.score_info.get("em", t.reward >= 1.0 - 1e-6) for t in trajs) / max(len(trajs), 1)
-            out[mode] = st
-    finally:
-        loop.close()
+    for mode, temp in modes:
+        params = SamplingParams(temperature=temp, max_new_tokens=cfg.rollout.max_new_tokens_per_turn)
+        gen = torch.Generator().manual_seed(10_000 + cfg.seed)
+        trajs = []
+        for s in range(0, n_tasks, n_env):
+            idx = list(range(s, min(s + n_env, n_tasks)))
+            tr, _ = rollout(envs, idx, model, tok, params, seeds=[s + i for i in range(len(idx))],
+                            batch_size=cfg.rollout.batch_size, gen=gen)
+            trajs.extend(tr)
+        st = episode_stats(trajs)
+        st["em"] = sum(t.score_info.get("em", t.reward >= 1.0 - 1e-6) for t in trajs) / max(len(trajs), 1)
+        out[mode] = st
     return out
 
 

@@ -3,7 +3,6 @@ checkpoints, exact resume, metrics (JSONL + TensorBoard [+ W&B]), progress bar a
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import importlib
 import math
@@ -16,20 +15,24 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlf_envs import runtime
+from rlf_envs.env.tool_env import ToolEnv
+from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
 from rlf_train.checkpoint import CheckpointMeta, latest_checkpoint, load_weights, read_checkpoint, save_checkpoint
 from rlf_train.config import TrainConfig, dump_config
 from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters
-from rlf_train.rollout import RolloutStats, SamplingParams, run_episodes
+from rlf_train.rollout import RolloutStats, SamplingParams, rollout
 from rlf_train.sft import demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
 
 SUCCESS_THRESHOLD = 1.0 - 1e-6
 
 
-def make_envs(cfg: TrainConfig, tokenizer: Any, split: str | None, n: int) -> list[Any]:
-    """`n` unwrapped envs from gymnasium.make(cfg.env.id, tokenizer=..., split=..., budgets..., **kwargs)."""
+def make_envs(cfg: TrainConfig, tokenizer: Any, split: str | None, n: int) -> ToolVectorEnv:
+    """A ToolVectorEnv of `n` unwrapped envs from gymnasium.make(cfg.env.id, tokenizer=..., split=...,
+    budgets..., **kwargs)."""
     import gymnasium
 
     for mod in cfg.env.imports:
@@ -47,11 +50,10 @@ def make_envs(cfg: TrainConfig, tokenizer: Any, split: str | None, n: int) -> li
         envs = [gymnasium.make(cfg.env.id, disable_env_checker=True, **kwargs).unwrapped for _ in range(n)]
     except gymnasium.error.Error as e:
         raise ValueError(f"env.id {cfg.env.id!r}: {e}") from None
-    for attr in ("areset", "astep", "trajectory", "format"):
-        if not (hasattr(type(envs[0]), attr) or attr in vars(envs[0])):
-            raise ValueError(f"env.id {cfg.env.id!r} is not an rlf ToolEnv (missing {attr!r}); "
-                             "the local backend needs token-mode async envs")
-    return envs
+    if not isinstance(envs[0], ToolEnv):
+        raise ValueError(f"env.id {cfg.env.id!r} makes a {type(envs[0]).__name__}, not an rlf ToolEnv; the local "
+                         "backend steps token-mode ToolEnvs (subclass rlf_envs.ToolEnv for your own env)")
+    return ToolVectorEnv([(lambda e=e: e) for e in envs])
 
 
 def env_tasks(env: Any) -> list[Any]:
@@ -112,7 +114,6 @@ class Trainer:
             raise ValueError(f"Trainer is the local backend; backend={cfg.backend!r}")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        self.loop = asyncio.new_event_loop()
         self.tokenizer = load_tokenizer(cfg.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.meta: CheckpointMeta | None = None
@@ -151,8 +152,8 @@ class Trainer:
         r = cfg.rollout
         self.n_rollout = r.prompts_per_step * r.samples_per_prompt
         self.train_envs = make_envs(cfg, self.tokenizer, cfg.env.train_split, self.n_rollout)
-        self.train_tasks = env_tasks(self.train_envs[0])
-        self._eval_envs: list[Any] | None = None
+        self.train_tasks = env_tasks(self.train_envs.envs[0])
+        self._eval_envs: ToolVectorEnv | None = None
 
     # ---------------------------------------------------------------- helpers
     def _save(self, name: str, stage: str, step: int, optimizer: torch.optim.Optimizer | None,
@@ -189,25 +190,24 @@ class Trainer:
             self.order_pos += 1
         return out
 
-    def eval_envs(self) -> list[Any]:
+    def eval_envs(self) -> ToolVectorEnv:
         if self._eval_envs is None:
             n = min(self.cfg.eval.num_tasks, self.cfg.rollout.batch_size)
             self._eval_envs = make_envs(self.cfg, self.tokenizer, self.cfg.env.eval_split, n)
         return self._eval_envs
 
-    def rollouts(self, envs: Sequence[Any], task_indices: Sequence[int], params: SamplingParams,
+    def rollouts(self, venv: ToolVectorEnv, task_indices: Sequence[int], params: SamplingParams,
                  seed_base: int, gen: torch.Generator | None) -> tuple[list[Trajectory], RolloutStats]:
         seeds = [seed_base + i for i in range(len(task_indices))]
-        trajs, stats = self.loop.run_until_complete(run_episodes(
-            envs, task_indices, self.model, self.tokenizer, params, seeds=seeds,
-            batch_size=self.cfg.rollout.batch_size, gen=gen))
+        trajs, stats = rollout(venv, task_indices, self.model, self.tokenizer, params, seeds=seeds,
+                               batch_size=self.cfg.rollout.batch_size, gen=gen)
         return [copy.copy(t) for t in trajs], stats
 
     # ---------------------------------------------------------------- eval
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out success/reward/tool stats, greedy and sampled (on `eval.num_tasks` test tasks)."""
         envs = self.eval_envs()
-        n_tasks = min(self.cfg.eval.num_tasks, len(env_tasks(envs[0])))
+        n_tasks = min(self.cfg.eval.num_tasks, len(env_tasks(envs.envs[0])))
         result: dict[str, Any] = {"step": step, "num_tasks": n_tasks}
         modes = []
         if self.cfg.eval.greedy:
@@ -219,9 +219,9 @@ class Trainer:
                                     max_new_tokens=self.cfg.rollout.max_new_tokens_per_turn)
             gen = torch.Generator().manual_seed(10_000 + self.cfg.seed)  # same eval samples at every eval
             trajs: list[Trajectory] = []
-            for s in range(0, n_tasks, len(envs)):
-                idx = list(range(s, min(s + len(envs), n_tasks)))
-                tr, _ = self.rollouts(envs[:len(idx)], idx, params, seed_base=s, gen=gen)
+            for s in range(0, n_tasks, envs.num_envs):
+                idx = list(range(s, min(s + envs.num_envs, n_tasks)))
+                tr, _ = self.rollouts(envs, idx, params, seed_base=s, gen=gen)
                 trajs.extend(tr)
             st = episode_stats(trajs)
             result[mode] = st
@@ -244,14 +244,14 @@ class Trainer:
     # ---------------------------------------------------------------- SFT
     def run_sft(self, progress: Progress) -> None:
         c = self.cfg.sft
-        env = self.train_envs[0]
+        env = self.train_envs.envs[0]
         fmt_name = getattr(env.format, "name", "search_r1")
         if c.demos_path:
             demos = load_demos(c.demos_path)
         else:
             demos = scripted_demos(self.train_tasks, c.num_demos, fmt_name, c.p_no_search, c.p_wrong_query,
                                    seed=self.cfg.seed + 3)
-        trajs = self.loop.run_until_complete(demo_trajectories(env, demos, self.tokenizer))
+        trajs = runtime.run(demo_trajectories(env, demos, self.tokenizer))
         trajs = [copy.copy(t) for t in trajs]
         kinds = {k: sum(d.kind == k for d in demos) / len(demos) for k in {d.kind for d in demos}}
         progress.print(f"SFT: {len(trajs)} demos ({', '.join(f'{k} {v:.0%}' for k, v in sorted(kinds.items()))}), "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -42,6 +43,14 @@ def _default_verifier() -> Verifier:
     from rlf_envs.rewards import ExactMatch
 
     return ExactMatch()
+
+
+@dataclass(slots=True)
+class PendingStep:
+    """A step between its phases: the recorded turn and the policy's text for it."""
+
+    turn: Turn
+    action_text: str
 
 
 class ToolEnv(gym.Env[Any, Any]):
@@ -109,7 +118,7 @@ class ToolEnv(gym.Env[Any, Any]):
         self.max_total_tokens = max_total_tokens
         self.max_obs_tokens = max_obs_tokens
         self.system_prompt = system_prompt
-        self.tok = TokenizerAdapter(tokenizer) if tokenizer is not None else None
+        self.tok = TokenizerAdapter.shared(tokenizer) if tokenizer is not None else None
         if self.tok is None:
             self.observation_space: gym.Space[Any] = AnyText()
             self.action_space: gym.Space[Any] = AnyText()
@@ -206,11 +215,29 @@ class ToolEnv(gym.Env[Any, Any]):
                     r.content = self.tok.decode(ids[:per]) + f"\n...[truncated: {len(ids) - per} more tokens]"
             r.truncated = r.truncated or cut
 
+    # A step in phases, so that ToolVectorEnv can run each phase for a whole batch (one gather for the
+    # tool calls, one batched tokenizer call for the observations): _record (sync) -> _call_tools (async,
+    # only for tool turns) -> _observation_text (sync) -> encode -> _finish (sync) -> _score_end (async,
+    # only when the episode ends). `astep` runs them for one env.
     async def astep(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        st = self._record(*self._decode_action(action))
+        if st.turn.action.kind is ActionKind.TOOL_CALLS:
+            await self._call_tools(st)
+        text = self._observation_text(st)
+        ids = self.tok.encode(text) if self.tok is not None and text else None
+        result = self._finish(st, text, ids)
+        return await self._score_end(result) if self._done else result
+
+    def _decode_action(self, action: Any) -> tuple[str, list[int] | None]:
+        """Check the env can step and convert the action; raises before anything is recorded."""
         if self._done or self._traj is None:
             raise RuntimeError("episode is over: call reset() (or areset()) before step()")
+        return self._action_text(action)
+
+    def _record(self, text: str, ids: list[int] | None) -> PendingStep:
+        """Parse the action and append it (ids with loss mask 1) to the trajectory as a new turn."""
         traj = self._traj
-        text, ids = self._action_text(action)
+        assert traj is not None
         parsed = self.format.parse(text)
         turn = Turn(action=parsed, stats=TurnStats(invalid=parsed.kind is ActionKind.INVALID))
         if ids is not None and traj.token_ids is not None and traj.loss_mask is not None:
@@ -222,46 +249,52 @@ class ToolEnv(gym.Env[Any, Any]):
         else:
             self._n_tokens += -(-len(text) // CHARS_PER_TOKEN)
         traj.turns.append(turn)
+        return PendingStep(turn, text)
 
-        terminated = parsed.kind is ActionKind.ANSWER
-        obs_text = ""
+    async def _call_tools(self, step: PendingStep) -> None:
+        turn = step.turn
+        t0 = time.perf_counter()
+        turn.results = await self.toolbox.call_batch(turn.action.calls)
+        turn.stats.tool_seconds = time.perf_counter() - t0
+        self._cap_results(turn.results)
+        st = turn.stats
+        st.calls = len(turn.results)
+        for r in turn.results:
+            st.errors += not r.ok
+            st.timeouts += r.status is ToolStatus.TIMEOUT
+            st.truncated += r.truncated
+
+    def _observation_text(self, step: PendingStep) -> str:
+        """The text the env answers with ("" when the episode ends here)."""
+        parsed = step.turn.action
+        if parsed.kind is ActionKind.ANSWER or len(self._traj.turns) >= self.max_turns:  # type: ignore[union-attr]
+            return ""
         if parsed.kind is ActionKind.TOOL_CALLS:
-            t0 = time.perf_counter()
-            turn.results = await self.toolbox.call_batch(parsed.calls)
-            turn.stats.tool_seconds = time.perf_counter() - t0
-            self._cap_results(turn.results)
-            st = turn.stats
-            st.calls = len(turn.results)
-            for r in turn.results:
-                st.errors += not r.ok
-                st.timeouts += r.status is ToolStatus.TIMEOUT
-                st.truncated += r.truncated
-            obs_text = self.format.render_observation(text, turn.results)
-        elif parsed.kind is ActionKind.INVALID:
-            obs_text = self.format.render_correction(text, parsed)
-        else:
-            traj.answer = parsed.answer
+            return self.format.render_observation(step.action_text, step.turn.results)
+        return self.format.render_correction(step.action_text, parsed)
 
+    def _finish(
+        self, step: PendingStep, obs_text: str, obs_ids: list[int] | None
+    ) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        """Budgets, end of episode, per-turn reward, the step's return values (before the final score)."""
+        traj = self._traj
+        assert traj is not None
+        turn = step.turn
+        parsed = turn.action
+        terminated = parsed.kind is ActionKind.ANSWER
         truncated = False
-        obs_ids: list[int] = []
-        if not terminated:
-            if len(traj.turns) >= self.max_turns:
-                truncated, traj.end = True, EndReason.MAX_TURNS
-            else:
-                n_obs = (
-                    len(obs_ids := self.tok.encode(obs_text))
-                    if self.tok is not None
-                    else -(-len(obs_text) // CHARS_PER_TOKEN)
-                )
-                if self._n_tokens + n_obs >= self.max_total_tokens:
-                    truncated, traj.end = True, EndReason.TOKEN_BUDGET
-        else:
+        if terminated:
+            traj.answer = parsed.answer
             traj.end = EndReason.ANSWER
-
-        if truncated:
-            obs_text, obs_ids = "", []
+        elif len(traj.turns) >= self.max_turns:
+            truncated, traj.end = True, EndReason.MAX_TURNS
+        else:
+            n_obs = len(obs_ids) if obs_ids is not None else -(-len(obs_text) // CHARS_PER_TOKEN)
+            if self._n_tokens + n_obs >= self.max_total_tokens:
+                truncated, traj.end = True, EndReason.TOKEN_BUDGET
+                obs_text, obs_ids = "", None
         turn.observation = obs_text
-        if traj.token_ids is not None and traj.loss_mask is not None and obs_ids:
+        if obs_ids and traj.token_ids is not None and traj.loss_mask is not None:
             start = len(traj.token_ids)
             traj.token_ids.extend(obs_ids)
             traj.loss_mask.extend([0] * len(obs_ids))
@@ -269,10 +302,8 @@ class ToolEnv(gym.Env[Any, Any]):
             self._n_tokens = len(traj.token_ids)
         elif obs_text:
             self._n_tokens += -(-len(obs_text) // CHARS_PER_TOKEN)
-
         if self.turn_rewarder is not None:
             turn.reward = float(self.turn_rewarder.turn_reward(turn))
-        reward = turn.reward
         info: dict[str, Any] = {
             "turn": len(traj.turns),
             "action_kind": parsed.kind.value,
@@ -284,16 +315,24 @@ class ToolEnv(gym.Env[Any, Any]):
         }
         if terminated or truncated:
             self._done = True
-            score: Score = await runtime.bridge(self.verifier.safe_score(traj, traj.task))
-            traj.reward = score.value
-            traj.score_info = dict(score.info)
-            if score.per_turn:
-                for t, value in zip(traj.turns, score.per_turn, strict=False):
-                    t.reward += value
-            reward += score.value
-            info.update(trajectory=traj, score=score, end_reason=traj.end.value)
-        obs: Any = as_token_array(obs_ids) if self.tok is not None else obs_text
-        return obs, float(reward), terminated, truncated, info
+        obs: Any = as_token_array(obs_ids or []) if self.tok is not None else obs_text
+        return obs, float(turn.reward), terminated, truncated, info
+
+    async def _score_end(
+        self, result: tuple[Any, float, bool, bool, dict[str, Any]]
+    ) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+        """The verifier's score of the finished episode, added to the last step's reward."""
+        traj = self._traj
+        assert traj is not None
+        obs, reward, terminated, truncated, info = result
+        score: Score = await runtime.bridge(self.verifier.safe_score(traj, traj.task))
+        traj.reward = score.value
+        traj.score_info = dict(score.info)
+        if score.per_turn:
+            for t, value in zip(traj.turns, score.per_turn, strict=False):
+                t.reward += value
+        info.update(trajectory=traj, score=score, end_reason=traj.end.value)
+        return obs, reward + score.value, terminated, truncated, info
 
     # -- misc ---------------------------------------------------------------------------------------
     def render(self) -> str | None:

@@ -51,13 +51,16 @@ def _render(hits: Sequence[Any]) -> str:
 
 
 class InProcessBackend:
-    """An index loaded in this process; concurrent searches are micro-batched (one encode + one search)."""
+    """An index loaded in this process; concurrent searches are micro-batched (one encode + one search).
 
-    def __init__(self, index_dir: str | Path, max_wait_s: float = 0.001) -> None:
+    Every caller is a task on rlf's loop, so a batch goes out as soon as the loop has no more
+    requests to add (`flush_when_idle`); `max_wait_s` only bounds that."""
+
+    def __init__(self, index_dir: str | Path, max_wait_s: float = 0.002) -> None:
         from rlf_envs.retrieval import MicroBatcher, load_index
 
         self.index = load_index(index_dir)
-        self.batcher = MicroBatcher(self.index, max_wait_s=max_wait_s)
+        self.batcher = MicroBatcher(self.index, max_wait_s=max_wait_s, flush_when_idle=True)
         runtime.register_closer(self)  # stop the batcher task on rlf's loop at interpreter exit
 
     async def search(self, queries: list[str], topk: int) -> list[list[Any]]:

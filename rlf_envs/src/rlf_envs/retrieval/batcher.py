@@ -4,6 +4,11 @@ Many rollouts each asking for a handful of queries are gathered for at most `max
 from the oldest waiting request) or until `max_batch` queries, then answered by ONE
 `search_batch` call (one encoder pass + one faiss search) in a worker thread, so the event loop
 keeps accepting requests meanwhile. While a batch runs, the next one accumulates.
+
+Identical queries in a batch are searched once (GRPO's G samples of one prompt often issue the same
+query). With `flush_when_idle` (in-process use, where every concurrent caller is a task on the same
+loop) a batch is sent as soon as one loop iteration passes with no new request, instead of waiting
+out `max_wait_s`; a server, whose requests trickle in from sockets, keeps the timed wait.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class BatcherStats:
     queries: int = 0
     requests: int = 0
     max_batch_queries: int = 0
+    unique_queries: int = 0  # queries actually searched (after de-duplication within each batch)
     search_seconds: float = 0.0
 
     @property
@@ -50,7 +56,9 @@ class MicroBatcher:
     once with its largest topk and each request's lists are truncated to its own topk.
     """
 
-    def __init__(self, retriever: Retriever, max_batch: int = 256, max_wait_s: float = 0.002) -> None:
+    def __init__(
+        self, retriever: Retriever, max_batch: int = 256, max_wait_s: float = 0.002, flush_when_idle: bool = False
+    ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         if max_wait_s < 0:
@@ -58,6 +66,7 @@ class MicroBatcher:
         self.retriever = retriever
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
+        self.flush_when_idle = flush_when_idle
         self.stats = BatcherStats()
         self._pending: list[_Pending] = []
         self._wake: asyncio.Event | None = None
@@ -114,23 +123,22 @@ class MicroBatcher:
             self._wake.clear()
             if not self._pending:
                 continue
-            # bounded wait, counted from the oldest request, for more requests to join
-            while self._queued_queries() < self.max_batch:
-                remaining = self._pending[0].arrived + self.max_wait_s - time.monotonic()
-                if remaining <= 0:
-                    break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), remaining)
-                self._wake.clear()
+            await self._gather_more()
             batch = self._take_batch()
             if not batch:
                 continue
             queries = [q for p in batch for q in p.queries]
             topk = max(p.topk for p in batch)
+            unique = list(dict.fromkeys(queries))  # first-seen order
             t0 = time.monotonic()
             self._inflight = batch
             try:
-                results = await loop.run_in_executor(self._executor, self.retriever.search_batch, queries, topk)
+                found = await loop.run_in_executor(self._executor, self.retriever.search_batch, unique, topk)
+                if len(unique) == len(queries):
+                    results = found
+                else:
+                    by_query = dict(zip(unique, found, strict=True))
+                    results = [by_query[q] for q in queries]
             except Exception as e:
                 for p in batch:
                     if not p.future.done():
@@ -142,6 +150,7 @@ class MicroBatcher:
             self.stats.batches += 1
             self.stats.requests += len(batch)
             self.stats.queries += len(queries)
+            self.stats.unique_queries += len(unique)
             self.stats.max_batch_queries = max(self.stats.max_batch_queries, len(queries))
             pos = 0
             for p in batch:
@@ -151,6 +160,24 @@ class MicroBatcher:
                     p.future.set_result([hits[: p.topk] for hits in part])
             if self._pending:
                 self._wake.set()
+
+    async def _gather_more(self) -> None:
+        """Let more requests join the batch: until `max_batch` queries, `max_wait_s` after the oldest
+        request, or (flush_when_idle) the first loop iteration that brings no new request."""
+        assert self._wake is not None
+        while (n := self._queued_queries()) < self.max_batch:
+            remaining = self._pending[0].arrived + self.max_wait_s - time.monotonic()
+            if remaining <= 0:
+                return
+            if self.flush_when_idle:
+                await asyncio.sleep(0)  # one loop iteration: tasks already scheduled reach search()
+                self._wake.clear()
+                if self._queued_queries() == n:
+                    return
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), remaining)
+            self._wake.clear()
 
     async def aclose(self) -> None:
         """Stop the batcher: waiting callers get BatcherClosed, a running search is allowed to finish."""

@@ -7,6 +7,7 @@ corpus costs no Python objects until a document is actually returned.
 
 from __future__ import annotations
 
+import functools
 import json
 import mmap
 from collections.abc import Iterator
@@ -67,6 +68,9 @@ def write_docstore(docs: Iterator[Document], directory: Path) -> int:
     return len(offsets) - 1
 
 
+DOC_CACHE_SIZE = 65536
+
+
 class DocStore:
     """Read-only, memory-mapped access to an index directory's documents by position."""
 
@@ -82,6 +86,8 @@ class DocStore:
             self._file.close()
             raise RetrievalError(f"{docs_path} is {size} bytes but offsets say {int(self._offsets[-1])}: rebuild")
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        # parsed documents of recent hits (Documents are immutable; searches repeat across a GRPO group)
+        self._get = functools.lru_cache(maxsize=DOC_CACHE_SIZE)(self._load)
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -89,6 +95,9 @@ class DocStore:
     def __getitem__(self, i: int) -> Document:
         if not 0 <= i < len(self):
             raise IndexError(i)
+        return self._get(i)
+
+    def _load(self, i: int) -> Document:
         if self._mm is None:
             raise IndexError(i)
         start, end = int(self._offsets[i]), int(self._offsets[i + 1])
@@ -97,9 +106,10 @@ class DocStore:
 
     def __iter__(self) -> Iterator[Document]:
         for i in range(len(self)):
-            yield self[i]
+            yield self._load(i)  # a full pass would only churn the hit cache
 
     def close(self) -> None:
+        self._get.cache_clear()
         if self._mm is not None:
             self._mm.close()
             self._mm = None
