@@ -339,8 +339,9 @@ def test_async_api_steps_only_active_envs_and_slow_env_does_not_stall() -> None:
 
 @pytest.mark.parametrize("token_mode", [True, False], ids=["tokens", "text"])
 def test_batched_vector_step_equals_stepping_each_env_alone(token_mode: bool) -> None:
-    """astep_active runs a step phase by phase for the whole batch (one gather for tool calls, one tokenizer
-    call): every return value and the whole trajectory must equal what each env's own astep gives."""
+    """areset_envs/astep_active run resets and steps phase by phase for the whole batch (one gather for tool
+    calls, one tokenizer call): every return value and the whole trajectory must equal what each env's own
+    areset/astep gives."""
     tok = make_tokenizer() if token_mode else None
 
     class Custom(ToolEnv):  # overrides astep: a batch holding it is stepped env by env
@@ -365,8 +366,14 @@ def test_batched_vector_step_equals_stepping_each_env_alone(token_mode: bool) ->
         venv = ToolVectorEnv([(lambda k=k: (Custom if k == custom_at else ToolEnv)(**kw)) for k in range(len(script))])
 
         async def go() -> list[list[Any]]:
-            await venv.areset_envs({k: {"task_index": k % 3} for k in range(len(script))})
+            opts = {k: {"task_index": k % 3} for k in range(len(script))}
+            if batched:
+                first = await venv.areset_envs(opts, seeds={k: 10 + k for k in opts})
+            else:
+                first = {k: await venv.envs[k].areset(seed=10 + k, options=o) for k, o in opts.items()}
             log: list[list[Any]] = [[] for _ in script]
+            for k, (obs, info) in first.items():
+                log[k].append((obs.tolist() if isinstance(obs, np.ndarray) else obs, info))
             for turn in range(3):
                 acts = {k: enc(t[turn]) for k, t in enumerate(script) if turn < len(t) and not venv.envs[k].done}
                 if batched:

@@ -283,6 +283,36 @@ async def test_batcher_flush_when_idle_does_not_wait_out_max_wait(bm25: BM25Inde
 
 
 @pytest.mark.asyncio
+async def test_batcher_runs_fast_searches_on_the_loop_and_slow_ones_on_its_thread() -> None:
+    import threading
+
+    class Timed:
+        def __init__(self, seconds: float) -> None:
+            self.seconds = seconds
+            self.threads: list[str] = []
+
+        def search_batch(self, queries: list[str], topk: int) -> list[list[Hit]]:
+            self.threads.append(threading.current_thread().name)
+            time.sleep(self.seconds)
+            return [[] for _ in queries]
+
+        def __len__(self) -> int:
+            return 0
+
+    loop_thread = threading.current_thread().name
+    for seconds, want in ((0.0, loop_thread), (0.02, "rlf-retrieval")):
+        r = Timed(seconds)
+        batcher = MicroBatcher(r, max_wait_s=0.0, inline_below_s=0.005)
+        try:
+            for _ in range(4):
+                await asyncio.gather(*(batcher.search([f"q{i}"], 1) for i in range(8)))
+        finally:
+            await batcher.aclose()
+        assert r.threads[0].startswith("rlf-retrieval")  # nothing known yet: the first batch goes to the thread
+        assert all(t.startswith(want) for t in r.threads[1:]), (seconds, r.threads)
+
+
+@pytest.mark.asyncio
 async def test_batcher_propagates_errors_and_closes() -> None:
     class Broken:
         def search_batch(self, queries: list[str], topk: int) -> list[list[Hit]]:

@@ -158,13 +158,19 @@ class ToolEnv(gym.Env[Any, Any]):
         return self.tasks[int(self.np_random.integers(len(self.tasks)))]
 
     def _begin(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
+        task, prompt = self._prepare_episode(seed, options)
+        return self._start_episode(task, prompt, self.tok.encode(prompt) if self.tok is not None else None)
+
+    def _prepare_episode(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Task, str]:
+        """Seed, pick the task and render its prompt (ToolVectorEnv encodes a batch of prompts at once)."""
         super().reset(seed=seed)
         task = self._pick_task(options)
-        prompt = self.format.render_prompt(task, self.toolbox.specs, self.system_prompt)
+        return task, self.format.render_prompt(task, self.toolbox.specs, self.system_prompt)
+
+    def _start_episode(self, task: Task, prompt: str, ids: list[int] | None) -> tuple[Any, dict[str, Any]]:
         traj = Trajectory(task=task, prompt=prompt)
         obs: Any
-        if self.tok is not None:
-            ids = self.tok.encode(prompt)
+        if ids is not None:
             traj.token_ids = list(ids)
             traj.loss_mask = [0] * len(ids)
             self._n_tokens = len(ids)

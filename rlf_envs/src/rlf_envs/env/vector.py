@@ -92,11 +92,20 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
     async def areset_envs(
         self, options: Mapping[int, dict[str, Any] | None], seeds: Mapping[int, int | None] | None = None
     ) -> dict[int, tuple[Any, dict[str, Any]]]:
-        """Reset the given envs (index -> reset options)."""
+        """Reset the given envs (index -> reset options); the prompts are encoded in one tokenizer call."""
+        idx = list(options)
+        seeds = seeds or {}
+        envs = [self.envs[i] for i in idx]
         out: dict[int, tuple[Any, dict[str, Any]]] = {}
-        for i, opt in options.items():
-            out[i] = await self.envs[i].areset(seed=(seeds or {}).get(i), options=opt)
-        self._autoreset[list(options)] = False
+        if any(type(e).areset is not ToolEnv.areset or type(e)._begin is not ToolEnv._begin for e in envs):
+            for i in idx:
+                out[i] = await self.envs[i].areset(seed=seeds.get(i), options=options[i])
+        else:
+            prepared = [e._prepare_episode(seeds.get(i), options[i]) for i, e in zip(idx, envs, strict=True)]
+            ids = _encode_all(envs, [prompt for _, prompt in prepared])
+            for i, e, (task, prompt), p_ids in zip(idx, envs, prepared, ids, strict=True):
+                out[i] = e._start_episode(task, prompt, (p_ids or []) if e.tok is not None else None)
+        self._autoreset[idx] = False
         return out
 
     async def astep_active(self, actions: Mapping[int, Any]) -> dict[int, StepResult]:
@@ -234,8 +243,8 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
 
 
 def _encode_all(envs: list[ToolEnv], texts: list[str]) -> list[list[int] | None]:
-    """Token ids of each env's observation text (None for text mode or no text), one batched tokenizer
-    call per tokenizer instead of one call per env."""
+    """Token ids of each env's text (None for text mode or an empty text), one batched tokenizer call per
+    tokenizer instead of one call per env."""
     out: list[list[int] | None] = [None] * len(envs)
     groups: dict[int, list[int]] = {}
     for k, (e, t) in enumerate(zip(envs, texts, strict=True)):

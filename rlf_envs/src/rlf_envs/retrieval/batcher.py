@@ -9,6 +9,11 @@ Identical queries in a batch are searched once (GRPO's G samples of one prompt o
 query). With `flush_when_idle` (in-process use, where every concurrent caller is a task on the same
 loop) a batch is sent as soon as one loop iteration passes with no new request, instead of waiting
 out `max_wait_s`; a server, whose requests trickle in from sockets, keeps the timed wait.
+
+`inline_below_s`: a batch expected (from recent batches' time per query) to take less than this (a BM25
+index: about a millisecond for 64 queries) is searched on the loop itself; two thread hops and a core
+whose caches are cold cost about as much. Anything slower (a dense encoder) goes to the worker thread,
+so that the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -57,7 +62,12 @@ class MicroBatcher:
     """
 
     def __init__(
-        self, retriever: Retriever, max_batch: int = 256, max_wait_s: float = 0.002, flush_when_idle: bool = False
+        self,
+        retriever: Retriever,
+        max_batch: int = 256,
+        max_wait_s: float = 0.002,
+        flush_when_idle: bool = False,
+        inline_below_s: float = 0.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -67,6 +77,8 @@ class MicroBatcher:
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         self.flush_when_idle = flush_when_idle
+        self.inline_below_s = inline_below_s
+        self._per_query_s: float | None = None  # moving average of search time per query (None: none yet)
         self.stats = BatcherStats()
         self._pending: list[_Pending] = []
         self._wake: asyncio.Event | None = None
@@ -133,7 +145,10 @@ class MicroBatcher:
             t0 = time.monotonic()
             self._inflight = batch
             try:
-                found = await loop.run_in_executor(self._executor, self.retriever.search_batch, unique, topk)
+                if self._per_query_s is not None and self._per_query_s * len(unique) < self.inline_below_s:
+                    found = self.retriever.search_batch(unique, topk)
+                else:
+                    found = await loop.run_in_executor(self._executor, self.retriever.search_batch, unique, topk)
                 if len(unique) == len(queries):
                     results = found
                 else:
@@ -146,7 +161,10 @@ class MicroBatcher:
                 continue
             finally:
                 self._inflight = []
-                self.stats.search_seconds += time.monotonic() - t0
+                took = time.monotonic() - t0
+                self.stats.search_seconds += took
+                per = took / len(unique)
+                self._per_query_s = per if self._per_query_s is None else 0.8 * self._per_query_s + 0.2 * per
             self.stats.batches += 1
             self.stats.requests += len(batch)
             self.stats.queries += len(queries)
