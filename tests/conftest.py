@@ -9,6 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared"
+SEARCH_CORPUS = ROOT / "rlf_envs" / "src" / "rlf_envs" / "data" / "search" / "corpus.jsonl"
 
 
 def _has(module: str) -> bool:
@@ -47,3 +48,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason="slow test: run with RLF_SLOW=1 or --runslow"))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (none visible)"))
+
+
+@pytest.fixture(scope="session")
+def bm25_index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A BM25 index of the shipped search corpus, built once per session. Read-only: tests that rebuild
+    or overwrite an index make their own."""
+    from rlf_envs.retrieval import build_index
+
+    out = tmp_path_factory.mktemp("bm25") / "idx"
+    build_index(SEARCH_CORPUS, out, kind="bm25", show_progress=False)
+    return out

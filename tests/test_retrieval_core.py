@@ -43,10 +43,8 @@ def _titles() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def bm25_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("bm25") / "idx"
-    build_index(CORPUS, out, kind="bm25", show_progress=False)
-    return out
+def bm25_dir(bm25_index_dir: Path) -> Path:
+    return bm25_index_dir
 
 
 @pytest.fixture(scope="module")

@@ -26,10 +26,8 @@ CORPUS = ROOT / "rlf_envs" / "src" / "rlf_envs" / "data" / "search" / "corpus.js
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    out = tmp_path_factory.mktemp("env") / "bm25"
-    build_index(CORPUS, out, kind="bm25", show_progress=False)
-    with ServerProcess(out, ["--max-topk", "5"]) as srv:
+def server(bm25_index_dir: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(bm25_index_dir, ["--max-topk", "5"]) as srv:
         yield srv
 
 

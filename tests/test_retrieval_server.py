@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from rlf_envs.retrieval import BM25Index, build_index, load_index
+from rlf_envs.retrieval import BM25Index, load_index
 from servers.retrieval.app import Limits, RetrieveRequest, parse_request
 from servers.retrieval.process import ROOT, ServerProcess
 
@@ -27,10 +27,8 @@ LIMIT_ARGS = ["--max-queries", "8", "--max-topk", "10", "--max-body-bytes", "409
 
 
 @pytest.fixture(scope="module")
-def index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("srv") / "bm25"
-    build_index(CORPUS, out, kind="bm25", show_progress=False)
-    return out
+def index_dir(bm25_index_dir: Path) -> Path:
+    return bm25_index_dir
 
 
 @pytest.fixture(scope="module")
