@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 
 class DeadlineWheel:
@@ -28,31 +26,51 @@ class DeadlineWheel:
                 self._fired.add(task)
                 task.cancel()
 
-    @asynccontextmanager
-    async def deadline(self, seconds: float) -> AsyncIterator[None]:
+    def deadline(self, seconds: float) -> _Deadline:
         """Like `asyncio.timeout(seconds)` (raises TimeoutError), at `resolution_s` granularity."""
+        return _Deadline(self, seconds)
+
+
+class _Deadline:
+    """`async with wheel.deadline(s):` a class, not a generator-based context manager: it is entered
+    once per tool call."""
+
+    __slots__ = ("key", "seconds", "task", "timeout", "wheel")
+
+    def __init__(self, wheel: DeadlineWheel, seconds: float) -> None:
+        self.wheel = wheel
+        self.seconds = seconds
+        self.task: asyncio.Task[object] | None = None
+        self.timeout: asyncio.Timeout | None = None
+        self.key = 0
+
+    async def __aenter__(self) -> None:
         task = asyncio.current_task()
         if task is None:  # pragma: no cover - always inside a task on a running loop
-            async with asyncio.timeout(seconds):
-                yield
+            self.timeout = asyncio.timeout(self.seconds)
+            await self.timeout.__aenter__()
             return
+        self.task = task
+        w = self.wheel
         loop = asyncio.get_running_loop()
-        key = math.ceil((loop.time() + seconds) / self.resolution_s)
-        bucket = self._buckets.get(key)
+        self.key = key = math.ceil((loop.time() + self.seconds) / w.resolution_s)
+        bucket = w._buckets.get(key)
         if bucket is None:
-            bucket = self._buckets[key] = set()
-            loop.call_at(key * self.resolution_s, self._fire, key)
-        bucket.add(task)  # type: ignore[arg-type]
-        try:
-            yield
-        except asyncio.CancelledError:
-            if task in self._fired:
-                self._fired.discard(task)  # type: ignore[arg-type]
-                if task.uncancel() == 0:
-                    raise TimeoutError from None
-            raise
-        finally:
-            b = self._buckets.get(key)
-            if b is not None:
-                b.discard(task)  # type: ignore[arg-type]
-            self._fired.discard(task)  # type: ignore[arg-type]
+            bucket = w._buckets[key] = set()
+            loop.call_at(key * w.resolution_s, w._fire, key)
+        bucket.add(task)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if self.timeout is not None:  # pragma: no cover
+            await self.timeout.__aexit__(exc_type, exc, tb)  # type: ignore[arg-type]
+            return
+        task, w = self.task, self.wheel
+        assert task is not None
+        b = w._buckets.get(self.key)
+        if b is not None:
+            b.discard(task)
+        fired = task in w._fired
+        w._fired.discard(task)
+        # our timer cancelled the task: that cancellation becomes TimeoutError (unless another is pending)
+        if fired and exc_type is not None and issubclass(exc_type, asyncio.CancelledError) and task.uncancel() == 0:
+            raise TimeoutError from None
