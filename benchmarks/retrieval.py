@@ -102,8 +102,8 @@ async def _server_level(url: str, questions: list[str], clients: int, topk: int,
         async def client(c: int) -> None:
             nonlocal errors, counter
             while time.perf_counter() < stop_at:
+                q = questions[counter % len(questions)]  # every request the next question: no repeats in a batch
                 counter += 1
-                q = questions[(c * 7919 + counter) % len(questions)]
                 t = time.perf_counter()
                 try:
                     ok = await one(q)
@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 row.p99_over_p50 = row.p99_ms / row.p50_ms if row.p50_ms else None
                 nb = after["batches"] - before["batches"]
                 row.mean_server_batch = (after["queries"] - before["queries"]) / nb if nb else None
+                nq = after["queries"] - before["queries"]
+                print(f"  {clients} clients: {after['unique_queries'] - before['unique_queries']} of {nq} queries "
+                      "searched after de-duplication", file=sys.stderr)
                 rows.append(row)
 
     print(f"\nretrieval benchmark ({args.kind}, topk={args.topk}, {os.cpu_count()} CPUs, {args.seconds:g}s per level)")

@@ -141,6 +141,7 @@ async def _health(request: web.Request) -> web.Response:
         count=len(request.app[RETRIEVER]),
         batches=stats.batches,
         queries=stats.queries,
+        unique_queries=stats.unique_queries,  # searched after de-duplicating each batch
         mean_batch_queries=round(stats.mean_batch_queries, 2),
     )
     return web.json_response(body)

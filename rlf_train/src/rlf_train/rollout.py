@@ -117,9 +117,10 @@ def generate(
         done = done | stop.hit(tok, [generated[r] for r in rows], live)
         if step == params.max_new_tokens - 1 or bool(done.all()):
             break
-        if int(done.sum()) * 4 >= len(rows):
+        if int(done.sum()) * 4 >= len(rows) and hasattr(past, "batch_select_indices"):
             # a quarter or more of the batch has finished: keep decoding only the rest (one slow row
-            # no longer makes 63 finished ones run to max_new_tokens)
+            # no longer makes 63 finished ones run to max_new_tokens). Caches without row selection
+            # (some custom model classes) keep the finished rows.
             keep = (~done).nonzero().flatten()
             past.batch_select_indices(keep)
             attn, next_pos, tok, done = attn[keep], next_pos[keep], tok[keep], done[keep]
