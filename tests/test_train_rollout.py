@@ -4,7 +4,11 @@ Greedy decoding of a batch must give, row for row, what decoding each context al
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +17,8 @@ import torch
 from rlf_train.config import load_config
 from rlf_train.model import build_tiny_model, load_tokenizer
 from rlf_train.rollout import SamplingParams, StopChecker, generate, generate_batched, length_buckets
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class StopAfter(StopChecker):
@@ -94,3 +100,21 @@ def test_generate_batched_keeps_context_order(tiny: tuple[torch.nn.Module, Any])
     params = SamplingParams(temperature=0.0, max_new_tokens=4)
     got = generate_batched(model, contexts, params, StopChecker(tok, [], None), 0, None, batch_size=4)
     assert got == _alone(model, tok, contexts, [4] * len(contexts), 4)
+
+
+def test_rollout_benchmark_runs_and_reports_both_workloads(tmp_path: Path) -> None:
+    """benchmarks/rollout.py end to end on a small budget (a random policy: no checkpoint in tmp_path)."""
+    out = tmp_path / "rollout.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "rollout.py"), "--episodes", "32", "--batch", "16",
+         "--set", f"logging.run_dir={tmp_path}/run", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert set(res["workloads"]) == {"grpo", "distinct"} and res["checkpoint"] is None
+    for w in res["workloads"].values():
+        assert w["episodes"] == 32 and w["trajectories_per_s"] > 0
+        assert 0.0 <= w["outside_generation_share"] < 1.0 and w["baseline_generate_only_s"] > 0
+    assert res["workloads"]["grpo"]["group_size"] == 8 and res["workloads"]["distinct"]["group_size"] == 1
+    assert "share of rollout time outside generation" in r.stdout
