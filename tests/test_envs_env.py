@@ -247,6 +247,9 @@ def test_tokenizer_adapter_caches_and_batches_without_changing_ids(monkeypatch: 
     got.append(-1)  # callers may extend what they get: the cache must not change
     assert a.encode("Say alpha") == want[0]
     assert "x" * 5000 not in a._cache  # long texts are not kept
+    padded = make_tokenizer()
+    padded.enable_padding(pad_id=0, pad_token="<|im_start|>")  # as some tokenizer.json files ship
+    assert TokenizerAdapter(padded).encode_batch(texts) == want  # no pad ids in a batch
     monkeypatch.setattr(tokens, "ENCODE_CACHE_SIZE", 3)
     for i in range(10):
         assert a.encode(f"Say {i}") == tok.encode(f"Say {i}", add_special_tokens=False).ids

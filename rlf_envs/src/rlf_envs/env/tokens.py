@@ -88,7 +88,8 @@ class TokenizerAdapter:
         t = self.tokenizer
         if self.is_hf:
             return [tuple(ids) for ids in t(texts, add_special_tokens=False)["input_ids"]]
-        if len(texts) == 1 or not hasattr(t, "encode_batch"):
+        if len(texts) == 1 or not hasattr(t, "encode_batch") or getattr(t, "padding", None) is not None:
+            # a tokenizer.json with padding enabled pads a batch to its longest text: encode one by one
             return [self._encode(x) for x in texts]
         fast = getattr(t, "encode_batch_fast", None)  # tokenizers >= 0.20: no offsets computed
         return [tuple(e.ids) for e in (fast or t.encode_batch)(texts, add_special_tokens=False)]
