@@ -118,3 +118,14 @@ def test_rollout_benchmark_runs_and_reports_both_workloads(tmp_path: Path) -> No
         assert 0.0 <= w["outside_generation_share"] < 1.0 and w["baseline_generate_only_s"] > 0
     assert res["workloads"]["grpo"]["group_size"] == 8 and res["workloads"]["distinct"]["group_size"] == 1
     assert "share of rollout time outside generation" in r.stdout
+
+
+def test_tokenizer_adapter_batches_a_transformers_tokenizer_exactly(tiny: tuple[torch.nn.Module, Any]) -> None:
+    from rlf_envs.env.tokens import TokenizerAdapter
+
+    _model, tok = tiny  # a transformers fast tokenizer
+    texts = ["Question: What is the job of Motodram?\n", "<search> Motodram </search>", "", "é ✓ \n\n x"]
+    a = TokenizerAdapter(tok)
+    assert a.is_hf
+    want = [tok.encode(t, add_special_tokens=False) for t in texts]
+    assert a.encode_batch(texts) == want and [a.encode(t) for t in texts] == want
