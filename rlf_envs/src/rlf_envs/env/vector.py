@@ -9,6 +9,11 @@ has a trainer-facing async API that steps only the envs you give actions to::
 
 All envs share one Toolbox (one caller, one set of MCP servers). A slow tool call only delays its own
 env up to its deadline; the others' results are computed concurrently.
+
+A batch is stepped phase by phase (ToolEnv's `_record` / `_call_tools` / `_observation_text` /
+`_finish` / `_score_end`): one gather for the batch's tool calls, one tokenizer call for its
+observations (and for its prompts on reset), tasks only where something can wait. A batch that holds an
+env overriding `astep` (or `areset`) goes through those methods instead, one env at a time.
 """
 
 from __future__ import annotations
