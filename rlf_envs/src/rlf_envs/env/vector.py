@@ -13,7 +13,7 @@ env up to its deadline; the others' results are computed concurrently.
 A batch is stepped phase by phase (ToolEnv's `_record` / `_call_tools` / `_observation_text` /
 `_finish` / `_score_end`): one gather for the batch's tool calls, one tokenizer call for its
 observations (and for its prompts on reset), tasks only where something can wait. A batch that holds an
-env overriding `astep` (or `areset`) goes through those methods instead, one env at a time.
+env overriding `astep` (or `areset`) goes through those methods instead (steps still concurrently).
 """
 
 from __future__ import annotations
