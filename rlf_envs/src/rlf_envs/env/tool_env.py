@@ -8,6 +8,7 @@ whole episode exactly as the policy saw and produced it, never re-tokenised.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,6 +52,57 @@ class PendingStep:
 
     turn: Turn
     action_text: str
+
+
+StepReturn = tuple[Any, float, bool, bool, dict[str, Any]]
+
+
+def encode_texts(envs: Sequence[ToolEnv], texts: Sequence[str]) -> list[list[int] | None]:
+    """Token ids of each env's text (None for text mode or an empty text), one batched tokenizer call per
+    tokenizer instead of one call per env."""
+    out: list[list[int] | None] = [None] * len(envs)
+    groups: dict[int, list[int]] = {}
+    for k, (e, t) in enumerate(zip(envs, texts, strict=True)):
+        if e.tok is not None and t:
+            groups.setdefault(id(e.tok), []).append(k)
+    for ks in groups.values():
+        tok = envs[ks[0]].tok
+        assert tok is not None
+        for k, ids in zip(ks, tok.encode_batch([texts[k] for k in ks]), strict=True):
+            out[k] = ids
+    return out
+
+
+def start_episodes(
+    envs: Sequence[ToolEnv], seeds: Sequence[int | None], options: Sequence[dict[str, Any] | None]
+) -> list[tuple[Any, dict[str, Any]]]:
+    """Reset each env: seed, pick the task and render the prompt, then encode every prompt in one call."""
+    prepared = [e._prepare_episode(s, o) for e, s, o in zip(envs, seeds, options, strict=True)]
+    ids = encode_texts(envs, [prompt for _, prompt in prepared])
+    return [
+        e._start_episode(task, prompt, (p_ids or []) if e.tok is not None else None)
+        for e, (task, prompt), p_ids in zip(envs, prepared, ids, strict=True)
+    ]
+
+
+async def step_envs(envs: Sequence[ToolEnv], actions: Sequence[Any]) -> list[StepReturn]:
+    """Step each env with its action, phase by phase for the whole batch: _record (sync; every action is
+    checked before any is recorded) -> _call_tools (one gather, tool turns only) -> _observation_text
+    (sync) -> one tokenizer call -> _finish (sync) -> _score_end (one gather, finished episodes only)."""
+    decoded = [e._decode_action(a) for e, a in zip(envs, actions, strict=True)]
+    steps = [e._record(*d) for e, d in zip(envs, decoded, strict=True)]
+    calling = [k for k, st in enumerate(steps) if st.turn.action.kind is ActionKind.TOOL_CALLS]
+    if calling:
+        await asyncio.gather(*(envs[k]._call_tools(steps[k]) for k in calling))
+    texts = [e._observation_text(st) for e, st in zip(envs, steps, strict=True)]
+    ids = encode_texts(envs, texts)
+    results = [e._finish(st, t, i) for e, st, t, i in zip(envs, steps, texts, ids, strict=True)]
+    ending = [k for k, e in enumerate(envs) if e.done]
+    if ending:
+        scored = await asyncio.gather(*(envs[k]._score_end(results[k]) for k in ending))
+        for k, r in zip(ending, scored, strict=True):
+            results[k] = r
+    return results
 
 
 class ToolEnv(gym.Env[Any, Any]):
@@ -158,8 +210,7 @@ class ToolEnv(gym.Env[Any, Any]):
         return self.tasks[int(self.np_random.integers(len(self.tasks)))]
 
     def _begin(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Any, dict[str, Any]]:
-        task, prompt = self._prepare_episode(seed, options)
-        return self._start_episode(task, prompt, self.tok.encode(prompt) if self.tok is not None else None)
+        return start_episodes([self], [seed], [options])[0]
 
     def _prepare_episode(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Task, str]:
         """Seed, pick the task and render its prompt (ToolVectorEnv encodes a batch of prompts at once)."""
@@ -191,7 +242,7 @@ class ToolEnv(gym.Env[Any, Any]):
         return self._begin(seed, options)
 
     # -- step ---------------------------------------------------------------------------------------
-    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+    def step(self, action: Any) -> StepReturn:
         return runtime.run(self.astep(action))
 
     def _action_text(self, action: Any) -> tuple[str, list[int] | None]:
@@ -221,18 +272,10 @@ class ToolEnv(gym.Env[Any, Any]):
                     r.content = self.tok.decode(ids[:per]) + f"\n...[truncated: {len(ids) - per} more tokens]"
             r.truncated = r.truncated or cut
 
-    # A step in phases, so that ToolVectorEnv can run each phase for a whole batch (one gather for the
-    # tool calls, one batched tokenizer call for the observations): _record (sync) -> _call_tools (async,
-    # only for tool turns) -> _observation_text (sync) -> encode -> _finish (sync) -> _score_end (async,
-    # only when the episode ends). `astep` runs them for one env.
-    async def astep(self, action: Any) -> tuple[Any, float, bool, bool, dict[str, Any]]:
-        st = self._record(*self._decode_action(action))
-        if st.turn.action.kind is ActionKind.TOOL_CALLS:
-            await self._call_tools(st)
-        text = self._observation_text(st)
-        ids = self.tok.encode(text) if self.tok is not None and text else None
-        result = self._finish(st, text, ids)
-        return await self._score_end(result) if self._done else result
+    # A step runs in phases (see `step_envs`), so that ToolVectorEnv can run each phase for a whole batch;
+    # `astep` is a batch of one.
+    async def astep(self, action: Any) -> StepReturn:
+        return (await step_envs([self], [action]))[0]
 
     def _decode_action(self, action: Any) -> tuple[str, list[int] | None]:
         """Check the env can step and convert the action; raises before anything is recorded."""
@@ -281,7 +324,7 @@ class ToolEnv(gym.Env[Any, Any]):
 
     def _finish(
         self, step: PendingStep, obs_text: str, obs_ids: list[int] | None
-    ) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+    ) -> StepReturn:
         """Budgets, end of episode, per-turn reward, the step's return values (before the final score)."""
         traj = self._traj
         assert traj is not None
@@ -324,9 +367,7 @@ class ToolEnv(gym.Env[Any, Any]):
         obs: Any = as_token_array(obs_ids or []) if self.tok is not None else obs_text
         return obs, float(turn.reward), terminated, truncated, info
 
-    async def _score_end(
-        self, result: tuple[Any, float, bool, bool, dict[str, Any]]
-    ) -> tuple[Any, float, bool, bool, dict[str, Any]]:
+    async def _score_end(self, result: StepReturn) -> StepReturn:
         """The verifier's score of the finished episode, added to the last step's reward."""
         traj = self._traj
         assert traj is not None

@@ -19,6 +19,7 @@ env overriding `astep` (or `areset`) goes through those methods instead (steps s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,8 +29,7 @@ from gymnasium.spaces import Tuple as TupleSpace
 from gymnasium.vector import AutoresetMode, VectorEnv
 
 from rlf_envs import runtime
-from rlf_envs.env.tool_env import ToolEnv
-from rlf_envs.types import ActionKind
+from rlf_envs.env.tool_env import StepReturn, ToolEnv, start_episodes, step_envs
 
 
 @dataclass(slots=True)
@@ -106,10 +106,8 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
             for i in idx:
                 out[i] = await self.envs[i].areset(seed=seeds.get(i), options=options[i])
         else:
-            prepared = [e._prepare_episode(seeds.get(i), options[i]) for i, e in zip(idx, envs, strict=True)]
-            ids = _encode_all(envs, [prompt for _, prompt in prepared])
-            for i, e, (task, prompt), p_ids in zip(idx, envs, prepared, ids, strict=True):
-                out[i] = e._start_episode(task, prompt, (p_ids or []) if e.tok is not None else None)
+            out = dict(zip(idx, start_episodes(envs, [seeds.get(i) for i in idx], [options[i] for i in idx]),
+                           strict=True))
         self._autoreset[idx] = False
         return out
 
@@ -119,33 +117,14 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
         res = await runtime.bridge(self._gather(idx, [actions[i] for i in idx]))
         return {i: StepResult(*r) for i, r in zip(idx, res, strict=True)}
 
-    async def _gather(self, idx: list[int], acts: list[Any]) -> list[tuple[Any, float, bool, bool, dict[str, Any]]]:
-        if not self.pause_gc:
-            return await self._step_batch(idx, acts)
-        with runtime.paused_gc():
-            return await self._step_batch(idx, acts)
-
-    async def _step_batch(self, idx: list[int], acts: list[Any]) -> list[tuple[Any, float, bool, bool, dict[str, Any]]]:
-        """Step envs idx[k] with acts[k] concurrently, phase by phase for the whole batch (see ToolEnv.astep):
-        tasks only for tool calls and final scores, one tokenizer call for all observations. A batch with
-        an env that overrides `astep` is stepped env by env through `astep`."""
+    async def _gather(self, idx: list[int], acts: list[Any]) -> list[StepReturn]:
+        """Step envs idx[k] with acts[k] concurrently (`step_envs`: phase by phase for the whole batch). A
+        batch with an env that overrides `astep` goes through each env's `astep`."""
         envs = [self.envs[i] for i in idx]
-        if any(type(e).astep is not ToolEnv.astep for e in envs):
-            return list(await asyncio.gather(*(e.astep(a) for e, a in zip(envs, acts, strict=True))))
-        decoded = [e._decode_action(a) for e, a in zip(envs, acts, strict=True)]  # raises before any change
-        steps = [e._record(*d) for e, d in zip(envs, decoded, strict=True)]
-        calling = [k for k, st in enumerate(steps) if st.turn.action.kind is ActionKind.TOOL_CALLS]
-        if calling:
-            await asyncio.gather(*(envs[k]._call_tools(steps[k]) for k in calling))
-        texts = [e._observation_text(st) for e, st in zip(envs, steps, strict=True)]
-        ids = _encode_all(envs, texts)
-        results = [e._finish(st, t, i) for e, st, t, i in zip(envs, steps, texts, ids, strict=True)]
-        ending = [k for k, e in enumerate(envs) if e.done]
-        if ending:
-            scored = await asyncio.gather(*(envs[k]._score_end(results[k]) for k in ending))
-            for k, r in zip(ending, scored, strict=True):
-                results[k] = r
-        return results
+        with runtime.paused_gc() if self.pause_gc else contextlib.nullcontext():
+            if any(type(e).astep is not ToolEnv.astep for e in envs):
+                return list(await asyncio.gather(*(e.astep(a) for e, a in zip(envs, acts, strict=True))))
+            return await step_envs(envs, acts)
 
     # -- gymnasium VectorEnv API ------------------------------------------------------------------------
     def reset(
@@ -245,22 +224,6 @@ class ToolVectorEnv(VectorEnv[Any, Any, Any]):
     def close_extras(self, **kwargs: Any) -> None:
         for e in self.envs:
             e.close()
-
-
-def _encode_all(envs: list[ToolEnv], texts: list[str]) -> list[list[int] | None]:
-    """Token ids of each env's text (None for text mode or an empty text), one batched tokenizer call per
-    tokenizer instead of one call per env."""
-    out: list[list[int] | None] = [None] * len(envs)
-    groups: dict[int, list[int]] = {}
-    for k, (e, t) in enumerate(zip(envs, texts, strict=True)):
-        if e.tok is not None and t:
-            groups.setdefault(id(e.tok), []).append(k)
-    for ks in groups.values():
-        tok = envs[ks[0]].tok
-        assert tok is not None
-        for k, ids in zip(ks, tok.encode_batch([texts[k] for k in ks]), strict=True):
-            out[k] = ids
-    return out
 
 
 def make_tool_vector_env(num_envs: int = 1, env_cls: type[ToolEnv] = ToolEnv, **kwargs: Any) -> ToolVectorEnv:
