@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -180,11 +180,6 @@ class RolloutStats:
     total_seconds: float = 0.0
     gen_tokens: int = 0
     turns: int = 0
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def outside_gen_share(self) -> float:
-        return 1.0 - self.gen_seconds / self.total_seconds if self.total_seconds > 0 else 0.0
 
 
 def _as_ids(obs: Any) -> list[int]:

@@ -52,12 +52,6 @@ class BM25Index:
         from bm25s.stopwords import STOPWORDS_EN
 
         self._stopwords = frozenset(STOPWORDS_EN)
-        m = self._bm25.scores
-        ind, ptr = np.asarray(m["indices"]), np.asarray(m["indptr"])
-        # posting lists sorted by doc (bm25s writes them so): a one-word query needs no np.unique
-        list_start = np.zeros(len(ind), dtype=bool)
-        list_start[ptr[:-1][ptr[:-1] < len(ind)]] = True
-        self._postings_sorted = bool(np.all((np.diff(ind) > 0) | list_start[1:]))
         if len(self.docs) != self.manifest.count:
             raise RetrievalError(
                 f"{self.directory}: manifest says {self.manifest.count} docs, store has {len(self.docs)}"
@@ -71,7 +65,9 @@ class BM25Index:
 
     def scores(self, query: str) -> np.ndarray:
         """BM25 score of every document for `query` (zeros when no query word is in the vocabulary)."""
-        ids = self._query_ids(query)
+        return self._dense_scores(self._query_ids(query))
+
+    def _dense_scores(self, ids: list[int]) -> np.ndarray:
         if not ids:
             return np.zeros(len(self.docs), dtype=np.float32)
         return np.asarray(self._bm25.get_scores_from_ids(ids))
@@ -85,9 +81,11 @@ class BM25Index:
         m = self._bm25.scores
         data, indptr, indices = m["data"], m["indptr"], m["indices"]
         spans = [(int(indptr[i]), int(indptr[i + 1])) for i in ids]
-        if len(spans) == 1 and self._postings_sorted:
+        if len(spans) == 1:
             a, b = spans[0]
-            return indices[a:b], data[a:b]  # 0 + x == x: the same values as the dense sum
+            docs = indices[a:b]
+            if len(docs) < 2 or bool(np.all(docs[1:] > docs[:-1])):  # sorted by doc, as bm25s writes them
+                return docs, data[a:b]  # 0 + x == x: the same values as the dense sum
         flat_docs = np.concatenate([indices[a:b] for a, b in spans])
         flat_vals = np.concatenate([data[a:b] for a, b in spans])
         docs, inverse = np.unique(flat_docs, return_inverse=True)
@@ -108,7 +106,7 @@ class BM25Index:
                 sub, top = stable_topk(vals, k)  # ties by position = by doc index (docs ascend)
                 if top[-1] > 0:
                     return docs[sub], top
-        return stable_topk(self.scores(query), k)
+        return stable_topk(self._dense_scores(ids), k)
 
     def search_batch(self, queries: list[str], topk: int) -> list[list[Hit]]:
         if topk < 1:
