@@ -13,7 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rlf_train",
         description="Train a tool-using LLM policy with RL (GRPO) on an rlf env. "
-        "Backends: local (one process, CPU or one GPU) and openrlhf (not in this build yet).",
+        "Backends: local (one process, CPU or one GPU) and openrlhf (Ray + vLLM + DeepSpeed on GPUs).",
     )
     p.add_argument("--config", type=Path, help="YAML config (see configs/quickstart.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -21,7 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, metavar="RUN_DIR",
                    help="continue the run in RUN_DIR from its latest checkpoint (uses RUN_DIR/config.yaml "
                         "unless --config is given)")
-    p.add_argument("--dry-run", action="store_true", help="validate, print the resolved config and plan, exit")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate, print the resolved config and plan, exit (backend openrlhf: also write the run "
+                        "dir and print the exact OpenRLHF command; needs no GPU and no OpenRLHF)")
     return p
 
 
@@ -56,16 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.resume is not None:
         cfg.logging.run_dir = str(args.resume)
+    if cfg.backend == "openrlhf":
+        return run_openrlhf(cfg, resume=args.resume is not None, dry_run=args.dry_run)
     if args.dry_run:
         print(dump_config(cfg))
         print("plan:\n" + plan(cfg))
-        if cfg.backend == "openrlhf":
-            print("note: backend 'openrlhf' validated, but it is not available in this build yet")
         return 0
-    if cfg.backend == "openrlhf":
-        print("error: backend 'openrlhf' is valid config but not available in this build yet; "
-              "use backend: local", file=sys.stderr)
-        return 2
     from rlf_train.trainer import Trainer
 
     try:
@@ -81,3 +79,27 @@ def main(argv: list[str] | None = None) -> int:
           f"{first.get('success_sampled', float('nan')):.3f} -> {last.get('success_sampled', float('nan')):.3f}; "
           f"see {summary['run_dir']}")
     return 0
+
+
+def run_openrlhf(cfg: TrainConfig, resume: bool, dry_run: bool) -> int:
+    """backend: openrlhf: write the run dir, print the plan, start OpenRLHF (unless dry_run)."""
+    from rlf_train.openrlhf.launcher import COMMAND_FILE, prepare, run
+
+    try:
+        launch = prepare(cfg, resume=resume)
+    except (ConfigError, FileExistsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("plan:\n" + plan(cfg))
+    for note in launch.plan.notes:
+        print(f"note: {note}")
+    print(f"flags: {launch.checked}")
+    print(f"run dir: {launch.run_dir} (command: {launch.run_dir / COMMAND_FILE})")
+    if dry_run:
+        print(launch.script(), end="")
+        return 0
+    try:
+        return run(launch)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

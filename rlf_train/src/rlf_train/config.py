@@ -57,6 +57,8 @@ class EnvConfig(_Section):
 
     id: str = "rlf/Search-v0"
     kwargs: dict[str, Any] = Field(default_factory=dict)
+    eval_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="overrides of kwargs for the eval env, e.g. {tasks: test.parquet}")
     train_split: str = "train"
     eval_split: str = "test"
     imports: list[str] = Field(default_factory=lambda: ["rlf_envs"], description="modules imported to register envs")
@@ -89,7 +91,8 @@ class SFTConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo", "dr_grpo"] = "grpo"
+    name: Literal["grpo", "dr_grpo", "ppo"] = Field(
+        "grpo", description="grpo | dr_grpo (both backends) | ppo (GAE with a critic; backend openrlhf only)")
     steps: int = Field(100, ge=0)
     std_normalize: bool = Field(True, description="divide group advantages by the group std (off for Dr.GRPO)")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
@@ -139,6 +142,43 @@ class LoggingConfig(_Section):
     keep_last: int = Field(2, ge=1)
 
 
+class OpenRLHFConfig(_Section):
+    """Settings of `backend: openrlhf` that have no counterpart in the local backend (cluster layout, vLLM,
+    DeepSpeed). Everything else (model, rollout, algorithm, optim, eval, logging) maps from the shared
+    sections; see `rlf_train.openrlhf.flags` for the full mapping."""
+
+    ray_address: str | None = Field(
+        None, description="an existing Ray cluster (e.g. http://head:8265, submitted as a Ray job); "
+                          "None: OpenRLHF starts a local Ray head on this machine")
+    shared_dir: str | None = Field(
+        None, description="with ray_address: a directory every node sees (shared storage) for checkpoints, "
+                          "final weights and logs; the run dir's inputs travel with the Ray job")
+    num_nodes: int = Field(1, ge=1, description="nodes for the actor (and reference) model")
+    gpus_per_node: int = Field(8, ge=1)
+    vllm_engines: int = Field(8, ge=1, description="vLLM rollout engines")
+    vllm_tensor_parallel_size: int = Field(1, ge=1)
+    vllm_gpu_memory_utilization: float = Field(0.6, gt=0.0, le=1.0)
+    vllm_enable_sleep: bool = Field(True, description="free vLLM memory while training (needs colocate_all)")
+    vllm_enable_prefix_caching: bool = True
+    vllm_enforce_eager: bool = False
+    colocate_all: bool = Field(True, description="actor, reference and vLLM share the same GPUs")
+    zero_stage: int = Field(3, ge=0, le=3, description="DeepSpeed ZeRO stage")
+    adam_offload: bool = False
+    ref_offload: bool = False
+    deepspeed_enable_sleep: bool = Field(True, description="offload DeepSpeed states while vLLM generates")
+    packing_samples: bool = True
+    attn_implementation: str = Field("flash_attention_2", description="transformers attention for training")
+    async_train: bool = Field(False, description="OpenRLHF's async mode: rollouts overlap training")
+    critic_name_or_path: str | None = Field(None, description="critic init for algorithm.name: ppo "
+                                                              "(default: the policy's weights)")
+    critic_lr: float = Field(9e-6, gt=0.0)
+    save_hf: bool = Field(True, description="also save HuggingFace weights with each checkpoint")
+    env_vars: dict[str, str] = Field(default_factory=dict, description="extra env vars for every Ray worker")
+    extra_args: list[str] = Field(
+        default_factory=list, description="more OpenRLHF flags, passed as they are (checked by OpenRLHF's parser "
+                                          "when it is installed), e.g. ['--ds.use_liger_kernel']")
+
+
 class TrainConfig(_Section):
     name: str = "run"
     seed: int = 0
@@ -152,6 +192,14 @@ class TrainConfig(_Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    openrlhf: OpenRLHFConfig = Field(default_factory=OpenRLHFConfig)
+
+    @model_validator(mode="after")
+    def _backend(self) -> TrainConfig:
+        if self.algorithm.name == "ppo" and self.backend != "openrlhf":
+            raise ValueError("algorithm.name: ppo (GAE with a critic) runs on backend: openrlhf only; "
+                             "the local backend trains grpo or dr_grpo")
+        return self
 
     def resolved_run_dir(self) -> Path:
         return Path(self.logging.run_dir.format(name=self.name, seed=self.seed))
@@ -235,6 +283,21 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     for o in overrides or []:
         apply_override(data, o)
     return config_from_dict(data)
+
+
+def changed_keys(cfg: TrainConfig) -> dict[str, Any]:
+    """The dotted leaf keys whose values differ from the defaults (what a config file or --set changed;
+    a resolved config.yaml that spells out every default changes nothing)."""
+
+    def leaves(m: BaseModel, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in type(m).model_fields:
+            v = getattr(m, name)
+            out.update(leaves(v, f"{prefix}{name}.") if isinstance(v, BaseModel) else {f"{prefix}{name}": v})
+        return out
+
+    default = leaves(TrainConfig())
+    return {k: v for k, v in leaves(cfg).items() if default.get(k) != v}
 
 
 def dump_config(cfg: TrainConfig) -> str:

@@ -4,7 +4,6 @@ checkpoints, exact resume, metrics (JSONL + TensorBoard [+ W&B]), progress bar a
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 import random
 import time
@@ -16,43 +15,22 @@ import numpy as np
 import torch
 
 from rlf_envs import runtime
-from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
 from rlf_train.checkpoint import CheckpointMeta, latest_checkpoint, load_weights, read_checkpoint, save_checkpoint
 from rlf_train.config import TrainConfig, dump_config
+from rlf_train.envs import SUCCESS_THRESHOLD, make_env
 from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters
 from rlf_train.rollout import RolloutStats, SamplingParams, rollout
 from rlf_train.sft import demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
 
-SUCCESS_THRESHOLD = 1.0 - 1e-6
 
 
 def make_envs(cfg: TrainConfig, tokenizer: Any, split: str | None, n: int) -> ToolVectorEnv:
-    """A ToolVectorEnv of `n` unwrapped envs from gymnasium.make(cfg.env.id, tokenizer=..., split=...,
-    budgets..., **kwargs)."""
-    import gymnasium
-
-    for mod in cfg.env.imports:
-        importlib.import_module(mod)
-    r = cfg.rollout
-    # the env only needs encode/decode: hand it the Rust `tokenizers` object behind a fast HF tokenizer
-    # (same ids, ~10x less per-call overhead than the transformers wrapper)
-    env_tok = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
-    kwargs: dict[str, Any] = {"tokenizer": env_tok, "max_turns": r.max_turns,
-                              "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens}
-    if split is not None:
-        kwargs["split"] = split
-    kwargs.update(cfg.env.kwargs)
-    try:
-        envs = [gymnasium.make(cfg.env.id, disable_env_checker=True, **kwargs).unwrapped for _ in range(n)]
-    except gymnasium.error.Error as e:
-        raise ValueError(f"env.id {cfg.env.id!r}: {e}") from None
-    if not isinstance(envs[0], ToolEnv):
-        raise ValueError(f"env.id {cfg.env.id!r} makes a {type(envs[0]).__name__}, not an rlf ToolEnv; the local "
-                         "backend steps token-mode ToolEnvs (subclass rlf_envs.ToolEnv for your own env)")
+    """A ToolVectorEnv of `n` envs made by `rlf_train.envs.make_env`."""
+    envs = [make_env(cfg, tokenizer, split) for _ in range(n)]
     return ToolVectorEnv([(lambda e=e: e) for e in envs])
 
 

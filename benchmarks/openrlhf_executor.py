@@ -1,0 +1,141 @@
+"""Per-turn overhead of rlf's OpenRLHF AgentExecutor vs OpenRLHF's stock MultiTurnAgentExecutor, on the same
+CPU stand-in engine, env and tasks, in one run.
+
+Both run whole Search-v0 episodes (search, read, answer; in-process BM25) for a batch of prompts x samples,
+all `execute` calls concurrent on one event loop as OpenRLHF's rollout actor runs them. The engine writes a
+scripted policy's tokens instantly, so what is measured is everything around generation:
+- rlf: token in / token out (the env keeps the exact ids, observations are encoded once by the env);
+- stock: the documented way to plug an env into OpenRLHF: an `AgentInstance` that steps the same env in text
+  mode and returns the feedback text, which the stock executor re-tokenises every turn.
+Reported: wall time per policy turn (median of --repeats), the engine-only time per turn measured the same
+way, and the overhead ratio stock / rlf. Needs openrlhf (tox -e openrlhf has it).
+
+    python benchmarks/openrlhf_executor.py --episodes 256 --json out/openrlhf_executor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the test support module: config, scripted policy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--episodes", type=int, default=256, help="concurrent episodes per round")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+
+    import torch
+    from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+
+    from rlf_envs.envs.search import default_index_dir
+    from rlf_envs.formats import get_format
+    from rlf_train.model import load_tokenizer
+    from rlf_train.openrlhf import standin
+    from rlf_train.openrlhf.executor import RlfAgentExecutor, task_from_label
+    from rlf_train.openrlhf.launcher import write_prompts
+    from openrlhf_support import read_jsonl, scripted_search_policy, search_config
+
+    out_dir = ROOT / "out" / "openrlhf_executor"
+    cfg = search_config(default_index_dir(), out_dir, **{"algorithm.steps": 64, "rollout.prompts_per_step": 4})
+    tok = load_tokenizer(cfg.model)
+    train, _, _ = write_prompts(cfg, out_dir / "data")
+    rows = read_jsonl(train)
+    rows = [rows[k % len(rows)] for k in range(args.episodes)]
+    tasks = [task_from_label(r["label"])[0] for r in rows]
+    policy = scripted_search_policy(tasks)
+    max_len = cfg.rollout.max_total_tokens
+    ours = RlfAgentExecutor(cfg)
+
+    class SearchInstance(AgentInstanceBase):
+        """The stock way: the same env in text mode, feedback as text."""
+
+        def __init__(self, *a: Any, **k: Any) -> None:
+            from rlf_train.envs import make_env
+
+            self.env = make_env(cfg, None, cfg.env.train_split)
+
+        async def reset(self, states: dict, **kwargs: Any) -> dict:
+            task, _ = task_from_label(states["label"])
+            prompt, _ = await self.env.areset(options={"task": task})
+            return {"observation": prompt}
+
+        async def step(self, states: dict, **kwargs: Any) -> dict:
+            obs, reward, term, trunc, info = await self.env.astep(states["action_text"])
+            done = term or trunc
+            return {"rewards": torch.tensor(reward), "scores": torch.tensor(reward),
+                    "environment_feedback": "" if done else obs, "done": done,
+                    "extra_logs": {"tool_calls": float(info["tool_calls"])}}
+
+    stock = MultiTurnAgentExecutor(SearchInstance)
+
+    def params() -> standin.SamplingParams:
+        return standin.SamplingParams(temperature=1.0, max_tokens=cfg.rollout.max_new_tokens_per_turn,
+                                      stop=None, logprobs=None)
+
+    async def round_(executor: Any, engine: Any) -> tuple[float, int, float]:
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(executor.execute(r["prompt"], r["label"], params(), max_len, tok, engine)
+                                     for r in rows))
+        wall = time.perf_counter() - t0
+        turns = sum(len(x["action_ranges"]) for x in res)
+        reward = sum(float(x["reward"]) for x in res) / len(res)
+        return wall, turns, reward
+
+    async def engine_only(engine: Any, contexts: list[list[int]]) -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(engine.generate(c, params()) for c in contexts))
+        return time.perf_counter() - t0
+
+    # the stock executor passes no stop strings (it does not know the env's format): its engine gets the
+    # format's, so both generate the same actions
+    fmt_stop = list(get_format("search_r1").stop_strings)
+
+    class StopEngine(standin.ScriptedEngine):
+        def _generate(self, prompt: list[int], p: Any) -> Any:
+            p.stop, p.include_stop_str_in_output = fmt_stop, True
+            return super()._generate(prompt, p)
+
+    results: dict[str, Any] = {"episodes": args.episodes, "repeats": args.repeats}
+    for name, executor in (("rlf", ours), ("stock", stock)):
+        engine = StopEngine(policy, tok)
+        asyncio.run(round_(executor, engine))  # warm-up (env pools, caches, index)
+        per_turn, per_turn_engine, rewards = [], [], []
+        for _ in range(args.repeats):
+            engine = StopEngine(policy, tok)
+            wall, turns, reward = asyncio.run(round_(executor, engine))
+            per_turn.append(wall / turns)
+            rewards.append(reward)
+            ctx = [tok.encode(r["prompt"], add_special_tokens=False) for r in rows]
+            per_turn_engine.append(asyncio.run(engine_only(StopEngine(policy, tok), ctx)) / len(ctx))
+        results[name] = {"us_per_turn": statistics.median(per_turn) * 1e6,
+                         "engine_us_per_turn": statistics.median(per_turn_engine) * 1e6,
+                         "reward_mean": statistics.mean(rewards)}
+        r = results[name]
+        r["overhead_us_per_turn"] = r["us_per_turn"] - r["engine_us_per_turn"]
+    results["stock_over_rlf_overhead"] = results["stock"]["overhead_us_per_turn"] / results["rlf"]["overhead_us_per_turn"]
+    results["stock_over_rlf_wall"] = results["stock"]["us_per_turn"] / results["rlf"]["us_per_turn"]
+    print(f"{'executor':<8} {'us/turn':>10} {'engine us/turn':>15} {'overhead us/turn':>17} {'reward':>7}")
+    for name in ("rlf", "stock"):
+        r = results[name]
+        print(f"{name:<8} {r['us_per_turn']:>10.0f} {r['engine_us_per_turn']:>15.0f} "
+              f"{r['overhead_us_per_turn']:>17.0f} {r['reward_mean']:>7.3f}")
+    print(f"stock / rlf: overhead per turn {results['stock_over_rlf_overhead']:.2f}x, "
+          f"wall per turn {results['stock_over_rlf_wall']:.2f}x ({args.episodes} concurrent episodes)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
