@@ -6,9 +6,10 @@ all `execute` calls concurrent on one event loop as OpenRLHF's rollout actor run
 scripted policy's tokens instantly, so what is measured is everything around generation:
 - rlf: token in / token out (the env keeps the exact ids, observations are encoded once by the env);
 - stock: the documented way to plug an env into OpenRLHF: an `AgentInstance` that steps the same env in text
-  mode and returns the feedback text, which the stock executor re-tokenises every turn.
+  mode and returns the feedback text, which the stock executor re-tokenises every turn (with envs reused
+  from a pool, and, as `stock_fresh`, with a new env per sample as OpenRLHF builds one instance per sample).
 Reported: wall time per policy turn (median of --repeats), the engine-only time per turn measured the same
-way, and the overhead ratio stock / rlf. Needs openrlhf (tox -e openrlhf has it).
+way, and each executor's overhead (wall minus engine) relative to rlf's. Needs openrlhf (tox -e openrlhf has it).
 
     python benchmarks/openrlhf_executor.py --episodes 256 --json out/openrlhf_executor.json
 """
@@ -42,8 +43,8 @@ def main() -> None:
     from rlf_envs.formats import get_format
     from rlf_train.model import load_tokenizer
     from rlf_train.openrlhf import standin
-    from rlf_train.openrlhf.executor import RlfAgentExecutor, task_from_label
-    from rlf_train.openrlhf.launcher import write_prompts
+    from rlf_train.openrlhf.data import task_from_label, write_prompts
+    from rlf_train.openrlhf.executor import RlfAgentExecutor
     from openrlhf_support import read_jsonl, scripted_search_policy, search_config
 
     out_dir = ROOT / "out" / "openrlhf_executor"
@@ -58,12 +59,16 @@ def main() -> None:
     ours = RlfAgentExecutor(cfg)
 
     class SearchInstance(AgentInstanceBase):
-        """The stock way: the same env in text mode, feedback as text."""
+        """The stock way: the same env in text mode, feedback as text. OpenRLHF builds one instance per sample;
+        `pooled` instances reuse envs (what a careful user would add), `fresh` ones build one each time."""
+
+        pool: list[Any] = []
+        pooled = True
 
         def __init__(self, *a: Any, **k: Any) -> None:
             from rlf_train.envs import make_env
 
-            self.env = make_env(cfg, None, cfg.env.train_split)
+            self.env = self.pool.pop() if self.pooled and self.pool else make_env(cfg, None, cfg.env.train_split)
 
         async def reset(self, states: dict, **kwargs: Any) -> dict:
             task, _ = task_from_label(states["label"])
@@ -73,11 +78,17 @@ def main() -> None:
         async def step(self, states: dict, **kwargs: Any) -> dict:
             obs, reward, term, trunc, info = await self.env.astep(states["action_text"])
             done = term or trunc
+            if done and self.pooled:
+                self.pool.append(self.env)
             return {"rewards": torch.tensor(reward), "scores": torch.tensor(reward),
                     "environment_feedback": "" if done else obs, "done": done,
                     "extra_logs": {"tool_calls": float(info["tool_calls"])}}
 
+    class FreshSearchInstance(SearchInstance):
+        pooled = False
+
     stock = MultiTurnAgentExecutor(SearchInstance)
+    stock_fresh = MultiTurnAgentExecutor(FreshSearchInstance)
 
     def params() -> standin.SamplingParams:
         return standin.SamplingParams(temperature=1.0, max_tokens=cfg.rollout.max_new_tokens_per_turn,
@@ -107,7 +118,7 @@ def main() -> None:
             return super()._generate(prompt, p)
 
     results: dict[str, Any] = {"episodes": args.episodes, "repeats": args.repeats}
-    for name, executor in (("rlf", ours), ("stock", stock)):
+    for name, executor in (("rlf", ours), ("stock", stock), ("stock_fresh", stock_fresh)):
         engine = StopEngine(policy, tok)
         asyncio.run(round_(executor, engine))  # warm-up (env pools, caches, index)
         per_turn, per_turn_engine, rewards = [], [], []
@@ -123,15 +134,15 @@ def main() -> None:
                          "reward_mean": statistics.mean(rewards)}
         r = results[name]
         r["overhead_us_per_turn"] = r["us_per_turn"] - r["engine_us_per_turn"]
-    results["stock_over_rlf_overhead"] = results["stock"]["overhead_us_per_turn"] / results["rlf"]["overhead_us_per_turn"]
-    results["stock_over_rlf_wall"] = results["stock"]["us_per_turn"] / results["rlf"]["us_per_turn"]
-    print(f"{'executor':<8} {'us/turn':>10} {'engine us/turn':>15} {'overhead us/turn':>17} {'reward':>7}")
-    for name in ("rlf", "stock"):
+    print(f"{'executor':<12} {'us/turn':>10} {'engine us/turn':>15} {'overhead us/turn':>17} {'vs rlf':>7} "
+          f"{'reward':>7}")
+    for name in ("rlf", "stock", "stock_fresh"):
         r = results[name]
-        print(f"{name:<8} {r['us_per_turn']:>10.0f} {r['engine_us_per_turn']:>15.0f} "
-              f"{r['overhead_us_per_turn']:>17.0f} {r['reward_mean']:>7.3f}")
-    print(f"stock / rlf: overhead per turn {results['stock_over_rlf_overhead']:.2f}x, "
-          f"wall per turn {results['stock_over_rlf_wall']:.2f}x ({args.episodes} concurrent episodes)")
+        r["overhead_vs_rlf"] = r["overhead_us_per_turn"] / results["rlf"]["overhead_us_per_turn"]
+        print(f"{name:<12} {r['us_per_turn']:>10.0f} {r['engine_us_per_turn']:>15.0f} "
+              f"{r['overhead_us_per_turn']:>17.0f} {r['overhead_vs_rlf']:>6.2f}x {r['reward_mean']:>7.3f}")
+    print(f"({args.episodes} concurrent episodes; stock = OpenRLHF's MultiTurnAgentExecutor with pooled text-mode "
+          "envs, stock_fresh = one new env per sample as it builds AgentInstances)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))

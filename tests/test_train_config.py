@@ -76,11 +76,33 @@ def test_cli_errors_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main(["--config", str(QUICKSTART), "--dry-run", "--set", "algorithm.steps=3"]) == 0
     out = capsys.readouterr().out
     assert "plan:" in out and "steps: 3" in out and "stage 1 SFT" in out
-    assert main(["--config", str(QUICKSTART), "--set", "backend=openrlhf", "--dry-run"]) == 0
-    assert "not available in this build yet" in capsys.readouterr().out
-    assert main(["--config", str(QUICKSTART), "--set", "backend=openrlhf"]) == 2
-    assert "not available in this build yet" in capsys.readouterr().err
+    # the quickstart's SFT stage has no OpenRLHF counterpart: refused by name before anything is written
+    assert main(["--config", str(QUICKSTART), "--set", "backend=openrlhf", "--dry-run",
+                 "--set", f"logging.run_dir={tmp_path}/q"]) == 2
+    assert "sft.enabled: backend openrlhf has no SFT stage" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
     assert main([]) == 2
+
+
+def test_openrlhf_dry_run_needs_neither_gpu_nor_openrlhf(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--dry-run` of an openrlhf recipe on this CPU machine writes the run dir and prints the exact command;
+    a real start says what is missing (exit 2)."""
+    import importlib.util
+
+    recipe = ROOT / "configs" / "openrlhf_tiny_1gpu.yaml"
+    run = tmp_path / "run"
+    assert main(["--config", str(recipe), "--dry-run", "--set", f"logging.run_dir={run}"]) == 0
+    out = capsys.readouterr().out
+    has_openrlhf = importlib.util.find_spec("openrlhf") is not None
+    assert ("checked by OpenRLHF" if has_openrlhf else "not checked: openrlhf is not installed") in out
+    assert "-m openrlhf.cli.train_ppo_ray" in out and "--train.agent_func_path" in out
+    for f in ("config.yaml", "openrlhf_command.sh", "openrlhf_plan.txt", "data/train.jsonl", "data/eval.jsonl",
+              "tiny_model/config.json", "tiny_model/tokenizer.json"):
+        assert (run / f).is_file(), f
+    assert len((run / "data" / "train.jsonl").read_text().splitlines()) == 3 * 8  # steps x prompts_per_step
+    assert main(["--config", str(recipe), "--set", f"logging.run_dir={tmp_path}/run2"]) == 2
+    err = capsys.readouterr().err
+    assert ("needs NVIDIA GPUs" if has_openrlhf else "needs OpenRLHF here: pip install 'rlf-train[openrlhf]'") in err
 
 
 def test_quickstart_config_is_valid() -> None:

@@ -32,10 +32,10 @@ import numpy as np
 from openrlhf.utils.agent import AgentExecutorBase
 
 from rlf_envs.env.tool_env import ToolEnv
-from rlf_envs.tasks import task_from_dict
-from rlf_envs.types import EndReason, Task, Trajectory
+from rlf_envs.types import EndReason, Trajectory
 from rlf_train.config import TrainConfig, config_from_dict, load_config
 from rlf_train.envs import SUCCESS_THRESHOLD, make_env
+from rlf_train.openrlhf.data import task_from_label
 
 log = logging.getLogger("rlf_train.openrlhf")
 
@@ -52,22 +52,6 @@ def config_from_environment() -> TrainConfig:
         return load_config(path)
     raise RuntimeError(f"rlf's OpenRLHF agent needs the run config: set {CONFIG_ENV} (JSON) or {CONFIG_FILE_ENV} "
                        "(a YAML path); `python -m rlf_train --config X.yaml` with backend: openrlhf sets it")
-
-
-def task_to_label(task: Task, split: str) -> str:
-    """The task (and the config split it comes from: "train" or "eval") as the JSON label OpenRLHF passes back
-    to `execute`; inverse of `task_from_label`."""
-    return json.dumps({"split": split, "task": {
-        "id": task.id, "question": task.question, "ground_truth": task.ground_truth,
-        "messages": [m.to_dict() for m in task.messages], "meta": task.meta,
-    }}, ensure_ascii=False)
-
-
-def task_from_label(label: Any) -> tuple[Task, str]:
-    d = json.loads(label) if isinstance(label, str) else label
-    if not isinstance(d, dict) or "task" not in d:
-        raise ValueError(f"not an rlf task label (write the prompt dataset with rlf_train's launcher): {label!r:.200}")
-    return task_from_dict(d["task"]), str(d.get("split", "train"))
 
 
 @dataclass(frozen=True)

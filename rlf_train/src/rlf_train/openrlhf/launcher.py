@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shlex
 import shutil
 import signal
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from rlf_train.config import ConfigError, TrainConfig, dump_config
+from rlf_train.logging_utils import write_text_atomic
+from rlf_train.openrlhf.data import write_prompts
 from rlf_train.openrlhf.flags import FlagPlan, RunPaths, check_keys, openrlhf_flags
 
 ENTRY = ["-m", "openrlhf.cli.train_ppo_ray"]
@@ -74,46 +75,6 @@ def export_tiny_model(cfg: TrainConfig, out: Path) -> Path:
     tok.save_pretrained(tmp)
     tmp.rename(out)
     return out
-
-
-def write_prompts(cfg: TrainConfig, data_dir: Path) -> tuple[Path, Path | None, int]:
-    """The train and eval prompt files (see the module docstring); returns (train, eval, #train prompts)."""
-    from rlf_train.envs import make_env
-    from rlf_train.openrlhf.executor import task_to_label
-
-    def lines(kind: str, split: str, n: int | None, shuffle: bool) -> list[str]:
-        env = make_env(cfg, None, split)  # text mode: the observation after reset is the rendered prompt
-        try:
-            tasks = list(env.tasks)
-            if not tasks:
-                raise ConfigError(f"env {cfg.env.id!r} has no tasks in split {split!r}")
-            if shuffle:
-                random.Random(cfg.seed).shuffle(tasks)
-            picked = tasks if n is None else [tasks[k % len(tasks)] for k in range(n)]
-            out = []
-            for t in picked:
-                prompt, _ = env.reset(options={"task": t})
-                out.append(json.dumps({"prompt": prompt, "label": task_to_label(t, kind), "datasource": cfg.env.id},
-                                      ensure_ascii=False))
-            return out
-        finally:
-            env.close()
-
-    data_dir.mkdir(parents=True, exist_ok=True)
-    n_train = cfg.algorithm.steps * cfg.rollout.prompts_per_step
-    train = _write_atomic(data_dir / "train.jsonl", lines("train", cfg.env.train_split, n_train, True))
-    ev = None
-    if cfg.eval.greedy or cfg.eval.sampled:
-        ev_lines = lines("eval", cfg.env.eval_split, None, False)[: cfg.eval.num_tasks]
-        ev = _write_atomic(data_dir / "eval.jsonl", ev_lines)
-    return train, ev, n_train
-
-
-def _write_atomic(path: Path, lines: list[str]) -> Path:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
 
 
 def check_flags(flags: list[str]) -> str:
@@ -190,8 +151,8 @@ def prepare(cfg: TrainConfig, resume: bool = False) -> Launch:
         argv = [sys.executable, *ENTRY, *plan.flags]
         launch_env = {"RAY_ADDRESS": "local", **env}
     launch = Launch(run_dir, argv, launch_env, plan, checked)
-    _write_atomic(run_dir / "openrlhf_plan.txt", [
-        f"# {checked}", *(f"# note: {n}" for n in plan.notes), *(" ".join(g) for g in _flag_groups(plan.flags))])
+    write_text_atomic(run_dir / "openrlhf_plan.txt", "\n".join([
+        f"# {checked}", *(f"# note: {n}" for n in plan.notes), *(" ".join(g) for g in _flag_groups(plan.flags))]) + "\n")
     script = run_dir / COMMAND_FILE
     script.write_text(launch.script(), encoding="utf-8")
     script.chmod(0o755)
