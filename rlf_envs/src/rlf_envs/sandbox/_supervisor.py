@@ -34,6 +34,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVA
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 MAX_REPLY_BYTES = 8 << 20
+MAX_INT_DIGITS = 100_000
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -615,9 +616,8 @@ class Remote:
     __str__ = __repr__
 
 
-def _run_tests(job: dict[str, Any], w: Worker, ch: Channel, tests: list[str]) -> tuple[list[bool], list[str]]:
-    results: list[bool] = []
-    errors: list[str] = []
+def _run_tests(ch: Channel, tests: list[str], results: list[bool], errors: list[str]) -> None:
+    """Append one verdict per test to `results` (those done stay if the deadline interrupts us)."""
     try:
         ch.request({"op": "load"})
         names = ch.request({"op": "names"})
@@ -626,7 +626,9 @@ def _run_tests(job: dict[str, Any], w: Worker, ch: Channel, tests: list[str]) ->
     except Deadline:
         raise
     except BaseException as e:
-        return [False] * len(tests), [f"solution failed to load: {type(e).__name__}: {e}"[:500]] * len(tests)
+        results += [False] * len(tests)
+        errors += [f"solution failed to load: {type(e).__name__}: {e}"[:500]] * len(tests)
+        return
     module = types.ModuleType("solution")
     module.__dict__.update(names)
     sys.modules["solution"] = module
@@ -641,7 +643,6 @@ def _run_tests(job: dict[str, Any], w: Worker, ch: Channel, tests: list[str]) ->
         except BaseException as e:
             results.append(False)
             errors.append(f"{type(e).__name__}: {e}"[:500])
-    return results, errors
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -649,6 +650,7 @@ def _run_tests(job: dict[str, Any], w: Worker, ch: Channel, tests: list[str]) ->
 
 def main() -> None:
     job = json.loads(sys.stdin.buffer.read())
+    sys.set_int_max_str_digits(MAX_INT_DIGITS)  # big answers decode; a 8 MB digit string does not stall us
     out_fd = os.dup(1)  # the result channel: only we hold it (the worker gets fresh pipes, close_fds)
     os.dup2(2, 1)  # anything the tests print goes to our stderr, never to the result channel
     start = time.monotonic()
@@ -689,15 +691,18 @@ def main() -> None:
             resource.setrlimit(resource.RLIMIT_AS, (mem + (256 << 20),) * 2)  # the tests are bounded too
             signal.signal(signal.SIGALRM, _raise_deadline)
             signal.setitimer(signal.ITIMER_REAL, max(0.001, deadline - time.monotonic()))
+            results: list[bool] = []
+            errors: list[str] = []
+            result["timed_out"] = False
             try:
-                results, errors = _run_tests(job, w, Channel(w, req_w, rep_r, deadline), job["tests"])
-                result["timed_out"] = False
+                _run_tests(Channel(w, req_w, rep_r, deadline), job["tests"], results, errors)
             except Deadline:
-                results, errors = [], []
                 result["timed_out"] = True
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-            result["results"], result["errors"] = results, errors
+            n = len(job["tests"])
+            result["results"] = (results + [False] * n)[:n]
+            result["errors"] = (errors + ["deadline"] * n)[:n]
             w.kill_tree()
             result["exit_code"] = w.proc.returncode
             end = time.monotonic() + 0.5
