@@ -290,15 +290,23 @@ async def test_honest_solutions_still_pass_through_the_harness() -> None:
     assert value == 1.0, info
 
 
-def _scorer_script(solution: str) -> str:
-    return textwrap.dedent(f"""
+def _score_in_a_scoring_process(*solutions: str) -> list[str]:
+    """Score each solution in a sacrificial scoring process (its own session, a secret in its environment
+    from the start, as a trainer's API keys are); returns the lines it printed ("SCORED <value>")."""
+    script = textwrap.dedent(f"""
         import asyncio
         from rlf_envs.rewards import CodeVerifier
         from rlf_envs.types import Task, Trajectory
-        t = Trajectory(Task("k", "add", {ADD_TESTS!r}), "P", [], {solution!r})
-        s = asyncio.run(CodeVerifier(timeout_s=5.0, cpu_s=5).safe_score(t, t.task))
-        print("SCORED", s.value, flush=True)
+        v = CodeVerifier(timeout_s=5.0, cpu_s=5)
+        for code in {list(solutions)!r}:
+            t = Trajectory(Task("k", "add", {ADD_TESTS!r}), "P", [], code)
+            print("SCORED", asyncio.run(v.safe_score(t, t.task)).value, flush=True)
     """)
+    env = {**os.environ, "RLF_TEST_SECRET_KEY": "hunter2"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                          start_new_session=True)
+    assert proc.returncode == 0, f"the scoring process died ({proc.returncode}): {proc.stderr[-2000:]}"
+    return [line for line in proc.stdout.splitlines() if line.startswith("SCORED")]
 
 
 KILL_PARENT = """
@@ -317,14 +325,6 @@ def add(a, b):
     return a + b
 """
 
-
-def test_a_solution_cannot_kill_the_scoring_process() -> None:
-    # the scoring process is a sacrificial subprocess in its own session, so the old harness killed only it
-    proc = subprocess.run([sys.executable, "-c", _scorer_script(KILL_PARENT)], capture_output=True, text=True,
-                          timeout=120, start_new_session=True)
-    assert proc.returncode == 0 and "SCORED 1.0" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
-
-
 READ_SECRET = """
 import os
 SECRET = None
@@ -341,12 +341,14 @@ def add(a, b):
 """
 
 
-@pytest.mark.asyncio
-async def test_the_scoring_process_environment_is_unreadable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RLF_TEST_SECRET_KEY", "hunter2")
-    control = READ_SECRET.replace("SECRET == \"hunter2\"", "True")
-    assert (await run(fast(), control, ADD_TESTS))[0] == 1.0  # the solution itself works
-    assert (await run(fast(), READ_SECRET, ADD_TESTS))[0] == 0.0  # ... but never sees our secret
+def test_a_solution_cannot_kill_the_scoring_process() -> None:
+    # the old harness was the scorer's direct child: this killed the (sacrificial) scorer
+    assert _score_in_a_scoring_process(KILL_PARENT) == ["SCORED 1.0"]
+
+
+def test_the_scoring_process_environment_is_unreadable() -> None:
+    control = READ_SECRET.replace('SECRET == "hunter2"', "True")  # the solution itself works...
+    assert _score_in_a_scoring_process(control, READ_SECRET) == ["SCORED 1.0", "SCORED 0.0"]  # ...without it
 
 
 @pytest.mark.asyncio
