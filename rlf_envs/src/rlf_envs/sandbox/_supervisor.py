@@ -204,18 +204,6 @@ def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: i
     return preexec
 
 
-def _count_uid_processes(uid: int) -> int:
-    n = 0
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat(f"/proc/{name}").st_uid == uid:
-                    n += 1
-            except OSError:
-                pass
-    return n
-
-
 def _choose_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | None]:
     """The uid the worker runs as (None: ours) and its RLIMIT_NPROC (None: no process-count guard)."""
     lim = job["limits"]
@@ -241,7 +229,7 @@ def _choose_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | 
     if "user_ns" in g.applied:
         g.ok("nproc", f"RLIMIT_NPROC={want}, counted inside the run's own user namespace")
         return None, want
-    base = _count_uid_processes(os.geteuid())
+    base = len(_processes_of_uid(os.geteuid()))
     g.ok("nproc", f"RLIMIT_NPROC={base + want}: this uid's {base} processes + {want} (shared with your other "
                   "processes, approximate)")
     return None, base + want
@@ -657,19 +645,19 @@ def main() -> None:
     deadline = start + job["limits"]["timeout_s"]
     job["_supervisor_pid"] = os.getpid()
     g = Guards()
-    _prctl(PR_SET_DUMPABLE, 0)  # no /proc/<us>/{fd,mem,environ} and no ptrace for same-uid processes
-    g.ok("supervisor", "non-dumpable, child subreaper, holds the only copy of the result channel")
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans (setsid'd grandchildren) reparent to us, so we can kill them
-    g.ok("session", "own session and process group; the whole process tree is killed at the end")
-    workdir = os.getcwd()
-    pid_ns = _enter_namespaces(job, g, workdir)
-    uid, nproc = _choose_identity(job, g)
-    mem = job["limits"]["memory_mb"] << 20
-    g.ok("rlimits", "address space {memory_mb} MB, CPU {cpu_s} s, file size {file_mb} MB, {max_open_files} open "
-                    "files, no core dumps".format(**job["limits"]))
     result: dict[str, Any] = {"nonce": job["nonce"]}
     w: Worker | None = None
     try:
+        workdir = os.getcwd()
+        pid_ns = _enter_namespaces(job, g, workdir)  # first: a new user namespace's maps need us dumpable
+        _prctl(PR_SET_DUMPABLE, 0)  # no /proc/<us>/{fd,mem,environ} and no ptrace for same-uid processes
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans (setsid'd grandchildren) reparent to us: we kill them
+        g.ok("supervisor", "non-dumpable, child subreaper, holds the only copy of the result channel")
+        g.ok("session", "own session and process group; the whole process tree is killed at the end")
+        uid, nproc = _choose_identity(job, g)
+        mem = job["limits"]["memory_mb"] << 20
+        g.ok("rlimits", "address space {memory_mb} MB, CPU {cpu_s} s, file size {file_mb} MB, {max_open_files} "
+                        "open files, no core dumps".format(**job["limits"]))
         if job["mode"] == "run":
             stdin_fd = os.memfd_create("stdin")
             os.write(stdin_fd, job["stdin"].encode())
@@ -709,9 +697,9 @@ def main() -> None:
             while w.capture.sel.get_map() and time.monotonic() < end:
                 w.capture.pump(0.05)
     except OSError as e:
-        result["error"] = f"could not start the worker: {e}"
+        result["error"] = f"the sandbox could not start the code: {e}"
         if e.errno in (errno.EACCES, errno.ENOENT):
-            result["error"] += f" (is {job['python']} executable by uid {uid}?)"
+            result["error"] += f" (can the sandbox's uid execute {job['python']}? set `python` to one it can)"
     finally:
         if w is not None:
             w.kill_tree()
