@@ -108,7 +108,7 @@ async def _supervise(job: dict[str, Any], workdir: SandboxDir, limits: SandboxLi
            "python_dirs": _python_dirs(job["python"])}
     t0 = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", SUPERVISOR, cwd=workdir.path, env=_supervisor_env(workdir.path),
+        sys.executable, "-I", "-S", SUPERVISOR, cwd=workdir.path, env=_supervisor_env(workdir.path),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
