@@ -70,7 +70,8 @@ def _mode(name: str) -> tuple[SandboxLimits, str | None]:
 
 @pytest.mark.asyncio
 async def test_output_stdin_exit_code_and_environment() -> None:
-    code = "import os, sys\nprint(sys.stdin.read().upper())\nprint(sorted(os.environ))\nprint(os.getcwd() == os.environ['HOME'])\nsys.exit(3)"
+    code = ("import os, sys\nprint(sys.stdin.read().upper())\nprint(sorted(os.environ))\n"
+            "print(os.getcwd() == os.environ['HOME'])\nsys.exit(3)")
     r = await run_python(code, "hello", FAST)
     lines = r.stdout.splitlines()
     assert lines[0] == "HELLO" and r.exit_code == 3 and not r.timed_out and r.error is None

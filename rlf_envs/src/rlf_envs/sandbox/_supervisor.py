@@ -30,7 +30,8 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 MAX_REPLY_BYTES = 8 << 20
@@ -52,7 +53,9 @@ def _prctl(option: int, arg: int) -> None:
 
 
 def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = (lambda s: s.encode() if s is not None else None)
+    def enc(s: str | None) -> bytes | None:
+        return s.encode() if s is not None else None
+
     _check(_libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
@@ -493,6 +496,9 @@ def decode(v: Any, ch: Channel, depth: int = 0) -> Any:
     raise SolutionError("malformed value from the solution's process")
 
 
+_TAGS: dict[type, str] = {tuple: "t", set: "s", frozenset: "f"}
+
+
 def encode(v: Any, depth: int = 0) -> Any:
     """Test-side arguments: plain data and solution objects only."""
     if depth > 200:
@@ -504,8 +510,8 @@ def encode(v: Any, depth: int = 0) -> Any:
         return {"h": object.__getattribute__(v, "_h")}
     if t is list:
         return [encode(x, depth + 1) for x in v]
-    if t in (tuple, set, frozenset):
-        return {{tuple: "t", set: "s", frozenset: "f"}[t]: [encode(x, depth + 1) for x in v]}
+    if t in _TAGS:
+        return {_TAGS[t]: [encode(x, depth + 1) for x in v]}
     if t is dict:
         return {"d": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]}
     if t is bytes:
@@ -528,7 +534,8 @@ class Remote:
 
     def _op(self, op: str, *args: Any) -> Any:
         ch = object.__getattribute__(self, "_ch")
-        return ch.request({"op": "op", "h": object.__getattribute__(self, "_h"), "name": op, "args": encode(list(args))})
+        h = object.__getattribute__(self, "_h")
+        return ch.request({"op": "op", "h": h, "name": op, "args": encode(list(args))})
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):

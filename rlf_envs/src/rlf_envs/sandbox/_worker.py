@@ -15,13 +15,13 @@ import sys
 
 REQ, REP = int(sys.argv[1]), int(sys.argv[2])
 OBJECTS: dict = {}
-OPS = {
+OPS: dict = {
     "len": len, "bool": bool, "iter": iter, "next": next, "repr": repr, "getitem": operator.getitem,
     "setitem": operator.setitem, "delitem": operator.delitem, "contains": operator.contains,
     "eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le, "gt": operator.gt,
     "ge": operator.ge, "setattr": setattr,
 }
-TAGS = {tuple: "t", set: "s", frozenset: "f"}
+TAGS: dict = {tuple: "t", set: "s", frozenset: "f"}
 
 
 def enc(v, depth=0):
@@ -83,12 +83,12 @@ def serve():
                 reply = enc(OBJECTS[m["h"]](*dec(m["args"]), **dec(m["kwargs"])))
             else:
                 reply = enc(OPS[m["name"]](OBJECTS[m["h"]], *dec(m["args"])))
-            out = {"ok": reply}
-        except BaseException as e:  # noqa: BLE001 - every failure is the solution's answer
+            out: dict = {"ok": reply}
+        except BaseException as e:  # every failure is the solution's answer
             out = {"err": [type(e).__name__, str(e)[:2000]]}
         try:
             data = json.dumps(out)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             data = json.dumps({"err": [type(e).__name__, "result could not be encoded"]})
         os.write(REP, (data + "\n").encode())
 
