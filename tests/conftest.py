@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,32 @@ def bm25_index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bm25") / "idx"
     build_index(SEARCH_CORPUS, out, kind="bm25", show_progress=False)
     return out
+
+
+def _live_processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker.encode() in cmd and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def leftovers() -> Callable[[str], list[int]]:
+    """For process-leak tests: `leftovers(marker)` waits up to 5 s for the live (non-zombie) processes whose
+    command line holds `marker` to go, and returns those still there."""
+
+    def wait(marker: str) -> list[int]:
+        deadline = time.monotonic() + 5
+        while (alive := _live_processes_with(marker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return alive
+
+    return wait

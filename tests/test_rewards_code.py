@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -144,22 +145,6 @@ async def test_batch_runs_concurrently() -> None:
 # ---- hostile solutions: each of these forged a pass, leaked or escaped with the old in-interpreter harness ----
 
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add('a', 'b') == 'ab'"]
-
-
-def _leftovers(marker: str) -> list[int]:
-    """Live processes whose command line holds `marker` (zombies do not count)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if marker.encode() in cmd and state != "Z":
-            found.append(int(pid))
-    return found
 
 
 FRAME_WALK = """
@@ -367,7 +352,7 @@ async def test_no_file_written_outside_the_work_dir(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_escaped_grandchild_holding_the_pipes_is_killed() -> None:
+async def test_escaped_grandchild_holding_the_pipes_is_killed(leftovers: Callable[[str], list[int]]) -> None:
     marker = f"{3600 + secrets.randbelow(10**6) / 10**7:.7f}"  # a unique `sleep` argument to find it by
     code = textwrap.dedent(f"""
         import os
@@ -383,10 +368,7 @@ async def test_escaped_grandchild_holding_the_pipes_is_killed() -> None:
     value, info = await run(fast(timeout_s=5.0), code, ADD_TESTS)
     assert value == 1.0, info
     assert time.monotonic() - t0 < 20.0  # no hang on the pipes (generous bound)
-    deadline = time.monotonic() + 5
-    while _leftovers(marker) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _leftovers(marker) == []
+    assert leftovers(marker) == []
 
 
 @pytest.mark.asyncio
