@@ -82,3 +82,21 @@ async def test_hostile_code_through_the_tool(leftovers: Callable[[str], list[int
     finally:
         outside.unlink(missing_ok=True)
         await tool.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_planted_symlink_does_not_redirect_our_writes(tmp_path: Path) -> None:
+    target = tmp_path / "precious.txt"
+    target.write_text("original")
+    tool = PythonInterpreter(LIMITS)
+    try:
+        # the next call's script is written where this symlink (and then a directory) stands
+        plant = f"import os\nos.symlink({str(target)!r}, '.rlf_main.py')\nprint('planted')"
+        assert (await tool.call({"code": plant})) == "[stdout]\nplanted"
+        assert (await tool.call({"code": "print('second')"})) == "[stdout]\nsecond"
+        assert target.read_text() == "original"
+        plant_dir = "import os\nos.remove('.rlf_main.py')\nos.mkdir('.rlf_main.py')\nprint('dir')"
+        assert (await tool.call({"code": plant_dir})) == "[stdout]\ndir"
+        assert (await tool.call({"code": "print('third')"})) == "[stdout]\nthird"
+    finally:
+        await tool.aclose()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -25,6 +26,9 @@ SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
 UID_BASE, UID_SPAN = 1_600_000_000, 1 << 24
 GRACE_S = 10.0  # the supervisor's own start-up and clean-up, on top of the run's deadline
 _warned: set[str] = set()
+# consecutive uids in this process (never shared by two live dirs of ours), from a random start (so that two
+# trainers on one machine are unlikely to overlap)
+_uid_sequence = itertools.count(secrets.randbelow(UID_SPAN))
 
 
 def _is_root() -> bool:
@@ -43,13 +47,15 @@ class SandboxDir:
         self.path.mkdir(mode=0o700)
         self.uid: int | None = None
         if _is_root() and drop_privileges:
-            self.uid = UID_BASE + secrets.randbelow(UID_SPAN)
+            self.uid = UID_BASE + next(_uid_sequence) % UID_SPAN
             os.chown(self.path, self.uid, self.uid)
 
     def write(self, name: str, text: str) -> None:
         """Write a file the run can read but not replace before we read it back (owned by us, 0644)."""
         p = self.path / name
-        if p.is_symlink() or p.exists():
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.is_symlink() or p.exists():
             p.unlink()  # the code may have left a symlink here: never write through it
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
