@@ -91,7 +91,7 @@ async def test_a_planted_symlink_does_not_redirect_our_writes(tmp_path: Path) ->
     tool = PythonInterpreter(LIMITS)
     try:
         # the next call's script is written where this symlink (and then a directory) stands
-        plant = f"import os\nos.symlink({str(target)!r}, '.rlf_main.py')\nprint('planted')"
+        plant = f"import os\nos.remove('.rlf_main.py')\nos.symlink({str(target)!r}, '.rlf_main.py')\nprint('planted')"
         assert (await tool.call({"code": plant})) == "[stdout]\nplanted"
         assert (await tool.call({"code": "print('second')"})) == "[stdout]\nsecond"
         assert target.read_text() == "original"
