@@ -61,20 +61,24 @@ async def test_hostile_code_through_the_tool(leftovers: Callable[[str], list[int
         assert "[killed: output over 4096 bytes]" in r.content and len(r.content) < 4000
         kill = textwrap.dedent(f"""
             import os, signal
-            for target in (os.getppid(), os.getpgid(0)):
-                for send in (os.kill, os.killpg):
-                    try:
-                        send(target, signal.SIGKILL)
-                    except OSError:
-                        pass
+            try:
+                open({str(outside)!r}, "w").write("x")
+            except OSError:
+                pass
             if os.fork() == 0:
                 os.setsid()
                 os.execv("/bin/sleep", ["sleep", "{marker}"])
-            open({str(outside)!r}, "w").write("x")
+            parent = os.getppid()
+            if parent > 1:  # 0 in a pid namespace
+                for send in (os.kill, os.killpg):
+                    try:
+                        send(parent, signal.SIGKILL)
+                    except OSError:
+                        pass
             print("still here")
         """)
         r = await box.call("python", {"code": kill})
-        assert r.status in (ToolStatus.OK, ToolStatus.ERROR), r  # an observation, whatever it says
+        assert r.ok and r.content == "[stdout]\nstill here", r  # the supervisor survived to report
         assert leftovers(marker) == []
         assert not outside.exists()
         r = await box.call("python", {"code": "print('next call works')"})
