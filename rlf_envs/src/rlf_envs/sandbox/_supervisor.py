@@ -301,12 +301,20 @@ class Worker:
         self.capture = Capture({"stdout": self.proc.stdout.fileno(), "stderr": self.proc.stderr.fileno()},
                                job["limits"]["max_output_bytes"])
         self.pid_ns, self.uid = pid_ns, uid
+        self.killed = False
+        try:
+            self.exit_fd: int | None = os.pidfd_open(self.proc.pid)  # readable once the worker exits
+        except (AttributeError, OSError):
+            self.exit_fd = None  # Linux < 5.3: we notice the exit within one pump interval
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def kill_tree(self) -> None:
         """SIGKILL the worker and everything it started, including descendants in new sessions."""
+        if self.killed:
+            return
+        self.killed = True
         if self.pid_ns:
             # The worker is pid 1 of its namespace: when it dies the kernel kills every process in it. (Our
             # /proc now shows that namespace, so pids read from it must never be signalled from here.)
@@ -389,7 +397,7 @@ def _finish(w: Worker, deadline: float) -> int | None:
             break
         if w.capture.overflow:
             break
-        w.capture.pump(min(left, 0.05))
+        w.capture.pump(min(left, 0.05), extra=w.exit_fd)
     code = w.proc.returncode
     w.kill_tree()
     end = time.monotonic() + 0.5  # what is still in the pipes (the writers are dead now)

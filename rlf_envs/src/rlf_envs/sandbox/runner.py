@@ -95,7 +95,7 @@ async def _exited(proc: asyncio.subprocess.Process) -> int:
     delay = 0.001
     while proc.returncode is None:
         await asyncio.sleep(delay)
-        delay = min(delay * 2, 0.02)
+        delay = min(delay * 2, 0.005)
     return proc.returncode
 
 
