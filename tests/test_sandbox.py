@@ -222,3 +222,12 @@ def test_limits_are_validated() -> None:
         SandboxLimits(memory_mb=1)
     with pytest.raises(ValueError, match="extra"):
         SandboxLimits(timeout=3)  # type: ignore[call-arg]
+
+
+@pytest.mark.asyncio
+async def test_control_character_output_comes_back_whole() -> None:
+    # JSON escapes each control byte as 6 characters: the result line must still fit what we read back
+    code = "import sys\nsys.stdout.buffer.write(b'\\x01' * 1_000_000)\nsys.stderr.buffer.write(b'\\x02' * 1_000_000)"
+    r = await run_python(code, "", SandboxLimits(timeout_s=20.0, max_output_bytes=1_000_000))
+    assert r.error is None and r.exit_code == 0 and not r.output_truncated
+    assert r.stdout == "\x01" * 1_000_000 and r.stderr == "\x02" * 1_000_000

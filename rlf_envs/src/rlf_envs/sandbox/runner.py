@@ -118,7 +118,7 @@ async def _supervise(job: dict[str, Any], workdir: SandboxDir, limits: SandboxLi
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
-    cap = 4 * limits.max_output_bytes + (1 << 20)  # stdout+stderr, JSON-escaped, plus the verdict
+    cap = 12 * limits.max_output_bytes + (1 << 20)  # stdout+stderr, JSON-escaped (<= 6x), plus the verdict
     readers: list[asyncio.Future[bytes]] = []
     out = err = b""
     try:
