@@ -90,3 +90,29 @@ def leftovers() -> Callable[[str], list[int]]:
         return alive
 
     return wait
+
+
+_guards: dict[str, str] | None = None
+
+
+def sandbox_guards() -> dict[str, str]:
+    """The sandbox guards this machine allows (probed once with a trivial run)."""
+    global _guards
+    if _guards is None:
+        import asyncio
+
+        from rlf_envs.sandbox import run_python
+
+        result = asyncio.run(run_python("pass"))
+        _guards = {**{k: f"missing: {v}" for k, v in result.missing_guards.items()}, **result.guards}
+        _guards["_isolated"] = "yes" if ("pid_ns" in result.guards or "uid" in result.guards) else ""
+    return _guards
+
+
+@pytest.fixture
+def isolated() -> None:
+    """Skip (with the reason) unless the sandbox can separate code from us here: a pid namespace or, as root,
+    a uid of the run's own. Without either (not root, no user namespaces) the code runs as our uid."""
+    g = sandbox_guards()
+    if not g["_isolated"]:
+        pytest.skip(f"no pid namespace and no uid switch here ({g.get('pid_ns', '')}; {g.get('uid', '')})")

@@ -326,18 +326,18 @@ def add(a, b):
 """
 
 
-def test_a_solution_cannot_kill_the_scoring_process() -> None:
+def test_a_solution_cannot_kill_the_scoring_process(isolated: None) -> None:
     # the old harness was the scorer's direct child: this killed the (sacrificial) scorer
     assert _score_in_a_scoring_process(KILL_PARENT) == ["SCORED 1.0"]
 
 
-def test_the_scoring_process_environment_is_unreadable() -> None:
+def test_the_scoring_process_environment_is_unreadable(isolated: None) -> None:
     control = READ_SECRET.replace('SECRET == "hunter2"', "True")  # the solution itself works...
     assert _score_in_a_scoring_process(control, READ_SECRET) == ["SCORED 1.0", "SCORED 0.0"]  # ...without it
 
 
 @pytest.mark.asyncio
-async def test_no_file_written_outside_the_work_dir(tmp_path: Path) -> None:
+async def test_no_file_written_outside_the_work_dir(tmp_path: Path, isolated: None) -> None:
     targets = [tmp_path / "escaped.txt", Path(f"/tmp/rlf_escape_{secrets.token_hex(6)}"),
                Path(f"/var/tmp/rlf_escape_{secrets.token_hex(6)}")]
     os.chmod(tmp_path, 0o777)  # even a world-writable directory of ours is out of reach

@@ -112,7 +112,7 @@ async def test_escaped_grandchild_is_killed_and_does_not_hang(mode: str, leftove
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("mode", MODES)
-async def test_cannot_signal_the_supervisor_or_read_environments(mode: str, tmp_path: Path) -> None:
+async def test_cannot_signal_the_supervisor_or_read_environments(mode: str, tmp_path: Path, isolated: None) -> None:
     limits, python = _mode(mode)
     code = textwrap.dedent(f"""
         import os, signal
@@ -231,3 +231,10 @@ async def test_control_character_output_comes_back_whole() -> None:
     r = await run_python(code, "", SandboxLimits(timeout_s=20.0, max_output_bytes=1_000_000))
     assert r.error is None and r.exit_code == 0 and not r.output_truncated
     assert r.stdout == "\x01" * 1_000_000 and r.stderr == "\x02" * 1_000_000
+
+
+@pytest.mark.asyncio
+async def test_a_sandbox_that_cannot_start_says_how_to_fix_it() -> None:
+    r = await run_python("print(1)", "", FAST, python="/nonexistent/python")
+    assert r.error is not None and "/nonexistent/python" in r.error and "set `python`" in r.error
+    assert r.exit_code is None and not r.ok

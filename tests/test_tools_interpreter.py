@@ -47,7 +47,7 @@ async def test_files_persist_within_an_episode_only() -> None:
 
 
 @pytest.mark.asyncio
-async def test_hostile_code_through_the_tool(leftovers: Callable[[str], list[int]]) -> None:
+async def test_hostile_code_through_the_tool(leftovers: Callable[[str], list[int]], isolated: None) -> None:
     tool = PythonInterpreter(LIMITS)
     box = Toolbox([tool])
     marker = f"{3600 + secrets.randbelow(10**6) / 10**7:.7f}"

@@ -711,9 +711,9 @@ def main() -> None:
             end = time.monotonic() + 0.5
             while w.capture.sel.get_map() and time.monotonic() < end:
                 w.capture.pump(0.05)
-    except OSError as e:
-        result["error"] = f"the sandbox could not start the code: {e}"
-        if e.errno in (errno.EACCES, errno.ENOENT):
+    except Exception as e:  # a set-up step the OS refused (preexec_fn errors arrive as SubprocessError)
+        result["error"] = f"the sandbox could not start the code: {type(e).__name__}: {e}"
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.ENOENT):
             result["error"] += f" (can the sandbox's uid execute {job['python']}? set `python` to one it can)"
     finally:
         if w is not None:
