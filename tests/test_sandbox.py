@@ -17,23 +17,12 @@ from pathlib import Path
 import pytest
 
 from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxResult, run_python
+from rlf_envs.sandbox._supervisor import _processes_of_uid
 
 pytestmark = pytest.mark.envs
 
 FAST = SandboxLimits(timeout_s=5.0, cpu_s=5)
 SYSTEM_PYTHON = "/usr/bin/python3.11"
-
-
-def _uid_processes(uid: int) -> list[int]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                if os.stat(f"/proc/{pid}").st_uid == uid:
-                    out.append(int(pid))
-            except OSError:
-                pass
-    return out
 
 
 def _need(result: SandboxResult, guard: str) -> None:
@@ -212,9 +201,9 @@ async def test_fork_bomb_is_bounded() -> None:
     if "uid" in r.guards:
         uid = int(lines[0])
         deadline = time.monotonic() + 5
-        while _uid_processes(uid) and time.monotonic() < deadline:
+        while _processes_of_uid(uid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _uid_processes(uid) == []
+        assert _processes_of_uid(uid) == set()
 
 
 def test_limits_are_validated() -> None:
