@@ -258,6 +258,7 @@ async def test_honest_solutions_still_pass_through_the_harness() -> None:
             yield from range(n)
         def big():
             return 3 ** 10000
+        TABLE = list(range(2_000_000))  # a big lookup table: more than one reply can carry
         def root(x):
             if x < 0:
                 raise ValueError("negative")
@@ -270,6 +271,7 @@ async def test_honest_solutions_still_pass_through_the_harness() -> None:
         "assert list(gen(3)) == [0, 1, 2] and sum(x for x in gen(4)) == 6",
         "try:\n    root(-1)\nexcept ValueError as e:\n    assert 'negative' in str(e)\nelse:\n    raise AssertionError",
         "assert big() % 1000 == 3 ** 10000 % 1000",
+        "assert TABLE[12345] == 12345 and len(TABLE) == 2_000_000 and 7 in TABLE",
     ]
     value, info = await run(v, solution, tests)
     assert value == 1.0, info

@@ -22,6 +22,7 @@ OPS: dict = {
     "ge": operator.ge, "setattr": setattr,
 }
 TAGS: dict = {tuple: "t", set: "s", frozenset: "f"}
+BIG = 10_000
 
 
 def enc(v, depth=0):
@@ -42,6 +43,15 @@ def enc(v, depth=0):
         return {"c": [v.real, v.imag]}
     OBJECTS[id(v)] = v
     return {"h": id(v)}
+
+
+def by_name(v):
+    """A top-level name's value: big containers stay here as handles (indexing, len, iteration and `in`
+    work through the proxy), so a large lookup table does not have to fit in one reply."""
+    if type(v) in (list, tuple, dict, set, frozenset, str, bytes) and len(v) > BIG:
+        OBJECTS[id(v)] = v
+        return {"h": id(v)}
+    return enc(v)
 
 
 def dec(v):
@@ -75,7 +85,7 @@ def serve():
                 sys.modules["solution"].__dict__.update(ns)
                 reply = None
             elif op == "names":
-                reply = {k: enc(v) for k, v in ns.items() if not k.startswith("__")}
+                reply = {k: by_name(v) for k, v in ns.items() if not k.startswith("__")}
                 reply = {"d": [[k, v] for k, v in reply.items()]}
             elif op == "getattr":
                 reply = enc(getattr(OBJECTS[m["h"]], m["name"]))
