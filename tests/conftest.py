@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,58 @@ def bm25_index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bm25") / "idx"
     build_index(SEARCH_CORPUS, out, kind="bm25", show_progress=False)
     return out
+
+
+def _live_processes_with(marker: str) -> list[int]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if marker.encode() in cmd and state != "Z":
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture
+def leftovers() -> Callable[[str], list[int]]:
+    """For process-leak tests: `leftovers(marker)` waits up to 5 s for the live (non-zombie) processes whose
+    command line holds `marker` to go, and returns those still there."""
+
+    def wait(marker: str) -> list[int]:
+        deadline = time.monotonic() + 5
+        while (alive := _live_processes_with(marker)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return alive
+
+    return wait
+
+
+_guards: dict[str, str] | None = None
+
+
+def sandbox_guards() -> dict[str, str]:
+    """The sandbox guards this machine allows (probed once with a trivial run)."""
+    global _guards
+    if _guards is None:
+        import asyncio
+
+        from rlf_envs.sandbox import run_python
+
+        result = asyncio.run(run_python("pass"))
+        _guards = {**{k: f"missing: {v}" for k, v in result.missing_guards.items()}, **result.guards}
+        _guards["_isolated"] = "yes" if ("pid_ns" in result.guards or "uid" in result.guards) else ""
+    return _guards
+
+
+@pytest.fixture
+def isolated() -> None:
+    """Skip (with the reason) unless the sandbox can separate code from us here: a pid namespace or, as root,
+    a uid of the run's own. Without either (not root, no user namespaces) the code runs as our uid."""
+    g = sandbox_guards()
+    if not g["_isolated"]:
+        pytest.skip(f"no pid namespace and no uid switch here ({g.get('pid_ns', '')}; {g.get('uid', '')})")

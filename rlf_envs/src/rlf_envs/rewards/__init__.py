@@ -6,7 +6,7 @@ types with `@register_verifier` on a `VerifierConfig` subclass.
 """
 
 from rlf_envs.rewards.base import Verifier
-from rlf_envs.rewards.code import CodeConfig, CodeVerifier, RunOutcome, run_sandboxed
+from rlf_envs.rewards.code import CodeConfig, CodeVerifier
 from rlf_envs.rewards.common import ConfiguredVerifier, aclose_verifier
 from rlf_envs.rewards.compose import (
     Extremum,
@@ -95,7 +95,6 @@ __all__ = [
     "ProcessRewardConfig",
     "RegexConfig",
     "RegexMatch",
-    "RunOutcome",
     "SqlConfig",
     "SqlQueryError",
     "SqlVerifier",
@@ -132,7 +131,6 @@ __all__ = [
     "registered_types",
     "rlfactory_search",
     "run_readonly_query",
-    "run_sandboxed",
     "search_r1_em",
     "substring_match",
     "tags_well_formed",

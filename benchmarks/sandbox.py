@@ -1,0 +1,101 @@
+"""Per-run cost of the sandbox vs a plain subprocess, measured in the same run.
+
+    python benchmarks/sandbox.py [--runs 30] [--concurrency 1 4] [--json out/sandbox.json]
+
+Three ways to run the same small program (print a sum) and one to judge a solution against 3 asserts:
+  plain     `python -I main.py` with asyncio.create_subprocess_exec (no limits: the baseline)
+  sandbox   `rlf_envs.sandbox.run_python` (supervisor + every guard the OS allows here)
+  judged    `rlf_envs.sandbox.run_tests` (the same plus the trusted test harness and its RPC)
+Reported: median and p90 seconds per run and runs/s at each concurrency, and the ratio to `plain`.
+The guards that were in force are printed: the cost depends on them (namespaces, uid switch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from rlf_envs.sandbox import SandboxLimits, run_python, run_tests
+
+CODE = "print(sum(range(1000)))\n"
+SOLUTION = "def add(a, b):\n    return a + b\n"
+TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add('a', 'b') == 'ab'"]
+LIMITS = SandboxLimits(timeout_s=30.0, cpu_s=30)
+
+
+async def plain() -> None:
+    with tempfile.TemporaryDirectory(prefix="rlf_bench_") as d:
+        Path(d, "main.py").write_text(CODE)
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-I", "main.py", cwd=d,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate()
+        assert out.strip() == b"499500", out
+
+
+async def sandbox() -> None:
+    r = await run_python(CODE, "", LIMITS)
+    assert r.stdout.strip() == "499500", r
+
+
+async def judged() -> None:
+    r = await run_tests(SOLUTION, TESTS, LIMITS)
+    assert r.test_results == (True, True, True), r
+
+
+async def measure(fn: Callable[[], Awaitable[None]], runs: int, concurrency: int) -> dict[str, float]:
+    await fn()  # warm-up (imports, page cache)
+    gate = asyncio.Semaphore(concurrency)
+    times: list[float] = []
+
+    async def one() -> None:
+        async with gate:
+            t0 = time.perf_counter()
+            await fn()
+            times.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(runs)))
+    wall = time.perf_counter() - t0
+    times.sort()
+    return {"median_s": statistics.median(times), "p90_s": times[int(0.9 * (len(times) - 1))],
+            "runs_per_s": runs / wall}
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=30)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    probe = await run_python("pass", "", LIMITS)
+    print(f"guards in force: {', '.join(probe.guards)}")
+    if probe.missing_guards:
+        print(f"missing: {', '.join(probe.missing_guards)}")
+    rows = []
+    for c in args.concurrency:
+        base = await measure(plain, args.runs, c)
+        for name, fn in (("plain", plain), ("sandbox", sandbox), ("judged", judged)):
+            m = base if name == "plain" else await measure(fn, args.runs, c)
+            rows.append({"mode": name, "concurrency": c, **m, "ratio_vs_plain": m["median_s"] / base["median_s"]})
+    print(f"\n{'mode':<8} {'conc':>4} {'median':>9} {'p90':>9} {'runs/s':>8} {'x plain':>8}")
+    for r in rows:
+        print(f"{r['mode']:<8} {r['concurrency']:>4} {r['median_s'] * 1000:>7.1f}ms {r['p90_s'] * 1000:>7.1f}ms "
+              f"{r['runs_per_s']:>8.1f} {r['ratio_vs_plain']:>7.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows, "guards": probe.guards, "missing_guards": probe.missing_guards,
+                                         "runs": args.runs, "cpus": os.cpu_count(),
+                                         "python": platform.python_version()}, indent=2))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,52 @@
+"""Run untrusted Python (policy-written code) without letting it reach the process that scores it.
+
+Used by the code verifier (`rlf_envs.rewards.code`) and by any interpreter tool. Two entry points:
+`run_python(code, stdin, limits, workdir)` runs a script and captures its output; `run_tests(solution,
+tests, limits)` judges a solution against test code.
+
+Process tree and why
+--------------------
+::
+
+    scoring process (trainer) ──stdin: job JSON──▶ supervisor (trusted, stdlib only) ──▶ worker (untrusted)
+                              ◀─stdout: 1 result line─┘   new session                  new session, limits
+
+* The **supervisor** (`_supervisor.py`) is a separate interpreter, so nothing the worker does happens in
+  the trainer's address space. It makes itself non-dumpable (same-uid processes cannot open its
+  `/proc/<pid>/fd`, `mem` or `environ`, nor ptrace it) and a child subreaper (descendants that escape into
+  new sessions are re-parented to it, so it can find and kill them). It enters the strongest isolation
+  the OS allows, probed at run time, and reports each guard it applied or could not apply:
+
+  - namespaces (as root directly, otherwise inside a new user namespace): the worker is pid 1 of a new pid
+    namespace (it sees and can signal no outside process; when it dies the kernel kills everything it
+    started), a network namespace with no interface up (no network), a private mount namespace with fresh
+    tmpfs over /tmp, /var/tmp and /dev/shm (only the work dir is bound back), ipc/uts namespaces;
+  - as root: the worker runs as an unprivileged uid unique to the run (so it cannot signal, trace or read
+    the environment of our processes or write our files, and `RLIMIT_NPROC` bounds its process count,
+    which root ignores); `PR_SET_NO_NEW_PRIVS` stops setuid binaries from regaining root;
+  - always: a minimal explicit environment, the work dir as cwd/HOME/TMPDIR, rlimits on address space,
+    CPU time, file size, open files and core dumps, capped stdout/stderr, a wall-clock deadline, and a
+    whole-tree kill at the end (pid namespace, or the subreaper walk plus every process of the run's uid).
+
+* **The verdict cannot be forged from inside the solution.** The tests run in the supervisor, not in the
+  solution's interpreter: each top-level name of the solution becomes a proxy, calls send plain data to
+  the worker over a pipe and plain data (JSON with type tags, decoded strictly and bounded) comes back.
+  So the solution cannot walk frames or `gc` to find expected values (they live in another process),
+  cannot rig `builtins`, `sys.exit` or `os._exit` of the harness (exiting only fails the remaining tests),
+  and cannot fake a result line: the verdict goes to the trainer on the supervisor's stdout, a pipe the
+  worker never inherits (close_fds), cannot reopen (the supervisor is non-dumpable, of another uid or
+  outside its pid namespace) and that carries a per-run nonce the worker never sees. An object returned
+  with a rigged `__eq__` stays in the worker: comparing it with a plain value is never equal. What the
+  solution *can* still decide is the answer to operations on its own objects (e.g. `Stack() == Stack()`).
+  A replaced worker stub gains nothing: the most it can do is return a value, which is what a solution does.
+  For `run_python`, output is only ever data for the policy, never parsed as a verdict.
+
+The trainer's own side holds a deadline (run deadline + a grace for start-up) and kills the supervisor's
+session in `finally`; the worker has `PR_SET_PDEATHSIG`, so it dies with the supervisor.
+What this does not confine is listed in the README ("Threat model: running untrusted code").
+"""
+
+from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult
+from rlf_envs.sandbox.runner import SandboxDir, run_python, run_tests
+
+__all__ = ["SandboxDir", "SandboxLimits", "SandboxResult", "run_python", "run_tests"]

@@ -1,0 +1,733 @@
+"""The sandbox supervisor: a trusted, stdlib-only process between the scoring process and untrusted code.
+
+Started by `rlf_envs.sandbox.runner` as `python -I _supervisor.py` in a new session, with a JSON job on
+stdin. It applies every containment guard the OS allows, starts the untrusted worker, and writes ONE
+result line (prefixed with the job's nonce) to its stdout, which the worker never holds. See the
+package docstring (`rlf_envs/sandbox/__init__.py`) for the design and why the verdict cannot be forged.
+
+Do not import rlf_envs here: this file runs with a bare interpreter.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import ctypes
+import errno
+import json
+import os
+import resource
+import selectors
+import signal
+import sys
+import time
+import types
+from typing import Any
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+MAX_REPLY_BYTES = 8 << 20
+MAX_INT_DIGITS = 100_000
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def _prctl(option: int, arg: int) -> None:
+    _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    def enc(s: str | None) -> bytes | None:
+        return s.encode() if s is not None else None
+
+    _check(_libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+class Deadline(BaseException):
+    """The job's wall-clock deadline passed (raised in the supervisor by SIGALRM)."""
+
+
+class SolutionError(Exception):
+    """An exception raised inside the solution that has no builtin counterpart, or the solution died."""
+
+
+class SolutionDied(SolutionError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- guards
+
+
+class Guards:
+    """What this run is contained by; reported back to the scoring process."""
+
+    def __init__(self) -> None:
+        self.applied: dict[str, str] = {}  # guard -> how
+        self.missing: dict[str, str] = {}  # guard -> why not
+
+    def ok(self, name: str, how: str) -> None:
+        self.applied[name] = how
+
+    def no(self, name: str, why: str) -> None:
+        self.missing[name] = why
+
+
+def _world_traversable(path: str) -> bool:
+    try:
+        return bool(os.stat(path).st_mode & 0o001)
+    except OSError:
+        return False
+
+
+def _hidden_top(path: str) -> str | None:
+    """The top-most ancestor of `path` that other users cannot traverse (e.g. /root, mode 0700)."""
+    parts = os.path.realpath(path).split("/")[1:]
+    cur = ""
+    for p in parts[:-1] if os.path.isfile(path) else parts:
+        cur += "/" + p
+        if not _world_traversable(cur):
+            return cur
+    return None
+
+
+def _make_private_mounts(job: dict[str, Any], g: Guards, workdir: str) -> None:
+    """In our new mount namespace: nothing propagates out; fresh tmpfs over /tmp, /var/tmp, /dev/shm (the
+    work dir is bound back at its own path); directories other users cannot enter (a 0700 home holding the
+    interpreter) are replaced by a tmpfs holding read-only binds of just the interpreter's directories."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    keep_fds: dict[str, int] = {workdir: os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)}
+    hidden: dict[str, list[str]] = {}
+    for p in job["python_dirs"]:
+        top = _hidden_top(p)
+        if top is not None and job["drop_uid"]:
+            hidden.setdefault(top, []).append(p)
+            keep_fds[p] = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+    size = f"size={max(16, job['limits']['file_mb'] * 4)}m"
+    for d in PRIVATE_DIRS:
+        if os.path.isdir(d):
+            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+    for top, dirs in hidden.items():
+        _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+        for p in dirs:
+            os.makedirs(p, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{keep_fds[p]}", p, None, MS_BIND | MS_REC)
+            _mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+    if any(workdir == d or workdir.startswith(d + "/") for d in PRIVATE_DIRS):
+        os.makedirs(workdir, mode=0o711, exist_ok=True)
+        _mount(f"/proc/self/fd/{keep_fds[workdir]}", workdir, None, MS_BIND)
+    os.chdir(workdir)
+    for fd in keep_fds.values():
+        os.close(fd)
+    g.ok("private_tmp", "fresh tmpfs over " + ", ".join(PRIVATE_DIRS))
+    if hidden:
+        g.ok("hidden_dirs", ", ".join(sorted(hidden)))
+
+
+def _enter_namespaces(job: dict[str, Any], g: Guards, workdir: str) -> bool:
+    """Unshare pid/mount/ipc/uts (+net unless network is allowed); as non-root inside a new user namespace.
+    Returns whether the worker will be pid 1 of a new pid namespace."""
+    if not job["limits"]["namespaces"]:
+        g.no("namespaces", "disabled by SandboxLimits.namespaces=False")
+        return False
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    if not job["limits"]["network"]:
+        flags |= CLONE_NEWNET
+    uid, gid = os.geteuid(), os.getegid()
+    user_ns = uid != 0
+    try:
+        _check(_libc.unshare(flags | (CLONE_NEWUSER if user_ns else 0)), "unshare")
+    except OSError as e:
+        g.no("namespaces", f"unshare refused ({e.strerror}); as non-root, unprivileged user namespaces may be "
+                           "disabled (sysctl kernel.unprivileged_userns_clone / AppArmor userns restriction)")
+        return False
+    if user_ns:
+        with open("/proc/self/setgroups", "w") as f:
+            f.write("deny")
+        with open("/proc/self/uid_map", "w") as f:
+            f.write(f"{uid} {uid} 1")
+        with open("/proc/self/gid_map", "w") as f:
+            f.write(f"{gid} {gid} 1")
+        g.ok("user_ns", f"uid {uid} mapped to itself; the worker has no capabilities")
+    g.ok("pid_ns", "the worker is pid 1 of its own pid namespace: it sees no outside process, and its death kills "
+                   "every process it started")
+    g.ok("ipc_uts_ns", "own IPC and hostname namespaces")
+    if flags & CLONE_NEWNET:
+        g.ok("net_ns", "own network namespace with no interfaces up: no network")
+    else:
+        g.no("net_ns", "network allowed by SandboxLimits.network=True")
+    try:
+        _make_private_mounts(job, g, workdir)
+    except OSError as e:
+        g.no("private_tmp", f"mount failed ({e}); /tmp is shared with the host")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+
+def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: int | None) -> Any:
+    lim = job["limits"]
+
+    def preexec() -> None:
+        if pid_ns:
+            _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        mem = lim["memory_mb"] << 20
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim["file_mb"] << 20,) * 2)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lim["max_open_files"],) * 2)
+        if nproc is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, sudo, ping) cannot regain privileges
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: we die -> the worker dies
+        if os.getppid() != job["_supervisor_pid"] and not pid_ns:
+            os._exit(111)  # the supervisor died before the line above
+
+    return preexec
+
+
+def _choose_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | None]:
+    """The uid the worker runs as (None: ours) and its RLIMIT_NPROC (None: no process-count guard)."""
+    lim = job["limits"]
+    want = lim["max_processes"]
+    blocked = [p for p in job["python_dirs"] if _hidden_top(p)] if "hidden_dirs" not in g.applied else []
+    if os.geteuid() == 0 and job["drop_uid"] is not None and blocked:
+        g.no("uid", f"runs as root: the interpreter's directory {blocked[0]} is inside {_hidden_top(blocked[0])}, "
+                    "which other uids cannot enter, and no mount namespace is available to expose it; install "
+                    "Python in a world-readable place or set `python` to one")
+        g.no("nproc", "RLIMIT_NPROC is ignored for root")
+        return None, None
+    if os.geteuid() == 0 and job["drop_uid"] is not None:
+        uid = job["drop_uid"]
+        g.ok("uid", f"runs as unprivileged uid {uid} (unique to this run): cannot signal, trace or read the "
+                    "environment of root's processes, cannot write root's files")
+        g.ok("nproc", f"RLIMIT_NPROC={want} on the run's own uid")
+        return uid, want
+    if os.geteuid() == 0:
+        g.no("uid", "runs as root: " + job["drop_uid_reason"])
+        g.no("nproc", "RLIMIT_NPROC is ignored for root")
+        return None, None
+    g.no("uid", "runs as the scoring process's own uid (not root, so it cannot switch to another uid)")
+    if "user_ns" in g.applied:
+        g.ok("nproc", f"RLIMIT_NPROC={want}, counted inside the run's own user namespace")
+        return None, want
+    base = len(_processes_of_uid(os.geteuid()))
+    g.ok("nproc", f"RLIMIT_NPROC={base + want}: this uid's {base} processes + {want} (shared with your other "
+                  "processes, approximate)")
+    return None, base + want
+
+
+def _worker_env(workdir: str) -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+            "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+# ------------------------------------------------------------------------------------------- the run
+
+
+class Capture:
+    """Capped capture of the worker's stdout and stderr, drained while we wait for anything else."""
+
+    def __init__(self, fds: dict[str, int], cap: int) -> None:
+        self.bufs = {name: bytearray() for name in fds}
+        self.cap = cap
+        self.overflow = False
+        self.sel = selectors.DefaultSelector()
+        for name, fd in fds.items():
+            os.set_blocking(fd, False)
+            self.sel.register(fd, selectors.EVENT_READ, name)
+
+    def pump(self, timeout: float, extra: int | None = None) -> bool:
+        """Read what is ready; True if `extra` (another fd) became readable."""
+        if extra is not None:
+            self.sel.register(extra, selectors.EVENT_READ, None)
+        try:
+            for key, _ in self.sel.select(max(0.0, timeout)):
+                if key.data is None:
+                    return True
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    self.sel.unregister(key.fd)
+                    continue
+                buf = self.bufs[key.data]
+                room = self.cap - len(buf)
+                buf += chunk[: max(0, room)]
+                if len(chunk) > room:
+                    self.overflow = True
+            return False
+        finally:
+            if extra is not None:
+                self.sel.unregister(extra)
+
+    def text(self, name: str) -> str:
+        return self.bufs[name].decode("utf-8", errors="replace")
+
+
+class Worker:
+    def __init__(self, job: dict[str, Any], argv: list[str], pid_ns: bool, uid: int | None, nproc: int | None,
+                 stdin_fd: int, pass_fds: tuple[int, ...], workdir: str) -> None:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
+            env=_worker_env(workdir), close_fds=True, pass_fds=pass_fds, start_new_session=True,
+            preexec_fn=_worker_preexec(job, pid_ns, uid, nproc),
+        )
+        assert self.proc.stdout and self.proc.stderr
+        self.capture = Capture({"stdout": self.proc.stdout.fileno(), "stderr": self.proc.stderr.fileno()},
+                               job["limits"]["max_output_bytes"])
+        self.pid_ns, self.uid = pid_ns, uid
+        self.killed = False
+        try:
+            self.exit_fd: int | None = os.pidfd_open(self.proc.pid)  # readable once the worker exits
+        except (AttributeError, OSError):
+            self.exit_fd = None  # Linux < 5.3: we notice the exit within one pump interval
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill_tree(self) -> None:
+        """SIGKILL the worker and everything it started, including descendants in new sessions."""
+        if self.killed:
+            return
+        self.killed = True
+        if self.pid_ns:
+            # The worker is pid 1 of its namespace: when it dies the kernel kills every process in it. (Our
+            # /proc now shows that namespace, so pids read from it must never be signalled from here.)
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            _reap()
+            return
+        for _ in range(50):
+            victims = set(_descendants(os.getpid()))
+            if self.uid is not None:
+                victims |= _processes_of_uid(self.uid)
+            if self.alive():
+                victims.add(self.proc.pid)
+            if not victims:
+                break
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            _reap()
+            time.sleep(0.002)
+        self.proc.poll()
+
+
+def _descendants(root: int) -> list[int]:
+    """Every live process under `root` (we are a child subreaper, so orphans stay under us)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        if rest and rest[0] != b"Z":
+            children.setdefault(int(rest[1]), []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _processes_of_uid(uid: int) -> set[int]:
+    out = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                if os.stat(f"/proc/{name}").st_uid == uid:
+                    out.add(int(name))
+            except OSError:
+                pass
+    return out
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _finish(w: Worker, deadline: float) -> int | None:
+    """Wait (draining output) for the worker to exit or the deadline, then kill its whole tree."""
+    timed_out = False
+    while w.alive():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        if w.capture.overflow:
+            break
+        w.capture.pump(min(left, 0.05), extra=w.exit_fd)
+    code = w.proc.returncode
+    w.kill_tree()
+    end = time.monotonic() + 0.5  # what is still in the pipes (the writers are dead now)
+    while w.capture.sel.get_map() and time.monotonic() < end:
+        w.capture.pump(0.05)
+    return None if timed_out else code
+
+
+# ------------------------------------------------------------------------------ tests: trusted harness
+#
+# The tests run HERE, in the trusted supervisor; the solution runs in the worker. Each name the solution
+# defines is a `Remote` proxy; calling it sends plain data to the worker and plain data comes back. Values
+# are decoded strictly (JSON with type tags), so the test compares real ints/strs/lists built here: a
+# returned object with a rigged __eq__ stays in the worker and compares unequal to any plain value.
+
+
+class Channel:
+    def __init__(self, w: Worker, req_fd: int, rep_fd: int, deadline: float) -> None:
+        self.w, self.req, self.rep, self.deadline = w, req_fd, rep_fd, deadline
+        self.buf = bytearray()
+        os.set_blocking(rep_fd, False)
+
+    def request(self, msg: dict[str, Any]) -> Any:
+        if not self.w.alive():
+            raise SolutionDied("the solution's process has exited")
+        data = (json.dumps(msg) + "\n").encode()
+        try:
+            os.write(self.req, data)  # requests are small; the pipe buffer holds them
+        except (BrokenPipeError, BlockingIOError):
+            raise SolutionDied("the solution's process stopped reading") from None
+        reply = self._read_line()
+        if not isinstance(reply, dict) or len(reply) != 1:
+            raise SolutionError("malformed reply from the solution's process")
+        if "ok" in reply:
+            return decode(reply["ok"], self)
+        err = reply.get("err")
+        if not (isinstance(err, list) and len(err) == 2 and all(isinstance(x, str) for x in err)):
+            raise SolutionError("malformed reply from the solution's process")
+        raise _exception(err[0], err[1][:2000])
+
+    def _read_line(self) -> Any:
+        while True:
+            nl = self.buf.find(b"\n")
+            if nl >= 0:
+                line = bytes(self.buf[:nl])
+                del self.buf[: nl + 1]
+                try:
+                    return json.loads(line)
+                except (ValueError, RecursionError):
+                    raise SolutionError("undecodable reply from the solution's process") from None
+            if len(self.buf) > MAX_REPLY_BYTES:
+                raise SolutionError(f"reply larger than {MAX_REPLY_BYTES} bytes")
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise Deadline()
+            if self.w.capture.pump(min(left, 0.05), extra=self.rep):
+                try:
+                    chunk = os.read(self.rep, 1 << 16)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    raise SolutionDied("the solution's process closed its reply channel or exited")
+                self.buf += chunk
+            elif not self.w.alive():
+                raise SolutionDied(f"the solution's process exited (status {self.w.proc.returncode})")
+            if self.w.capture.overflow:
+                raise SolutionDied("output limit exceeded")
+
+
+_BUILTIN_EXC = {n: e for n, e in vars(builtins).items()
+                if isinstance(e, type) and issubclass(e, Exception) and e is not StopAsyncIteration}
+
+
+def _exception(name: str, message: str) -> BaseException:
+    exc = _BUILTIN_EXC.get(name)
+    return exc(message) if exc is not None else SolutionError(f"{name}: {message}")
+
+
+def decode(v: Any, ch: Channel, depth: int = 0) -> Any:
+    if depth > 200:
+        raise SolutionError("reply nested too deeply")
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    if type(v) is list:
+        return [decode(x, ch, depth + 1) for x in v]
+    if type(v) is dict and len(v) == 1:
+        (tag, x), = v.items()
+        if tag == "h" and type(x) is int:
+            return Remote(x, ch)
+        if tag == "b" and type(x) is str:
+            return base64.b64decode(x)
+        if type(x) is list:
+            items = [decode(i, ch, depth + 1) for i in x]
+            if tag == "t":
+                return tuple(items)
+            if tag == "s":
+                return set(items)
+            if tag == "f":
+                return frozenset(items)
+            if tag == "d" and all(type(p) is list and len(p) == 2 for p in items):
+                return {k: val for k, val in items}
+            if tag == "c" and len(items) == 2:
+                return complex(items[0], items[1])
+    raise SolutionError("malformed value from the solution's process")
+
+
+_TAGS: dict[type, str] = {tuple: "t", set: "s", frozenset: "f"}
+
+
+def encode(v: Any, depth: int = 0) -> Any:
+    """Test-side arguments: plain data and solution objects only."""
+    if depth > 200:
+        raise ValueError("argument nested too deeply")
+    t = type(v)
+    if v is None or t in (bool, int, float, str):
+        return v
+    if t is Remote:
+        return {"h": object.__getattribute__(v, "_h")}
+    if t is list:
+        return [encode(x, depth + 1) for x in v]
+    if t in _TAGS:
+        return {_TAGS[t]: [encode(x, depth + 1) for x in v]}
+    if t is dict:
+        return {"d": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in v.items()]}
+    if t is bytes:
+        return {"b": base64.b64encode(v).decode()}
+    if t is complex:
+        return {"c": [v.real, v.imag]}
+    raise TypeError(f"a test can pass only plain data (None, bool, int, float, str, bytes, list, tuple, dict, "
+                    f"set) or the solution's own objects to the solution, not {t.__name__}")
+
+
+class Remote:
+    """A solution object. Operations on it are answered by the solution; comparing it with a plain value
+    is never equal (and ordering raises TypeError), so a rigged __eq__/__lt__ cannot pass a test."""
+
+    __slots__ = ("_ch", "_h")
+
+    def __init__(self, h: int, ch: Channel) -> None:
+        object.__setattr__(self, "_h", h)
+        object.__setattr__(self, "_ch", ch)
+
+    def _op(self, op: str, *args: Any) -> Any:
+        ch = object.__getattribute__(self, "_ch")
+        h = object.__getattribute__(self, "_h")
+        return ch.request({"op": "op", "h": h, "name": op, "args": encode(list(args))})
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        ch = object.__getattribute__(self, "_ch")
+        return ch.request({"op": "getattr", "h": object.__getattribute__(self, "_h"), "name": name})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._op("setattr", name, value)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ch = object.__getattribute__(self, "_ch")
+        return ch.request({"op": "call", "h": object.__getattribute__(self, "_h"), "args": encode(list(args)),
+                           "kwargs": encode(kwargs)})
+
+    def _cmp(self, op: str, other: Any) -> Any:
+        return self._op(op, other) if type(other) is Remote else NotImplemented
+
+    def __eq__(self, other: object) -> Any:
+        return self._cmp("eq", other)
+
+    def __ne__(self, other: object) -> Any:
+        return self._cmp("ne", other)
+
+    def __lt__(self, other: Any) -> Any:
+        return self._cmp("lt", other)
+
+    def __le__(self, other: Any) -> Any:
+        return self._cmp("le", other)
+
+    def __gt__(self, other: Any) -> Any:
+        return self._cmp("gt", other)
+
+    def __ge__(self, other: Any) -> Any:
+        return self._cmp("ge", other)
+
+    __hash__ = object.__hash__
+
+    def __len__(self) -> int:
+        n = self._op("len")
+        if type(n) is not int:
+            raise TypeError("len() of a solution object did not return an int")
+        return n
+
+    def __bool__(self) -> bool:
+        return self._op("bool") is True
+
+    def __iter__(self) -> Any:
+        return self._op("iter")
+
+    def __next__(self) -> Any:
+        return self._op("next")
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._op("getitem", key)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._op("setitem", key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._op("delitem", key)
+
+    def __contains__(self, item: Any) -> bool:
+        return self._op("contains", item) is True
+
+    def __repr__(self) -> str:
+        try:
+            r = self._op("repr")
+        except Exception:
+            return "<solution object>"
+        return r if type(r) is str else "<solution object>"
+
+    __str__ = __repr__
+
+
+def _run_tests(ch: Channel, tests: list[str], results: list[bool], errors: list[str]) -> None:
+    """Append one verdict per test to `results` (those done stay if the deadline interrupts us)."""
+    try:
+        ch.request({"op": "load"})
+        names = ch.request({"op": "names"})
+        if type(names) is not dict:
+            raise SolutionError("malformed names")
+    except Deadline:
+        raise
+    except BaseException as e:
+        results += [False] * len(tests)
+        errors += [f"solution failed to load: {type(e).__name__}: {e}"[:500]] * len(tests)
+        return
+    module = types.ModuleType("solution")
+    module.__dict__.update(names)
+    sys.modules["solution"] = module
+    ns: dict[str, Any] = {"__name__": "__test__", "__builtins__": builtins, **names}
+    for i, test in enumerate(tests):
+        try:
+            exec(compile(test, f"test_{i}.py", "exec"), ns)
+            results.append(True)
+            errors.append("")
+        except Deadline:
+            raise
+        except BaseException as e:
+            results.append(False)
+            errors.append(f"{type(e).__name__}: {e}"[:500])
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.buffer.read())
+    sys.set_int_max_str_digits(MAX_INT_DIGITS)  # big answers decode; a 8 MB digit string does not stall us
+    out_fd = os.dup(1)  # the result channel: only we hold it (the worker gets fresh pipes, close_fds)
+    os.dup2(2, 1)  # anything the tests print goes to our stderr, never to the result channel
+    start = time.monotonic()
+    deadline = start + job["limits"]["timeout_s"]
+    job["_supervisor_pid"] = os.getpid()
+    g = Guards()
+    result: dict[str, Any] = {"nonce": job["nonce"]}
+    w: Worker | None = None
+    try:
+        workdir = os.getcwd()
+        pid_ns = _enter_namespaces(job, g, workdir)  # first: a new user namespace's maps need us dumpable
+        _prctl(PR_SET_DUMPABLE, 0)  # no /proc/<us>/{fd,mem,environ} and no ptrace for same-uid processes
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans (setsid'd grandchildren) reparent to us: we kill them
+        g.ok("supervisor", "non-dumpable, child subreaper, holds the only copy of the result channel")
+        g.ok("session", "own session and process group; the whole process tree is killed at the end")
+        uid, nproc = _choose_identity(job, g)
+        mem = job["limits"]["memory_mb"] << 20
+        g.ok("rlimits", "address space {memory_mb} MB, CPU {cpu_s} s, file size {file_mb} MB, {max_open_files} "
+                        "open files, no core dumps".format(**job["limits"]))
+        if job["mode"] == "run":
+            stdin_fd = os.memfd_create("stdin")
+            os.write(stdin_fd, job["stdin"].encode())
+            os.lseek(stdin_fd, 0, os.SEEK_SET)
+            w = Worker(job, [job["python"], "-I", job["script"]], pid_ns, uid, nproc, stdin_fd, (), workdir)
+            os.close(stdin_fd)
+            result["exit_code"] = _finish(w, deadline)
+            result["timed_out"] = result["exit_code"] is None and not w.capture.overflow
+        else:
+            req_r, req_w = os.pipe()
+            rep_r, rep_w = os.pipe()
+            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")) as f:
+                worker_src = f.read()
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            w = Worker(job, [job["python"], "-I", "-c", worker_src, str(req_r), str(rep_w), job["script"]],
+                       pid_ns, uid, nproc, devnull, (req_r, rep_w), workdir)
+            for fd in (req_r, rep_w, devnull):
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_AS, (mem + (256 << 20),) * 2)  # the tests are bounded too
+            signal.signal(signal.SIGALRM, _raise_deadline)
+            signal.setitimer(signal.ITIMER_REAL, max(0.001, deadline - time.monotonic()))
+            results: list[bool] = []
+            errors: list[str] = []
+            result["timed_out"] = False
+            try:
+                _run_tests(Channel(w, req_w, rep_r, deadline), job["tests"], results, errors)
+            except Deadline:
+                result["timed_out"] = True
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            n = len(job["tests"])
+            result["results"] = (results + [False] * n)[:n]
+            result["errors"] = (errors + ["deadline"] * n)[:n]
+            w.kill_tree()
+            result["exit_code"] = w.proc.returncode
+            end = time.monotonic() + 0.5
+            while w.capture.sel.get_map() and time.monotonic() < end:
+                w.capture.pump(0.05)
+    except Exception as e:  # a set-up step the OS refused (preexec_fn errors arrive as SubprocessError)
+        result["error"] = f"the sandbox could not start the code: {type(e).__name__}: {e}"
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.ENOENT):
+            result["error"] += f" (can the sandbox's uid execute {job['python']}? set `python` to one it can)"
+    finally:
+        if w is not None:
+            w.kill_tree()
+            result["stdout"] = w.capture.text("stdout")
+            result["stderr"] = w.capture.text("stderr")
+            result["output_truncated"] = w.capture.overflow
+        result["guards"], result["missing_guards"] = g.applied, g.missing
+        os.write(out_fd, ("\n" + json.dumps(result) + "\n").encode())
+
+
+def _raise_deadline(signum: int, frame: Any) -> None:
+    raise Deadline()
+
+
+if __name__ == "__main__":
+    main()

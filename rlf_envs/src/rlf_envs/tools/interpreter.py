@@ -1,0 +1,102 @@
+"""A Python interpreter tool: each call runs the policy's code in `rlf_envs.sandbox`.
+
+Files persist between calls of one episode (a fresh work dir per episode, removed when the episode ends
+or the tool is closed); processes do not (each call's whole process tree is killed when it returns).
+The work dir is per-episode state, so give each env its own instance (see README, "Per-episode state").
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxResult, run_python
+from rlf_envs.sandbox.runner import GRACE_S
+from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
+
+
+class PythonInterpreter(Tool):
+    """`python(code, stdin="")` -> the program's stdout, stderr and exit status, as text for the policy."""
+
+    def __init__(
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        name: str = "python",
+        max_code_chars: int = 20_000,
+        max_output_chars: int = 4_000,
+        python: str | None = None,
+        max_concurrency: int | None = None,
+    ) -> None:
+        self.limits = limits or SandboxLimits()
+        self.max_code_chars = max_code_chars
+        self.max_output_chars = max_output_chars
+        self.python = python
+        # the sandbox's own deadline fires first; the caller's is the backstop
+        self.timeout_s = self.limits.timeout_s + GRACE_S + 5.0
+        self.max_concurrency = max_concurrency or os.cpu_count() or 2
+        self._dir: SandboxDir | None = None
+        self.spec = ToolSpec(
+            name=name,
+            description=(
+                "Run a Python 3 program and return its stdout and stderr. print() what you want to see. "
+                f"Limits: {self.limits.timeout_s:g} s, {self.limits.memory_mb} MB, no network. "
+                "Files you write stay available to later calls in this episode."
+            ),
+            parameters={
+                "type": "object",
+                "properties": {
+                    "code": {"type": "string", "description": "the complete program to run"},
+                    "stdin": {"type": "string", "description": "text given to the program on stdin"},
+                },
+                "required": ["code"],
+                "additionalProperties": False,
+            },
+        )
+
+    @property
+    def workdir(self) -> SandboxDir | None:
+        """The current episode's work dir (None before the first call of an episode)."""
+        return self._dir
+
+    def start_episode(self) -> None:
+        """Forget the previous episode's files: the next call starts in a fresh, empty work dir."""
+        self.end_episode()
+
+    def end_episode(self) -> None:
+        """Remove this episode's work dir."""
+        if self._dir is not None:
+            self._dir.remove()
+            self._dir = None
+
+    async def aclose(self) -> None:
+        self.end_episode()
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        code, stdin = arguments.get("code"), arguments.get("stdin", "")
+        if not isinstance(code, str) or not isinstance(stdin, str):
+            raise InvalidArguments(f"{self.name}: `code` (and `stdin` if given) must be strings")
+        if len(code) > self.max_code_chars:
+            raise InvalidArguments(f"{self.name}: code is {len(code)} characters; the limit is {self.max_code_chars}")
+        if self._dir is None:
+            self._dir = SandboxDir(self.limits.drop_privileges)
+        result = await run_python(code, stdin, self.limits, self._dir, python=self.python)
+        if result.error is not None:
+            raise ToolError(f"{self.name}: the sandbox failed: {result.error}")
+        return self.render(result)
+
+    def render(self, r: SandboxResult) -> str:
+        half = self.max_output_chars // 2
+        parts = []
+        for label, text in (("stdout", r.stdout), ("stderr", r.stderr)):
+            if text:
+                if len(text) > half:
+                    text = text[:half] + f"\n[... {len(text) - half} more characters]"
+                parts.append(f"[{label}]\n{text.rstrip()}")
+        if r.timed_out:
+            parts.append(f"[killed: time limit of {self.limits.timeout_s:g} s]")
+        elif r.output_truncated:
+            parts.append(f"[killed: output over {self.limits.max_output_bytes} bytes]")
+        elif r.exit_code != 0:
+            parts.append(f"[exit status {r.exit_code}]")
+        return "\n".join(parts) if parts else "[no output]"
