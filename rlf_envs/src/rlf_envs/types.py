@@ -22,6 +22,21 @@ class ToolCall:
     id: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """The schema the policy sees (OpenAI / Qwen3 function-calling shape)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def to_openai(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
 class ToolStatus(enum.StrEnum):
     """How a tool call ended. Everything but OK is an error observation the policy sees."""
 

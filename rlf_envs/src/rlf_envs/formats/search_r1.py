@@ -6,8 +6,7 @@ import re
 from collections.abc import Sequence
 
 from rlf_envs.formats.base import Format
-from rlf_envs.tools.base import ToolSpec
-from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult
+from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult, ToolSpec
 
 SEARCH_R1_INSTRUCTION = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
