@@ -128,6 +128,21 @@ def unregister_closer(closer: Any) -> None:
         pass
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (e.g. a worker of Gymnasium's AsyncVectorEnv, which forks by default) has no rlf
+    thread: the parent's loop must not be waited on there. The child starts its own loop on first use,
+    and never reaps the parent's servers."""
+    global _lock, _loop, _thread, _gc_pauses
+    _lock = threading.Lock()
+    _loop = None
+    _thread = None
+    _closers.clear()
+    _gc_pauses = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @atexit.register
 def _shutdown() -> None:
     loop = _loop
