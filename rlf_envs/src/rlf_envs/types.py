@@ -29,12 +29,14 @@ class ToolSpec:
     name: str
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    #: schema of the result (transformers' `return` key, from a Python tool's return annotation); optional
+    returns: dict[str, Any] | None = None
 
     def to_openai(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
-        }
+        function: dict[str, Any] = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        if self.returns is not None:
+            function["return"] = self.returns
+        return {"type": "function", "function": function}
 
 
 class ToolStatus(enum.StrEnum):
