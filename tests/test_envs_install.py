@@ -29,8 +29,9 @@ def test_each_hint_names_the_smallest_extra_that_provides_it(module: str) -> Non
     extras = PYPROJECT["optional-dependencies"]
     extra = EXTRA_FOR[module]
     assert DIST[module] in _names(extras[extra]), f"rlf-envs[{extra}] does not install {module}"
-    smallest = min((e for e, reqs in extras.items() if DIST[module] in _names(reqs) and e not in ("test", "search-gpu")),  # the GPU twin is an alternative
-                   key=lambda e: len(extras[e]))
+    candidates = [e for e, reqs in extras.items()  # search-gpu is the GPU twin of search, an alternative
+                  if DIST[module] in _names(reqs) and e not in ("test", "search-gpu")]
+    smallest = min(candidates, key=lambda e: len(extras[e]))
     assert len(extras[extra]) == len(extras[smallest]), f"{module}: [{smallest}] is smaller than [{extra}]"
     assert f"rlf-envs[{extra}]" in install_hint(module)
 

@@ -19,7 +19,8 @@ def require(module: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise RetrievalError(f"the retrieval core needs `{module}` ({e}); install it with: {install_hint(module)}") from e
+        hint = install_hint(module)
+        raise RetrievalError(f"the retrieval core needs `{module}` ({e}); install it with: {hint}") from e
 
 
 def resolve_model_dir(model: str | None) -> Path:

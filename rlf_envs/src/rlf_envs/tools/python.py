@@ -14,6 +14,7 @@ import pydantic
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolSpec
 from rlf_envs.tools.schema import function_schema
 
+
 class FunctionTool(Tool):
     """Wraps a Python function (sync or async) as a Tool.
 

@@ -106,7 +106,9 @@ def type_schema(hint: Any) -> dict[str, Any]:
             raise Unsupported("tuple[X] and tuple[X, ...] have no JSON schema rule; use list[X]")
         return {"type": "array", "prefixItems": [type_schema(a) for a in args]}
     if origin is dict:
-        return {"type": "object", "additionalProperties": type_schema(args[1])} if len(args) == 2 else {"type": "object"}
+        if len(args) == 2:
+            return {"type": "object", "additionalProperties": type_schema(args[1])}
+        return {"type": "object"}
     raise Unsupported(f"no JSON schema rule for {hint!r}")
 
 
