@@ -17,6 +17,7 @@ from rlf_envs import runtime
 from rlf_envs.tools.caller import ToolCaller
 from rlf_envs.tools.mcp import close_mcp_servers, load_mcp_config, mcp_tools
 from rlf_envs.types import ToolCall
+from tests.conftest import stop_process
 
 pytestmark = pytest.mark.envs
 
@@ -97,10 +98,4 @@ def test_sse_server(style: str) -> None:
         assert [r.content for r in results] == [f"HI {i}" for i in range(5)] and all(r.ok for r in results)
     finally:
         runtime.run(close_mcp_servers())
-        proc.terminate()
-        try:
-            proc.wait(10)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
+        stop_process(proc)

@@ -3,7 +3,6 @@ instruction=None, and a tokenizer's chat template can render the prompt, as Sear
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,19 +56,11 @@ def test_chat_template_option() -> None:
 
 
 @pytest.mark.hf
-def test_chat_template_of_a_real_tokenizer_through_the_env() -> None:
+def test_chat_template_of_a_real_tokenizer_through_the_env(qwen3_template_tokenizer: Any) -> None:
     """`gym.make("rlf/Search-v0", format_kwargs={"chat_template": tok})` prompts as Search-R1 does with a chat model."""
-    transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
     from rlf_envs.env.tool_env import ToolEnv
 
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=280, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello"], trainer)
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
-    hf.chat_template = (Path(__file__).parent / "assets" / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
+    hf = qwen3_template_tokenizer
     task = row_to_task(ROW, default_id="x", where="row 0")
     env = ToolEnv(tasks=[task], format="search_r1", format_kwargs={"instruction": None, "chat_template": hf})
     obs, _ = env.reset(seed=0)

@@ -4,7 +4,6 @@ without transformers), so a prompt rendered by the env equals `apply_chat_templa
 from __future__ import annotations
 
 import enum
-from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import pytest
@@ -96,17 +95,10 @@ def test_schema_equals_get_json_schema(fn: Any) -> None:
     assert list(ours["function"]["parameters"]["properties"]) == list(theirs["function"]["parameters"]["properties"])
 
 
-def test_env_prompt_equals_apply_chat_template_with_the_functions() -> None:
-    tokenizers = pytest.importorskip("tokenizers")
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=280, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["hello"], trainer)
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
-    hf.chat_template = (Path(__file__).parent / "assets" / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
+def test_env_prompt_equals_apply_chat_template_with_the_functions(qwen3_template_tokenizer: Any) -> None:
     env = ToolEnv(tools=[tool(lookup), tool(search)], tasks=[Task("1", "Population of Oslo?")])
     prompt, _ = env.reset(seed=0)
-    ref = hf.apply_chat_template(env.format.messages(env.trajectory.task), tools=[lookup, search], tokenize=False,
-                                 add_generation_prompt=True)
+    ref = qwen3_template_tokenizer.apply_chat_template(
+        env.format.messages(env.trajectory.task), tools=[lookup, search], tokenize=False, add_generation_prompt=True
+    )
     assert prompt == ref

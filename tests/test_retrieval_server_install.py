@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, SEARCH_CORPUS
+from tests.conftest import ROOT, SEARCH_CORPUS, stop_process
 
 pytestmark = pytest.mark.retrieval
 
@@ -62,10 +62,4 @@ def test_console_script_serves(installed: Path, tmp_path: Path) -> None:
         with urllib.request.urlopen(req, timeout=30) as resp:
             assert len(json.load(resp)["result"][0]) == 2
     finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
+        stop_process(proc)
