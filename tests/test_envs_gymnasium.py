@@ -139,3 +139,34 @@ def test_anytext_shared_memory_round_trip() -> None:
     with pytest.raises(ValueError, match="does not contain"):
         write_to_shared_memory(space, 0, "x" * 17, buf)
     assert np.frombuffer(buf.get_obj(), dtype=np.int32).size == 3 * 17
+
+
+@pytest.mark.envs
+def test_async_workers_open_their_own_mcp_servers() -> None:
+    """AsyncVectorEnv forks its workers after making an env in the parent: a worker must not use the parent's
+    MCP sessions (bound to the parent's event loop: every call would time out) but start its own."""
+    import sys
+    import time
+
+    import psutil
+
+    from rlf_envs import close_all
+
+    cfg = {"mcpServers": {"time": {"command": sys.executable, "timeout": 10,
+                                   "args": ["-m", "mcp_server_time", "--local-timezone", "UTC"]}}}
+    tasks = [{"id": "1", "question": "What time is it?", "answer": "x"}]
+    venv = gym.make_vec("rlf/Tools-v0", 2, vectorization_mode="async", mcp_servers=cfg, tasks=tasks)
+    try:
+        venv.reset(seed=0)
+        obs, *_ = venv.step([_call("get_current_time", timezone="UTC")] * 2)
+        assert all('"timezone": "UTC"' in o for o in obs), obs
+    finally:
+        venv.close()
+        close_all()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        left = [p for p in psutil.Process().children(recursive=True) if "mcp_server_time" in " ".join(p.cmdline())]
+        if not left:
+            break
+        time.sleep(0.2)
+    assert not left, left

@@ -324,6 +324,7 @@ class MCPTool(Tool):
 
 
 _shared: dict[str, MCPServer] = {}
+runtime.on_fork_in_child(_shared.clear)  # a forked worker starts its own servers (the parent's are its own)
 
 
 async def open_mcp_tools(config: str | os.PathLike[str] | dict[str, Any] | MCPConfig) -> list[MCPTool]:
