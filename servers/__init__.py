@@ -1,1 +1,2 @@
-"""Runnable servers that sit next to the rlf packages (e.g. `python -m servers.retrieval`)."""
+"""Runnable servers that sit next to the rlf packages (`python -m servers.retrieval` in the repo; installed from
+./servers as `rlf_servers`, with the `rlf-retrieval` command)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -117,3 +118,31 @@ def isolated() -> None:
     g = sandbox_guards()
     if not g["_isolated"]:
         pytest.skip(f"no pid namespace and no uid switch here ({g.get('pid_ns', '')}; {g.get('uid', '')})")
+
+
+QWEN3_TEMPLATE = ROOT / "tests" / "assets" / "qwen3_chat_template.jinja"  # Apache-2.0, see tests/assets/NOTICE.md
+
+
+@pytest.fixture(scope="session")
+def qwen3_template_tokenizer():  # type: ignore[no-untyped-def]
+    """A transformers tokenizer with Qwen3's chat template and a tiny byte-level vocabulary (for rendering)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=280, special_tokens=["<|im_start|>", "<|im_end|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello"], trainer)
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    hf.chat_template = QWEN3_TEMPLATE.read_text(encoding="utf-8")
+    return hf
+
+
+def stop_process(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    """SIGTERM, wait, then SIGKILL: a test's server subprocess is always reaped."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)

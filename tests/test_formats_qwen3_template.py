@@ -1,7 +1,7 @@
 """rlf's Qwen3 format renders exactly what a real Qwen3 tokenizer's chat template renders.
 
 Uses transformers' own chat-template machinery with Qwen3's published template
-(../shared/fixtures/qwen3_chat_template.jinja) on a tokenizer built offline.
+(tests/assets/qwen3_chat_template.jinja, Apache-2.0: see tests/assets/NOTICE.md) on a tokenizer built offline.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from rlf_envs.types import Task, ToolCall, ToolResult
 
 pytestmark = pytest.mark.hf
 
-TEMPLATE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "qwen3_chat_template.jinja"
+TEMPLATE = Path(__file__).resolve().parent / "assets" / "qwen3_chat_template.jinja"  # shipped, see NOTICE.md
 
 SPECS = [
     ToolSpec("search", "Search a corpus. Returns top documents.",
@@ -32,7 +32,7 @@ def hf_tokenizer():  # type: ignore[no-untyped-def]
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     if not TEMPLATE.exists():
-        pytest.skip(f"fixture {TEMPLATE} not found (expected the shared/ folder beside the repo)")
+        pytest.fail(f"test asset {TEMPLATE} is missing")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()

@@ -457,3 +457,29 @@ def test_bm25_candidates_from_postings_match_a_full_scan(bm25: BM25Index) -> Non
             idx, vals = stable_topk(scores, k)
             assert [h.document.id for h in hits] == [bm25.docs[int(i)].id for i in idx], q
             assert [h.score for h in hits] == [float(v) for v in vals], q
+
+
+def test_bm25_agrees_with_bm25s_public_api(bm25: BM25Index) -> None:
+    """The contract with bm25s (pinned to a tested range in rlf-envs' extras): our query tokenisation, our
+    scores and our top-k read off bm25s' index internals must equal what bm25s' public API gives
+    (`bm25s.tokenize`, `BM25.get_scores`, `BM25.retrieve`), so a bm25s upgrade cannot silently change results."""
+    import bm25s
+
+    model = bm25s.BM25.load(str(bm25.directory / "bm25"), load_vocab=True)
+    vocab = model.vocab_dict
+    queries = [*_titles()[:30], "Where was the painter born?", "the of and", "zzqx unknownword"]
+    for q in queries:
+        tokens = bm25s.tokenize([q], stopwords="en", return_ids=False, show_progress=False)[0]
+        known = [t for t in tokens if t in vocab]
+        assert [model.vocab_dict[t] for t in known] == bm25._query_ids(q), q
+        public = model.get_scores(known) if known else np.zeros(len(bm25), dtype=np.float32)
+        np.testing.assert_array_equal(bm25.scores(q), public)
+        if not known:
+            continue
+        docs, scores = model.retrieve([known], k=5, show_progress=False, n_threads=1)
+        hits = bm25.search_batch([q], 5)[0]
+        np.testing.assert_allclose([h.score for h in hits], scores[0], rtol=0, atol=0)
+        ids = [bm25.docs[int(i)].id for i in docs[0]]
+        tie_free = len(set(scores[0].tolist())) == len(scores[0])
+        if tie_free:
+            assert [h.document.id for h in hits] == ids, q

@@ -257,3 +257,21 @@ async def test_session_is_recreated_for_a_new_event_loop(server: FakeJudgeServer
     assert first is not None
     await first.close()
     await j.aclose()
+
+
+@pytest.mark.asyncio
+async def test_requests_go_through_the_official_openai_client(server: FakeJudgeServer) -> None:
+    import openai
+
+    async with judge(server) as j:
+        assert (await value(j, "correct"))[0] == 1.0
+        assert isinstance(j._session, openai.AsyncOpenAI)
+        assert j._session.max_retries == 2 and j._session.timeout == 30.0
+
+
+def test_without_openai_the_error_names_the_judge_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'rlf-envs\[judge\]'"):
+        build_verifier({"type": "judge", "base_url": "http://127.0.0.1:1/v1", "model": "m"})

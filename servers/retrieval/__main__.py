@@ -1,10 +1,11 @@
-"""CLI: `python -m servers.retrieval build ...` and `python -m servers.retrieval serve ...`."""
+"""CLI: `rlf-retrieval build|serve ...` (installed), or `python -m servers.retrieval build|serve ...` in the repo."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -13,10 +14,16 @@ from rlf_envs.retrieval._deps import set_threads
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m servers.retrieval", description=__doc__)
+    prog = "python -m servers.retrieval" if __package__ == "servers.retrieval" else "rlf-retrieval"
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__)
     sub = ap.add_subparsers(dest="command", required=True)
+    verbose = argparse.ArgumentParser(add_help=False)
+    verbose.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="progress bars and INFO logs of rlf and the libraries (bm25s, faiss, sentence-transformers)",
+    )
 
-    b = sub.add_parser("build", help="build an index directory from a wiki-18-style JSONL corpus")
+    b = sub.add_parser("build", parents=[verbose], help="build an index directory from a wiki-18-style JSONL corpus")
     b.add_argument("--corpus", type=Path, required=True, help='JSONL, one {"id", "contents": "\\"Title\\"\\ntext"}')
     b.add_argument("--out", type=Path, required=True, help="index directory to create (written atomically)")
     b.add_argument("--kind", choices=("dense", "bm25"), default="dense")
@@ -31,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--keep-embeddings", action="store_true", help="keep embeddings.npy in the index dir")
     b.add_argument("--overwrite", action="store_true", help="replace an existing index directory")
 
-    s = sub.add_parser("serve", help="serve an index over HTTP (Search-R1's /retrieve API)")
+    s = sub.add_parser("serve", parents=[verbose], help="serve an index over HTTP (Search-R1's /retrieve API)")
     s.add_argument("--index", type=Path, required=True)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
@@ -49,9 +56,21 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def configure_logging(verbose: bool) -> None:
+    """Quiet by default: warnings and errors only (no bm25s/faiss/sentence-transformers INFO or DEBUG lines,
+    no progress bars); `--verbose`: INFO from every library, plus progress bars. The level is set on the
+    handler, because some libraries set their own logger's level when imported (bm25s: DEBUG)."""
+    level = logging.INFO if verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s", force=True)
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(level)
+    if not verbose:
+        os.environ.setdefault("TQDM_DISABLE", "1")  # bars drawn by libraries we do not pass show_progress to
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging(args.verbose)
     try:
         if args.command == "build":
             m = build_index(
@@ -68,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                 batch_size=args.batch_size,
                 keep_embeddings=args.keep_embeddings,
                 overwrite=args.overwrite,
+                show_progress=args.verbose,
             )
             print(f"built {m.kind} index of {m.count} documents in {args.out}")
             return 0
-        from servers.retrieval.app import Limits, serve
+        from .app import Limits, serve
 
         set_threads(args.threads)
 

@@ -8,7 +8,7 @@ import gymnasium as gym
 
 ENVS = {
     "rlf/Calculator-v0": "rlf_envs.envs.calculator:CalculatorEnv",
-    "rlf/Tools-v0": "rlf_envs.env.tool_env:ToolEnv",
+    "rlf/Tools-v0": "rlf_envs.envs.demo:ToolsEnv",
     "rlf/Search-v0": "rlf_envs.envs.search:SearchEnv",
 }
 

@@ -14,7 +14,7 @@ import contextlib
 import gc
 import os
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -126,6 +126,31 @@ def unregister_closer(closer: Any) -> None:
         _closers.remove(closer)
     except ValueError:
         pass
+
+
+_fork_hooks: list[Callable[[], None]] = []
+
+
+def on_fork_in_child(hook: Callable[[], None]) -> None:
+    """Run `hook` in a forked child, e.g. to forget process-wide caches of sessions bound to the parent's loop."""
+    _fork_hooks.append(hook)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (e.g. a worker of Gymnasium's AsyncVectorEnv, which forks by default) has no rlf
+    thread: the parent's loop must not be waited on there. The child starts its own loop on first use,
+    opens its own toolsets (MCP servers...) and never reaps the parent's servers."""
+    global _lock, _loop, _thread, _gc_pauses
+    _lock = threading.Lock()
+    _loop = None
+    _thread = None
+    _closers.clear()
+    _gc_pauses = 0
+    for hook in _fork_hooks:
+        hook()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @atexit.register

@@ -22,6 +22,23 @@ class ToolCall:
     id: str = ""
 
 
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """The schema the policy sees (OpenAI / Qwen3 function-calling shape)."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
+    #: schema of the result (transformers' `return` key, from a Python tool's return annotation); optional
+    returns: dict[str, Any] | None = None
+
+    def to_openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "description": self.description, "parameters": self.parameters}
+        if self.returns is not None:
+            function["return"] = self.returns
+        return {"type": "function", "function": function}
+
+
 class ToolStatus(enum.StrEnum):
     """How a tool call ended. Everything but OK is an error observation the policy sees."""
 

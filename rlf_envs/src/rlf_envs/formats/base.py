@@ -6,8 +6,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
-from rlf_envs.tools.base import ToolSpec
-from rlf_envs.types import Action, Task, ToolResult
+from rlf_envs.types import Action, Task, ToolResult, ToolSpec
 
 
 class Format(abc.ABC):

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from rlf_envs.formats.base import Format
-from rlf_envs.tools.base import ToolSpec
-from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult
+from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult, ToolSpec
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)

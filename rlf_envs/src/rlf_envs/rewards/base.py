@@ -1,4 +1,5 @@
-"""The verifier interface: `async score(trajectory, task) -> Score`."""
+"""The verifier interface: `async score(trajectory, task) -> Score`, and `ToolInvoker`, what tool-verified
+verifiers call tools through (both plain contracts, imported by config, common and the verifiers)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import abc
 import asyncio
 import logging
 from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
 
-from rlf_envs.types import Score, Task, Trajectory
+from rlf_envs.types import Score, Task, ToolResult, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -36,3 +38,10 @@ class Verifier(abc.ABC):
 
     async def score_batch(self, trajectories: Sequence[Trajectory]) -> list[Score]:
         return list(await asyncio.gather(*(self.safe_score(t, t.task) for t in trajectories)))
+
+
+@runtime_checkable
+class ToolInvoker(Protocol):
+    """Calls a tool by name. The env's ToolCaller satisfies this."""
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult: ...

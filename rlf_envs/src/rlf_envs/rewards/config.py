@@ -17,15 +17,12 @@ from __future__ import annotations
 import difflib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, SerializeAsAny, ValidationError, model_validator
 
-from rlf_envs.rewards.base import Verifier
-
-if TYPE_CHECKING:
-    from rlf_envs.rewards.tool_verified import ToolInvoker
+from rlf_envs.rewards.base import ToolInvoker, Verifier
 
 _REGISTRY: dict[str, type[VerifierConfig]] = {}
 

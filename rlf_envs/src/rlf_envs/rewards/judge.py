@@ -1,9 +1,11 @@
 """Model judge: score answers with any OpenAI-compatible chat-completions endpoint (vLLM, SGLang, ...).
 
-One aiohttp session per judge, a semaphore for concurrency, a deadline per request, bounded retries
-with exponential backoff on 5xx / 429 / timeouts / connection errors, an LRU cache keyed by a hash of
-(model, messages, sampling params), and de-duplication of identical in-flight requests. Any failure
-yields the configured fallback score and is counted in `JudgeStats`; nothing hangs or raises.
+Requests go through the official `openai` async client (`pip install 'rlf-envs[judge]'`), which does the
+HTTP, the per-attempt timeout, the bounded retries with backoff on 5xx / 429 / timeouts / connection
+errors (honouring Retry-After) and the typed response. On top of it the judge keeps: a semaphore for
+concurrency, an overall deadline per verdict, an LRU cache keyed by a hash of (model, messages, sampling
+params), de-duplication of identical in-flight requests, and the fallback score: any failure yields it
+and is counted in `JudgeStats` (per HTTP attempt, counted by a transport wrapper); nothing hangs or raises.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ import os
 import re
 import string
 from collections import OrderedDict
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-import aiohttp
 from pydantic import Field, field_validator, model_validator
 
+from rlf_envs.extras import require
 from rlf_envs.rewards.common import ConfiguredVerifier
 from rlf_envs.rewards.config import BuildContext, VerifierConfig, register_verifier
 from rlf_envs.types import Score, Task, Trajectory
@@ -61,8 +64,10 @@ class JudgeConfig(VerifierConfig):
     max_tokens: int = Field(256, ge=1)
     extra_body: dict[str, Any] = Field(default_factory=dict, description="merged into the request JSON")
     timeout_s: float = Field(30.0, gt=0, description="deadline per HTTP attempt")
-    max_retries: int = Field(2, ge=0, le=10)
-    backoff_s: float = Field(0.5, ge=0, description="first retry delay; doubles each retry, capped at 10 s")
+    max_retries: int = Field(2, ge=0, le=10, description="retries by the openai client (5xx, 429, timeouts)")
+    backoff_s: float = Field(
+        0.5, ge=0, description="deprecated, unused: the openai client backs off itself (0.5 s doubling, max 8 s)"
+    )
     max_concurrency: int = Field(16, ge=1)
     cache_size: int = Field(10_000, ge=0)
     retry_on_parse_error: bool = False
@@ -161,17 +166,58 @@ def parse_judge_score(content: str) -> float | None:
     return None
 
 
+_ATTEMPTS: ContextVar[list[int] | None] = ContextVar("rlf_judge_attempts", default=None)
+
+
+def _counting_transport(stats: JudgeStats, max_bytes: int) -> Any:
+    """An httpx2 transport that counts every HTTP attempt the openai client makes (requests, timeouts,
+    connection and HTTP errors) and refuses bodies over `max_bytes` (a transport error: not retried
+    by openai as a status would be, so it fails fast)."""
+    httpx2 = require("httpx2", "the model judge")
+
+    class CountingTransport(httpx2.AsyncBaseTransport):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            self.inner = httpx2.AsyncHTTPTransport()
+
+        async def handle_async_request(self, request: Any) -> Any:
+            stats.requests += 1
+            attempts = _ATTEMPTS.get()
+            if attempts is not None:
+                attempts[0] += 1
+            try:
+                response = await self.inner.handle_async_request(request)
+            except httpx2.TimeoutException:
+                stats.timeouts += 1
+                raise
+            except httpx2.TransportError:
+                stats.connection_errors += 1
+                raise
+            if response.status_code >= 400:
+                stats.http_errors += 1
+            size = response.headers.get("content-length")
+            if size is not None and size.isdigit() and int(size) > max_bytes:
+                await response.aclose()
+                raise JudgeFailure(f"response larger than {max_bytes} bytes")
+            return response
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    return CountingTransport()
+
+
 class ModelJudge(ConfiguredVerifier[JudgeConfig]):
-    """LLM-as-judge verifier. Use `async with` or call `aclose()` to release the HTTP session."""
+    """LLM-as-judge verifier. Use `async with` or call `aclose()` to release the HTTP client."""
 
     config_cls = JudgeConfig
 
     def __init__(self, config: JudgeConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
+        self._openai = require("openai", "the model judge")
         self.stats = JudgeStats()
         self._cache: OrderedDict[str, float] = OrderedDict()
         self._inflight: dict[str, asyncio.Future[float]] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._session: Any = None  # the openai.AsyncOpenAI client of the current event loop
         self._loop: asyncio.AbstractEventLoop | None = None
         self._sem: asyncio.Semaphore | None = None
 
@@ -185,7 +231,7 @@ class ModelJudge(ConfiguredVerifier[JudgeConfig]):
         for fut in list(self._inflight.values()):
             fut.cancel()
         self._inflight.clear()
-        if self._session is not None and not self._session.closed:
+        if self._session is not None:
             await self._session.close()
         self._session = None
 
@@ -212,80 +258,85 @@ class ModelJudge(ConfiguredVerifier[JudgeConfig]):
     def cache_key(body: dict[str, Any]) -> str:
         return hashlib.sha256(json.dumps(body, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
-    def _ensure_session(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+    def _ensure_session(self) -> tuple[Any, asyncio.Semaphore]:
         loop = asyncio.get_running_loop()
-        if self._session is None or self._session.closed or self._loop is not loop:
-            # A session is bound to its loop; a new loop (e.g. a new asyncio.run) needs a new one.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.cfg.max_concurrency),
-                timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s * 2),
+        if self._session is None or self._loop is not loop:
+            # A client is bound to its loop; a new loop (e.g. a new asyncio.run) needs a new one.
+            c = self.cfg
+            httpx2 = require("httpx2", "the model judge")
+            http = httpx2.AsyncClient(
+                transport=_counting_transport(self.stats, c.max_response_bytes),
+                limits=httpx2.Limits(max_connections=c.max_concurrency),
+            )
+            key = os.environ.get(c.api_key_env) if c.api_key_env else None
+            self._session = self._openai.AsyncOpenAI(
+                base_url=c.base_url, api_key=key or "unused", max_retries=c.max_retries, timeout=c.timeout_s,
+                http_client=http,
             )
             self._loop = loop
-            self._sem = asyncio.Semaphore(self.cfg.max_concurrency)
+            self._sem = asyncio.Semaphore(c.max_concurrency)
             self._inflight.clear()
         assert self._sem is not None
         return self._session, self._sem
 
-    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
-        buf = bytearray()
-        async for chunk in resp.content.iter_chunked(65536):
-            buf += chunk
-            if len(buf) > self.cfg.max_response_bytes:
-                raise JudgeFailure(f"response larger than {self.cfg.max_response_bytes} bytes")
-        return bytes(buf)
+    def _deadline_s(self) -> float:
+        """Bound on one verdict: every attempt's timeout plus openai's backoff (at most 8 s a retry)."""
+        c = self.cfg
+        return c.timeout_s * (c.max_retries + 1) + 8.0 * c.max_retries + 1.0
 
     async def _request(self, body: dict[str, Any]) -> float:
         c = self.cfg
-        session, sem = self._ensure_session()
-        url = f"{c.base_url}/chat/completions"
-        headers = {"Content-Type": "application/json"}
-        if c.api_key_env:
-            key = os.environ.get(c.api_key_env)
-            if key:
-                headers["Authorization"] = f"Bearer {key}"
+        client, sem = self._ensure_session()
+        openai = self._openai
+        request = {k: v for k, v in body.items() if k in ("model", "messages", "temperature", "max_tokens")}
+        extra = {k: v for k, v in body.items() if k not in request}
         last = "no attempt"
-        for attempt in range(c.max_retries + 1):
+        for attempt in range(c.max_retries + 1 if c.retry_on_parse_error else 1):
+            attempts = [0]
+            token = _ATTEMPTS.set(attempts)
+            try:
+                async with sem, asyncio.timeout(self._deadline_s()):
+                    response = await client.chat.completions.create(**request, extra_body=extra or None)
+            except TimeoutError:
+                last = f"no verdict within the deadline of {self._deadline_s():g}s"
+                raise JudgeFailure(last) from None
+            except openai.APITimeoutError:
+                raise JudgeFailure(f"timed out after {c.timeout_s}s ({attempts[0]} attempts)") from None
+            except openai.APIConnectionError as e:
+                cause = e.__cause__
+                if isinstance(cause, JudgeFailure):
+                    raise cause from None
+                raise JudgeFailure(f"connection error: {cause or e!r}") from None
+            except openai.APIStatusError as e:
+                raise JudgeFailure(f"HTTP {e.status_code}: {str(e.message)[:300]}") from None
+            except JudgeFailure:
+                raise
+            except (openai.OpenAIError, ValueError, TypeError) as e:  # a body that is not a chat completion
+                self.stats.parse_errors += 1
+                raise JudgeFailure(f"unreadable judge response: {e!r}"[:300]) from None
+            finally:
+                _ATTEMPTS.reset(token)
+                self.stats.retries += max(0, attempts[0] - 1)
             if attempt:
                 self.stats.retries += 1
-                await asyncio.sleep(min(c.backoff_s * 2 ** (attempt - 1), 10.0))
-            async with sem:
-                self.stats.requests += 1
-                try:
-                    async with asyncio.timeout(c.timeout_s):
-                        async with session.post(url, json=body, headers=headers) as resp:
-                            raw = await self._read_body(resp)
-                            status = resp.status
-                except TimeoutError:
-                    self.stats.timeouts += 1
-                    last = f"timed out after {c.timeout_s}s"
-                    continue
-                except aiohttp.ClientError as e:
-                    self.stats.connection_errors += 1
-                    last = f"connection error: {e!r}"
-                    continue
-            if status >= 500 or status == 429:
-                self.stats.http_errors += 1
-                last = f"HTTP {status}"
-                continue
-            if status >= 400:
-                self.stats.http_errors += 1
-                raise JudgeFailure(f"HTTP {status}: {raw[:300].decode(errors='replace')}")
-            value = self._parse_response(raw)
+            value = self._parse_response(response)
             if value is not None:
                 return value
             self.stats.parse_errors += 1
-            last = f"no score in judge output: {raw[:200].decode(errors='replace')!r}"
-            if not c.retry_on_parse_error:
-                break
+            last = f"no score in judge output: {self._content(response)[:200]!r}"
         raise JudgeFailure(last)
 
-    def _parse_response(self, raw: bytes) -> float | None:
+    @staticmethod
+    def _content(response: Any) -> str:
         try:
-            data = json.loads(raw)
-            content = data["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            return None
-        if not isinstance(content, str):
+            content = response.choices[0].message.content
+        except (AttributeError, IndexError, TypeError):
+            return ""
+        return content if isinstance(content, str) else ""
+
+    def _parse_response(self, response: Any) -> float | None:
+        content = self._content(response)
+        if not content:
             return None
         s = parse_judge_score(content)
         if s is None or not self.cfg.score_min <= s <= self.cfg.score_max:

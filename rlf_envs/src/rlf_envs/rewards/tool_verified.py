@@ -11,10 +11,11 @@ import re
 import string
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from rlf_envs.rewards.base import ToolInvoker
 from rlf_envs.rewards.common import ConfiguredVerifier
 from rlf_envs.rewards.config import BuildContext, VerifierConfig, register_verifier
 from rlf_envs.rewards.normalize import exact_match, normalize_answer
@@ -22,13 +23,6 @@ from rlf_envs.tools.base import Tool, ToolError
 from rlf_envs.types import Score, Task, ToolCall, ToolResult, ToolStatus, Trajectory
 
 _PLACEHOLDERS = frozenset({"answer", "question", "gold", "task_id"})
-
-
-@runtime_checkable
-class ToolInvoker(Protocol):
-    """Calls a tool by name. The env's ToolCaller satisfies this."""
-
-    async def call(self, name: str, arguments: dict[str, Any]) -> ToolResult: ...
 
 
 class ToolsInvoker:

@@ -3,7 +3,7 @@
 Schema: `data_source` (str), `prompt` (list of {"role", "content"}), `ability` (str),
 `reward_model` ({"style", "ground_truth": {"target": [str]}}), `extra_info` ({"split", "index"});
 the original `id` / `question` / `golden_answers` columns are used when present.
-Needs pyarrow (`pip install 'rlf-envs[search]'`).
+Needs pyarrow (`pip install 'rlf-envs[parquet]'`).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.extras import require
 from rlf_envs.types import Message, Task
 
 REQUIRED_COLUMNS = ("prompt", "reward_model")
@@ -75,12 +76,7 @@ def row_to_task(row: Mapping[str, Any], default_id: str, where: str) -> Task:
 
 def load_search_r1_parquet(path: str | os.PathLike[str], limit: int | None = None) -> list[Task]:
     """All rows (or the first `limit`) of a Search-R1 parquet file as Tasks."""
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ImportError(
-            f"reading parquet needs pyarrow ({e}); install it with: pip install 'rlf-envs[search]'"
-        ) from e
+    pq = require("pyarrow.parquet", "reading parquet")
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"parquet file {p} does not exist")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from typing import Any
 
 from rlf_envs.tools.limits import Limiter
+from rlf_envs.types import ToolSpec  # plain data, defined with the other shared types; re-exported here
 
 
 class ToolError(Exception):
@@ -19,21 +19,6 @@ class ToolCrashed(Exception):
 
 class InvalidArguments(ToolError):
     """The arguments did not match the tool's schema."""
-
-
-@dataclass(frozen=True, slots=True)
-class ToolSpec:
-    """The schema the policy sees (OpenAI / Qwen3 function-calling shape)."""
-
-    name: str
-    description: str = ""
-    parameters: dict[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
-
-    def to_openai(self) -> dict[str, Any]:
-        return {
-            "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
-        }
 
 
 class Tool(abc.ABC):

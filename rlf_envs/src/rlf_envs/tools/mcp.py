@@ -1,10 +1,15 @@
-"""Tools from MCP servers (the `mcp` SDK v2), over stdio or streamable HTTP.
+"""Tools from MCP servers (the `mcp` SDK v2), over stdio, streamable HTTP or SSE.
 
 Configured by the usual `mcpServers` map (YAML or JSON)::
 
     mcpServers:
       time:   {command: mcp-server-time, args: ["--local-timezone", "UTC"], timeout: 10}
       remote: {url: "http://127.0.0.1:8931/mcp", headers: {Authorization: "Bearer ..."}, tools: [search]}
+      legacy: {url: "http://127.0.0.1:8932/sse"}         # SSE transport (`type: sse`, or a URL ending in /sse)
+      off:    {command: some-server, disabled: true}     # skipped, as Claude Desktop / Cursor / Cline skip it
+
+Files written for Claude Desktop, Cursor or Cline work unchanged: `disabled` is honoured, client-only keys
+(`autoApprove`, `alwaysAllow`, ...) are ignored with a debug log, Cline's `transportType` means `type`.
 
 One `MCPServer` (one session, one server process) per configured server per process, shared by every
 env that uses it (see `shared_mcp_tools`). Its session lives in an owner task on rlf's runtime loop;
@@ -38,8 +43,15 @@ except ImportError:  # pragma: no cover - older layouts
     _CONNECTION_CLOSED = -32000
 
 
+#: keys MCP clients keep in their `mcpServers` entries that only concern the client's UI / approval flow
+CLIENT_ONLY_KEYS = frozenset({"autoApprove", "alwaysAllow", "description", "trust", "icon", "notes"})
+_SSE_TYPES = ("sse",)
+_HTTP_TYPES = ("http", "streamable-http", "streamable_http", "streamableHttp")
+
+
 class MCPServerConfig(pydantic.BaseModel):
-    """One entry of an `mcpServers` map: either `command` (stdio) or `url` (streamable HTTP)."""
+    """One entry of an `mcpServers` map: either `command` (stdio) or `url` (streamable HTTP, or SSE with
+    `type: sse` or a URL path ending in `/sse`). `disabled: true` entries are skipped."""
 
     model_config = pydantic.ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -56,13 +68,40 @@ class MCPServerConfig(pydantic.BaseModel):
     prefix: str = pydantic.Field("", description="prepended to tool names, to avoid clashes between servers")
     idempotent: bool | list[str] = pydantic.Field(False, description="tools that may be retried on timeout/crash")
     max_concurrency: int | None = pydantic.Field(None, ge=1, description="in-flight calls per tool")
+    disabled: bool = pydantic.Field(False, description="skip this server (as MCP clients do)")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _client_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        ignored = sorted(k for k in data if k in CLIENT_ONLY_KEYS)
+        if ignored:
+            log.debug("mcpServers entry: ignoring client-only key(s) %s", ", ".join(ignored))
+            data = {k: v for k, v in data.items() if k not in CLIENT_ONLY_KEYS}
+        if "transportType" in data:  # Cline's name for `type`
+            data = dict(data)
+            transport = data.pop("transportType")
+            data.setdefault("type", transport)
+        return data
+
+    @property
+    def transport(self) -> str:
+        """"stdio", "http" (streamable HTTP) or "sse"."""
+        if self.command is not None:
+            return "stdio"
+        if self.type in _SSE_TYPES:
+            return "sse"
+        if self.type is None and (self.url or "").split("?")[0].rstrip("/").endswith("/sse"):
+            return "sse"
+        return "http"
 
     @pydantic.model_validator(mode="after")
     def _one_transport(self) -> MCPServerConfig:
         if (self.command is None) == (self.url is None):
-            raise ValueError("give exactly one of `command` (stdio server) or `url` (streamable HTTP server)")
-        if self.type not in (None, "stdio", "http", "streamable-http", "streamable_http"):
-            raise ValueError(f"type {self.type!r} is not supported; use stdio, http or streamable-http")
+            raise ValueError("give exactly one of `command` (stdio server) or `url` (streamable HTTP or SSE server)")
+        if self.type not in (None, "stdio", *_HTTP_TYPES, *_SSE_TYPES):
+            raise ValueError(f"type {self.type!r} is not supported; use stdio, http, streamable-http or sse")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url {self.url!r} must start with http:// or https://")
         return self
@@ -134,6 +173,10 @@ class MCPServer:
         if c.command is not None:
             env = {**c.env} if c.env else None
             server: Any = StdioServerParameters(command=c.command, args=c.args, env=env, cwd=c.cwd)
+        elif c.transport == "sse":
+            from mcp.client.sse import sse_client
+
+            server = sse_client(c.url or "", headers=c.headers or None, timeout=c.startup_timeout_s)
         elif c.headers:
             from mcp.client.streamable_http import streamable_http_client
             from mcp.shared._httpx_utils import create_mcp_http_client
@@ -281,6 +324,7 @@ class MCPTool(Tool):
 
 
 _shared: dict[str, MCPServer] = {}
+runtime.on_fork_in_child(_shared.clear)  # a forked worker starts its own servers (the parent's are its own)
 
 
 async def open_mcp_tools(config: str | os.PathLike[str] | dict[str, Any] | MCPConfig) -> list[MCPTool]:
@@ -293,6 +337,9 @@ async def open_mcp_tools(config: str | os.PathLike[str] | dict[str, Any] | MCPCo
         cfg = load_mcp_config(config)
         tools: list[MCPTool] = []
         for name, scfg in cfg.servers.items():
+            if scfg.disabled:
+                log.debug("MCP server %s is disabled in the config; skipped", name)
+                continue
             key = f"{name}:{scfg.key()}"
             server = _shared.get(key)
             if server is None or server.closed:

@@ -1,49 +1,18 @@
-"""Tools from typed Python functions: schema from type hints + docstring, arguments validated by pydantic."""
+"""Tools from typed Python functions: schema from type hints + docstring (the same as transformers'
+`get_json_schema`, see `rlf_envs.tools.schema`), arguments validated by pydantic."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import json
-import re
 from collections.abc import Callable
 from typing import Any, get_type_hints, overload
 
 import pydantic
 
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolSpec
-
-_ARGS_HEADER = re.compile(r"^\s*(Args|Arguments|Parameters)\s*:\s*$")
-_ARG_LINE = re.compile(r"^\s*(\*{0,2}\w+)\s*(\([^)]*\))?\s*:\s*(.*)$")
-
-
-def _parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
-    """Summary paragraph and Google-style `Args:` descriptions."""
-    if not doc:
-        return "", {}
-    lines = inspect.cleandoc(doc).splitlines()
-    summary: list[str] = []
-    params: dict[str, str] = {}
-    i = 0
-    while i < len(lines) and not _ARGS_HEADER.match(lines[i]):
-        # keep only the paragraph(s) before any section header (Returns:, Raises:, ...)
-        if lines[i].strip() == "" and summary and i + 1 < len(lines) and re.match(r"^\s*\w+\s*:\s*$", lines[i + 1]):
-            break
-        summary.append(lines[i])
-        i += 1
-    while i < len(lines) and not _ARGS_HEADER.match(lines[i]):
-        i += 1  # skip to the Args: section, if any
-    current: str | None = None
-    for line in lines[i + 1 :]:
-        if re.match(r"^\S.*:\s*$", line):  # next section (Returns:, Raises:)
-            break
-        m = _ARG_LINE.match(line)
-        if m and (len(line) - len(line.lstrip())) <= 4:
-            current = m.group(1).lstrip("*")
-            params[current] = m.group(3).strip()
-        elif current and line.strip():
-            params[current] += " " + line.strip()
-    return " ".join(s.strip() for s in summary if s.strip()), params
+from rlf_envs.tools.schema import function_schema
 
 
 class FunctionTool(Tool):
@@ -72,7 +41,6 @@ class FunctionTool(Tool):
         self.idempotent = idempotent
         self.timeout_s = timeout_s
         self.max_concurrency = max_concurrency
-        summary, arg_docs = _parse_docstring(fn.__doc__)
         sig = inspect.signature(fn)
         try:
             hints = get_type_hints(fn)
@@ -87,17 +55,14 @@ class FunctionTool(Tool):
                     f"tool {fn.__name__!r}: parameter {pname!r} has no type hint; annotate it (e.g. `{pname}: str`)"
                 )
             default = ... if p.default is p.empty else p.default
-            fields[pname] = (hints[pname], pydantic.Field(default, description=arg_docs.get(pname)))
+            fields[pname] = (hints[pname], pydantic.Field(default))
         self._model = pydantic.create_model(  # type: ignore[call-overload]
             f"{fn.__name__}_args", __config__=pydantic.ConfigDict(extra="forbid"), **fields
         )
         self._fields = tuple(fields)
-        schema = self._model.model_json_schema()
-        schema.pop("title", None)
-        for prop in schema.get("properties", {}).values():
-            prop.pop("title", None)
-        schema.setdefault("properties", {})
-        self.spec = ToolSpec(name=name or fn.__name__, description=description or summary, parameters=schema)
+        f = function_schema(fn, name=name, description=description)["function"]
+        self.spec = ToolSpec(name=f["name"], description=f["description"], parameters=f["parameters"],
+                             returns=f.get("return"))
 
     def validate(self, arguments: dict[str, Any]) -> dict[str, Any]:
         try:

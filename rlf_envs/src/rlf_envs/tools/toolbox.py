@@ -59,6 +59,7 @@ class Toolbox:
 
 
 _shared: dict[tuple[Any, ...], Toolbox] = {}
+runtime.on_fork_in_child(_shared.clear)  # toolboxes hold sessions of the parent's loop
 
 
 def shared_toolbox(
