@@ -89,7 +89,8 @@ def test_wrong_answer_and_no_answer_score_zero(example: dict[str, Any]) -> None:
 def test_failure_paths(example: dict[str, Any], tmp_path: Path) -> None:
     kw = dict(example["kwargs"])
     bad_reward = tmp_path / "reward.yaml"
-    bad_reward.write_text("reward:\n  type: gate\n  gate: {type: format, require_anser: true}\n  inner: {type: exact_match}\n")
+    bad_reward.write_text(
+        "reward:\n  type: gate\n  gate: {type: format, require_anser: true}\n  inner: {type: exact_match}\n")
     with pytest.raises(VerifierConfigError, match="require_anser"):
         gym.make(example["id"], **{**kw, "verifier": str(bad_reward)})
     with pytest.raises(VerifierConfigError, match="cannot read"):

@@ -21,7 +21,6 @@ from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.sql import DB_ARG, SqlEnv, load_spider, sql_tasks, sql_tools
 from rlf_envs.types import Task, ToolStatus
 
-
 pytestmark = pytest.mark.envs
 
 
@@ -58,7 +57,8 @@ def spider(tmp_path: Path) -> tuple[Path, Path]:
     conn.close()
     q = tmp_path / "dev.json"
     q.write_text(json.dumps([
-        {"db_id": "zoo", "question": "How many animals have 6 legs?", "query": "SELECT count(*) FROM animal WHERE legs = 6",
+        {"db_id": "zoo", "question": "How many animals have 6 legs?",
+         "query": "SELECT count(*) FROM animal WHERE legs = 6",
          "query_toks": ["SELECT"], "sql": {"from": {}}},
         {"db_id": "zoo", "question": "Animals by legs?", "SQL": "SELECT name FROM animal ORDER BY legs, name",
          "evidence": "legs is the number of legs", "question_id": 7},

@@ -166,7 +166,7 @@ class ToolEnv(gym.Env[Any, Any]):
         elif isinstance(verifier, str | os.PathLike):
             from rlf_envs.rewards import load_verifier_yaml
 
-            verifier = load_verifier_yaml(verifier, tools=self.toolbox)
+            verifier = load_verifier_yaml(os.fspath(verifier), tools=self.toolbox)
         self.verifier: Verifier = verifier or _default_verifier()
         if isinstance(turn_rewarder, dict):
             from rlf_envs.rewards import build_turn_rewarder

@@ -131,7 +131,8 @@ def _v(key: str, n: int | None = None) -> Callable[[dict[str, list[str]]], list[
 
 TEMPLATES = (
     # shop
-    Template("shop", "How many customers live in {v}?", "SELECT COUNT(*) FROM customers WHERE city = '{v}'", _v("city")),
+    Template("shop", "How many customers live in {v}?", "SELECT COUNT(*) FROM customers WHERE city = '{v}'",
+             _v("city")),
     Template("shop", "List the names of customers who live in {v}.",
              "SELECT name FROM customers WHERE city = '{v}'", _v("city")),
     Template("shop", "How many products are in the {v} category?",
@@ -172,8 +173,8 @@ TEMPLATES = (
              "SELECT COUNT(*) FROM enrollments JOIN courses ON enrollments.course_id = courses.id "
              "WHERE courses.title = '{v}'", _v("course")),
     # library
-    Template("library", "How many authors come from {v}?", "SELECT COUNT(*) FROM authors WHERE country = '{v}'",
-             _v("country")),
+    Template("library", "How many authors come from {v}?",
+             "SELECT COUNT(*) FROM authors WHERE country = '{v}'", _v("country")),
     Template("library", "List the names of authors from {v}.", "SELECT name FROM authors WHERE country = '{v}'",
              _v("country")),
     Template("library", "How many {v} books are there?", "SELECT COUNT(*) FROM books WHERE genre = '{v}'",
