@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
+from tool_calls import make_tool, write_report
 
-import rlf_envs
 from rlf_envs.env import ToolEnv, ToolVectorEnv
 from rlf_envs.envs.sql import SqlEnv, sql_tasks
 from rlf_envs.rewards.sql import run_readonly_query
@@ -83,11 +80,8 @@ def main() -> None:
     ours = rate(ToolVectorEnv([lambda: SqlEnv(**kwargs) for _ in range(n)]), secs)
     base = rate(gym.vector.SyncVectorEnv([lambda: SqlEnv(**kwargs) for _ in range(n)]), secs)
 
-    async def work(x: int) -> str:
-        """Instant work."""
-        return "done"
-
     tasks = [Task(id=str(i), question=f"q{i}", ground_truth=["x"]) for i in range(8)]
+    work = make_tool(0.0)
     instant = rate(ToolVectorEnv([lambda: ToolEnv(tools=[work], tasks=tasks, max_turns=8) for _ in range(n)]), secs,
                    scripted=False)
     raw = raw_queries_per_s(secs)
@@ -100,14 +94,7 @@ def main() -> None:
     print(f"  Tools-v0, instant tool     {instant:>9,.0f}/s   -> SQL-v0 runs at {ours / instant:.2f} of it")
     print(f"  raw SQLite, same queries   {raw:>9,.0f}/s   -> SQL-v0 runs at {ours / raw:.2f} of it")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        out = {"sql_env": res, "rlf_envs": rlf_envs.__version__,
-               "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()}}
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=2))
-        tmp.replace(args.json)
-        print(f"wrote {args.json}")
-
+        write_report(args.json, {"sql_env": res})
 
 if __name__ == "__main__":
     main()
