@@ -68,7 +68,7 @@ def main() -> None:
         def __init__(self, *a: Any, **k: Any) -> None:
             from rlf_train.envs import make_env
 
-            self.env = self.pool.pop() if self.pooled and self.pool else make_env(cfg, None, cfg.env.train_split)
+            self.env = self.pool.pop() if self.pooled and self.pool else make_env(cfg, None, "train")
 
         async def reset(self, states: dict, **kwargs: Any) -> dict:
             task, _ = task_from_label(states["label"])

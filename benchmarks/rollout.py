@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: no checkpoint under {cfg.resolved_run_dir()}: a random policy (run the quickstart first "
               "for the trained policy's short, tool-using turns)")
     model = load_policy(cfg.model, tok, cfg.seed, weights_dir=ckpt)
-    envs = make_envs(cfg, tok, cfg.env.train_split, args.batch)
+    envs = make_envs(cfg, tok, "train", args.batch)
     params = SamplingParams(temperature=args.temperature, max_new_tokens=cfg.rollout.max_new_tokens_per_turn)
     G = max(1, min(cfg.rollout.samples_per_prompt, args.batch))
     runs = {

@@ -133,18 +133,19 @@ def main() -> None:
     print(f"\nEnv steps/s (instant tool, text mode, {steps['envs']} envs): rlf ToolVectorEnv "
           f"{steps['steps_per_s']:,.0f}/s vs gymnasium SyncVectorEnv {steps['steps_per_s_sync_baseline']:,.0f}/s "
           f"= {steps['speedup']:.1f}x")
-    out = {
-        "tool_calls": rows,
-        "env_steps": steps,
-        "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "platform": platform.platform()},
-        "rlf_envs": rlf_envs.__version__,
-    }
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps(out, indent=2))
-        tmp.replace(args.json)
-        print(f"wrote {args.json}")
+        write_report(args.json, {"tool_calls": rows, "env_steps": steps})
+
+
+def write_report(path: Path, results: dict[str, object]) -> None:
+    """Write `results` plus the machine and rlf_envs version as JSON, atomically."""
+    out = {**results, "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0],
+                                  "platform": platform.platform()}, "rlf_envs": rlf_envs.__version__}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2))
+    tmp.replace(path)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Gymnasium ids: `rlf/Calculator-v0`, `rlf/Tools-v0`, `rlf/Search-v0` (env and vector entry points)."""
+"""Gymnasium ids: `rlf/Calculator-v0`, `rlf/Tools-v0`, `rlf/Search-v0`, `rlf/SQL-v0` (env and vector entry points)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ ENVS = {
     "rlf/Calculator-v0": "rlf_envs.envs.calculator:CalculatorEnv",
     "rlf/Tools-v0": "rlf_envs.envs.demo:ToolsEnv",
     "rlf/Search-v0": "rlf_envs.envs.search:SearchEnv",
+    "rlf/SQL-v0": "rlf_envs.envs.sql:SqlEnv",
 }
 
 

@@ -59,8 +59,9 @@ class EnvConfig(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     eval_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="overrides of kwargs for the eval env, e.g. {tasks: test.parquet}")
-    train_split: str = "train"
-    eval_split: str = "test"
+    train_split: str | None = Field("train", description="passed to the env as `split`; null: the env takes no "
+                                    "split (e.g. rlf/Tools-v0, whose tasks come from kwargs.tasks)")
+    eval_split: str | None = "test"
     imports: list[str] = Field(default_factory=lambda: ["rlf_envs"], description="modules imported to register envs")
 
 

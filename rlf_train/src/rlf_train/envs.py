@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, Literal
 
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_train.config import TrainConfig
@@ -11,9 +11,13 @@ from rlf_train.config import TrainConfig
 SUCCESS_THRESHOLD = 1.0 - 1e-6  # an episode succeeds when its outcome reward is (numerically) 1
 
 
-def make_env(cfg: TrainConfig, tokenizer: Any, split: str | None) -> ToolEnv:
-    """One unwrapped `gymnasium.make(cfg.env.id, tokenizer=..., split=..., budgets..., **cfg.env.kwargs)`
-    (`cfg.env.eval_kwargs` override the kwargs for the eval split).
+Stage = Literal["train", "eval"]
+
+
+def make_env(cfg: TrainConfig, tokenizer: Any, stage: Stage) -> ToolEnv:
+    """One unwrapped `gymnasium.make(cfg.env.id, tokenizer=..., split=..., budgets..., **cfg.env.kwargs)` for
+    training or eval: `split` is `env.train_split` / `env.eval_split` (not passed when null), and the eval env
+    gets `env.eval_kwargs` on top of the kwargs. `tokenizer=None` makes a text-mode env.
 
     The env gets the Rust `tokenizers` object behind a fast HF tokenizer (same ids, ~10x less per-call
     overhead than the transformers wrapper)."""
@@ -29,10 +33,11 @@ def make_env(cfg: TrainConfig, tokenizer: Any, split: str | None) -> ToolEnv:
     env_tok = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
     kwargs: dict[str, Any] = {"tokenizer": env_tok, "max_turns": r.max_turns,
                               "max_total_tokens": r.max_total_tokens, "max_obs_tokens": r.max_obs_tokens}
+    split = cfg.env.eval_split if stage == "eval" else cfg.env.train_split
     if split is not None:
         kwargs["split"] = split
     kwargs.update(cfg.env.kwargs)
-    if split is not None and split == cfg.env.eval_split and split != cfg.env.train_split:
+    if stage == "eval":
         kwargs.update(cfg.env.eval_kwargs)
     try:
         env = gymnasium.make(cfg.env.id, disable_env_checker=True, **kwargs).unwrapped

@@ -24,7 +24,7 @@ def evaluate_policy(cfg: TrainConfig, checkpoint: Path | None) -> dict[str, Any]
     tok = load_tokenizer(cfg.model)
     model = load_policy(cfg.model, tok, cfg.seed, weights_dir=checkpoint)
     n_env = min(cfg.eval.num_tasks, cfg.rollout.batch_size)
-    envs = make_envs(cfg, tok, cfg.env.eval_split, n_env)
+    envs = make_envs(cfg, tok, "eval", n_env)
     n_tasks = min(cfg.eval.num_tasks, len(env_tasks(envs.envs[0])))
     out: dict[str, Any] = {"checkpoint": str(checkpoint) if checkpoint else None, "split": cfg.env.eval_split,
                            "num_tasks": n_tasks}

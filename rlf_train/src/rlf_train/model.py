@@ -213,13 +213,40 @@ def quickstart_tokenizer_text() -> list[str]:
     return lines
 
 
+SQL_TOKENIZER_FILE = ASSETS / "sql_tokenizer.json"
+
+
+def sql_tokenizer_text() -> list[str]:
+    """Training text of the SQL tokenizer (configs/sql_quickstart.yaml): rlf/SQL-v0's rendered train prompts,
+    the shipped warm-start demos, and the observations the demos' queries produce (train split only)."""
+    import json
+
+    from rlf_envs.data.sql import DATA_DIR
+    from rlf_envs.envs.sql import SqlEnv
+
+    env = SqlEnv(split="train")
+    lines: list[str] = [env.format.render_prompt(t, env.toolbox.specs, env.system_prompt) for t in env.tasks]
+    for raw in (DATA_DIR / "sft_demos.jsonl").read_text(encoding="utf-8").splitlines():
+        demo = json.loads(raw)
+        env.reset(seed=0, options={"task_index": demo["task_index"]})
+        for action in demo["actions"]:
+            obs, *_ = env.step(action)
+            lines.extend([action, obs])
+    return [ln for ln in lines if ln.strip()]
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Regenerate the shipped tokenizers: `python -m rlf_train.model [--world quickstart]`."""
+    """Regenerate the shipped tokenizers: `python -m rlf_train.model [--world quickstart|sql]`."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--world", choices=("default", "quickstart"), default="default")
+    ap.add_argument("--world", choices=("default", "quickstart", "sql"), default="default")
     args = ap.parse_args(argv)
+    if args.world == "sql":
+        tok = train_tokenizer(sql_tokenizer_text(), 3072)
+        tok.save(str(SQL_TOKENIZER_FILE))  # type: ignore[attr-defined]
+        print(f"wrote {SQL_TOKENIZER_FILE} (vocab {tok.get_vocab_size()})")  # type: ignore[attr-defined]
+        return
     if args.world == "quickstart":
         tok = train_tokenizer(quickstart_tokenizer_text(), 3072)
         tok.save(str(QUICKSTART_TOKENIZER_FILE))  # type: ignore[attr-defined]

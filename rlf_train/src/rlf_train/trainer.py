@@ -19,7 +19,7 @@ from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
 from rlf_train.checkpoint import CheckpointMeta, latest_checkpoint, load_weights, read_checkpoint, save_checkpoint
 from rlf_train.config import TrainConfig, dump_config
-from rlf_train.envs import SUCCESS_THRESHOLD, make_env
+from rlf_train.envs import SUCCESS_THRESHOLD, Stage, make_env
 from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters
@@ -28,9 +28,9 @@ from rlf_train.sft import demo_trajectories, load_demos, pad_batch, scripted_dem
 
 
 
-def make_envs(cfg: TrainConfig, tokenizer: Any, split: str | None, n: int) -> ToolVectorEnv:
-    """A ToolVectorEnv of `n` envs made by `rlf_train.envs.make_env`."""
-    envs = [make_env(cfg, tokenizer, split) for _ in range(n)]
+def make_envs(cfg: TrainConfig, tokenizer: Any, stage: Stage, n: int) -> ToolVectorEnv:
+    """A ToolVectorEnv of `n` envs made by `rlf_train.envs.make_env` for training or eval."""
+    envs = [make_env(cfg, tokenizer, stage) for _ in range(n)]
     return ToolVectorEnv([(lambda e=e: e) for e in envs])
 
 
@@ -129,7 +129,7 @@ class Trainer:
                           if self.meta is None or e["step"] <= self.meta.step]
         r = cfg.rollout
         self.n_rollout = r.prompts_per_step * r.samples_per_prompt
-        self.train_envs = make_envs(cfg, self.tokenizer, cfg.env.train_split, self.n_rollout)
+        self.train_envs = make_envs(cfg, self.tokenizer, "train", self.n_rollout)
         self.train_tasks = env_tasks(self.train_envs.envs[0])
         self._eval_envs: ToolVectorEnv | None = None
 
@@ -171,7 +171,7 @@ class Trainer:
     def eval_envs(self) -> ToolVectorEnv:
         if self._eval_envs is None:
             n = min(self.cfg.eval.num_tasks, self.cfg.rollout.batch_size)
-            self._eval_envs = make_envs(self.cfg, self.tokenizer, self.cfg.env.eval_split, n)
+            self._eval_envs = make_envs(self.cfg, self.tokenizer, "eval", n)
         return self._eval_envs
 
     def rollouts(self, venv: ToolVectorEnv, task_indices: Sequence[int], params: SamplingParams,

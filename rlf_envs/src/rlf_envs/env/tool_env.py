@@ -9,6 +9,7 @@ whole episode exactly as the policy saw and produced it, never re-tokenised.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from rlf_envs.types import (
     EndReason,
     Score,
     Task,
+    ToolCall,
     ToolResult,
     ToolStatus,
     Trajectory,
@@ -112,7 +114,8 @@ class ToolEnv(gym.Env[Any, Any]):
         tools: rlf Tools or typed Python functions the policy may call.
         tasks: Tasks, dicts, or a path to a JSONL file (see `rlf_envs.tasks.load_tasks`).
         format: "qwen3" | "hermes" | "search_r1" or a Format instance; `format_kwargs` configure a named one.
-        verifier: scores the finished episode (a Verifier or a reward config dict); default exact match.
+        verifier: scores the finished episode (a Verifier, a reward config dict, or the path of a reward YAML
+            file); default exact match.
         turn_rewarder: optional per-turn (process) reward: a TurnRewarder, its config dict, or anything with
             `turn_reward(turn) -> float`.
         max_turns: policy turns per episode (truncation after that).
@@ -131,7 +134,7 @@ class ToolEnv(gym.Env[Any, Any]):
         tools: Sequence[ToolLike] = (),
         tasks: TaskSource = (),
         format: str | Format = "qwen3",
-        verifier: Verifier | dict[str, Any] | None = None,
+        verifier: Verifier | dict[str, Any] | str | os.PathLike[str] | None = None,
         turn_rewarder: Any = None,
         max_turns: int = 4,
         max_total_tokens: int = 4096,
@@ -160,6 +163,10 @@ class ToolEnv(gym.Env[Any, Any]):
             from rlf_envs.rewards import build_verifier
 
             verifier = build_verifier(verifier, tools=self.toolbox)
+        elif isinstance(verifier, str | os.PathLike):
+            from rlf_envs.rewards import load_verifier_yaml
+
+            verifier = load_verifier_yaml(os.fspath(verifier), tools=self.toolbox)
         self.verifier: Verifier = verifier or _default_verifier()
         if isinstance(turn_rewarder, dict):
             from rlf_envs.rewards import build_turn_rewarder
@@ -303,7 +310,9 @@ class ToolEnv(gym.Env[Any, Any]):
     async def _call_tools(self, step: PendingStep) -> None:
         turn = step.turn
         t0 = time.perf_counter()
-        turn.results = await self.toolbox.call_batch(turn.action.calls)
+        turn.results = await self.toolbox.call_batch(self._tool_calls(step))
+        for r, call in zip(turn.results, turn.action.calls, strict=True):
+            r.call = call  # the trajectory records the policy's calls, not what an env bound to them
         turn.stats.tool_seconds = time.perf_counter() - t0
         self._cap_results(turn.results)
         st = turn.stats
@@ -312,6 +321,11 @@ class ToolEnv(gym.Env[Any, Any]):
             st.errors += not r.ok
             st.timeouts += r.status is ToolStatus.TIMEOUT
             st.truncated += r.truncated
+
+    def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:
+        """The calls to run for this turn: the policy's. An env that binds per-episode state to its shared
+        tools (e.g. rlf/SQL-v0's database) adds it here, where the policy cannot forge it."""
+        return step.turn.action.calls
 
     def _observation_text(self, step: PendingStep) -> str:
         """The text the env answers with ("" when the episode ends here)."""

@@ -34,7 +34,7 @@ from openrlhf.utils.agent import AgentExecutorBase
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.types import EndReason, Trajectory
 from rlf_train.config import TrainConfig, config_from_dict, load_config
-from rlf_train.envs import SUCCESS_THRESHOLD, make_env
+from rlf_train.envs import SUCCESS_THRESHOLD, Stage, make_env
 from rlf_train.openrlhf.data import task_from_label
 
 log = logging.getLogger("rlf_train.openrlhf")
@@ -177,34 +177,34 @@ class RlfAgentExecutor(AgentExecutorBase):
     def __init__(self, config: TrainConfig | None = None) -> None:
         self.cfg = config if config is not None else config_from_environment()
         self.settings = EpisodeSettings.from_config(self.cfg)
-        self._free: dict[str, list[ToolEnv]] = {"train": [], "eval": []}  # envs per split (eval_kwargs differ)
+        self._free: dict[Stage, list[ToolEnv]] = {"train": [], "eval": []}  # per stage (eval_kwargs differ)
         self._tokenizer: Any = None
         self._lock = threading.Lock()
         self._warned_prompt = False
 
-    def new_env(self, split: str, max_length: int) -> ToolEnv:
-        """An env as the rollout actor steps it (token mode, the run's budgets, `split`'s kwargs)."""
-        env = make_env(self.cfg, self._tokenizer, self.cfg.env.eval_split if split == "eval" else self.cfg.env.train_split)
+    def new_env(self, stage: Stage, max_length: int) -> ToolEnv:
+        """An env as the rollout actor steps it (token mode, the run's budgets, the stage's split and kwargs)."""
+        env = make_env(self.cfg, self._tokenizer, stage)
         env.max_total_tokens = min(self.cfg.rollout.max_total_tokens, max_length)
         return env
 
-    async def _acquire(self, split: str, hf_tokenizer: Any, max_length: int) -> ToolEnv:
+    async def _acquire(self, stage: Stage, hf_tokenizer: Any, max_length: int) -> ToolEnv:
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = hf_tokenizer  # the actor's tokenizer; every call sends the same one
-            free = self._free.setdefault(split, [])
+            free = self._free[stage]
             if free:
                 env = free.pop()
                 env.max_total_tokens = min(self.cfg.rollout.max_total_tokens, max_length)
                 return env
         # building an env may load an index: off the actor's event loop
-        return await asyncio.to_thread(self.new_env, split, max_length)
+        return await asyncio.to_thread(self.new_env, stage, max_length)
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):  # type: ignore[no-untyped-def]
         if images:
             raise ValueError("rlf envs are text-only: this prompt carries images")
-        _, split = task_from_label(label)
-        env = await self._acquire(split, hf_tokenizer, max_length)
+        _, stage = task_from_label(label)
+        env = await self._acquire(stage, hf_tokenizer, max_length)
         try:
             result = await run_episode(env, prompt, label, sampling_params, max_length, llm_engine, self.settings)
             if not self._warned_prompt and env.trajectory.prompt != prompt:
@@ -214,4 +214,4 @@ class RlfAgentExecutor(AgentExecutorBase):
             return result
         finally:
             with self._lock:
-                self._free[split].append(env)
+                self._free[stage].append(env)
