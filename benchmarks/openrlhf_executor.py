@@ -38,6 +38,7 @@ def main() -> None:
 
     import torch
     from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
+    from openrlhf_support import read_jsonl, scripted_search_policy, search_config
 
     from rlf_envs.envs.search import default_index_dir
     from rlf_envs.formats import get_format
@@ -45,7 +46,6 @@ def main() -> None:
     from rlf_train.openrlhf import standin
     from rlf_train.openrlhf.data import task_from_label, write_prompts
     from rlf_train.openrlhf.executor import RlfAgentExecutor
-    from openrlhf_support import read_jsonl, scripted_search_policy, search_config
 
     out_dir = ROOT / "out" / "openrlhf_executor"
     cfg = search_config(default_index_dir(), out_dir, **{"algorithm.steps": 64, "rollout.prompts_per_step": 4})

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from openrlhf_support import openrlhf_modules, read_jsonl, scripted_search_policy, search_config
 
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_train.model import build_tiny_model, load_tokenizer
@@ -17,7 +18,6 @@ from rlf_train.openrlhf import standin
 from rlf_train.openrlhf.data import task_from_label, write_prompts
 from rlf_train.openrlhf.executor import CONFIG_ENV, RlfAgentExecutor
 from rlf_train.openrlhf.launcher import AGENT_FILE
-from openrlhf_support import openrlhf_modules, read_jsonl, scripted_search_policy, search_config
 
 pytestmark = pytest.mark.openrlhf
 
@@ -192,7 +192,7 @@ def test_many_episodes_with_a_slow_retriever_never_block_the_actor_loop(setup: d
     server that takes 2 s per search: the searches overlap and the loop's heartbeat never stalls for a search."""
     from aiohttp import web
 
-    cfg, tok = setup["cfg"], setup["tok"]
+    tok = setup["tok"]
     delay = 2.0
     n = 64
     rows = [setup["rows"][k % len(setup["rows"])] for k in range(n)]

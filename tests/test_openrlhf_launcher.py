@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from openrlhf_support import ROOT, openrlhf_modules, read_jsonl, search_config
 
 from rlf_train.cli import main
 from rlf_train.config import ConfigError, TrainConfig, load_config
 from rlf_train.openrlhf.flags import openrlhf_flags
 from rlf_train.openrlhf.launcher import AGENT_FILE, COMMAND_FILE, prepare
 from rlf_train.openrlhf.parser import OpenRLHFFlagError, parse_flags
-from openrlhf_support import ROOT, openrlhf_modules, read_jsonl, search_config
 
 pytestmark = pytest.mark.openrlhf
 SHIPPED_TRAIN = ROOT / "rlf_envs" / "src" / "rlf_envs" / "data" / "search" / "train.jsonl"
@@ -141,7 +141,7 @@ def _leaves(model: Any, prefix: str = "") -> dict[str, Any]:
 def _other(key: str, value: Any) -> Any:
     """A valid value different from `value` for this key."""
     special = {"backend": None, "algorithm.name": "dr_grpo", "algorithm.loss_agg": "seq_mean_token_mean",
-               "model.dtype": "float16", "model.name_or_path": "Qwen/Qwen3-0.6B", "logging.wandb_mode": "online",
+               "model.dtype": "float16", "model.name_or_path": "Qwen/Qwen3-0.6B",
                "model.device": "cuda", "env.id": None, "openrlhf.attn_implementation": "flash_attention_2",
                "openrlhf.ray_address": None, "openrlhf.vllm_tensor_parallel_size": None,
                "openrlhf.vllm_engines": None, "openrlhf.gpus_per_node": None, "openrlhf.num_nodes": None,
@@ -150,7 +150,7 @@ def _other(key: str, value: Any) -> Any:
                "env.kwargs": None, "env.eval_kwargs": {"topk": 2}, "env.imports": ["rlf_envs", "no_such_module"],
                "env.train_split": None, "env.eval_split": "train", "logging.run_dir": None,
                "model.tiny.tokenizer_file": "quickstart_tokenizer.json", "model.tokenizer": "Qwen/Qwen3-0.6B",
-               "openrlhf.critic_name_or_path": "Qwen/Qwen3-0.6B", "openrlhf.shared_dir": None,
+               "openrlhf.shared_dir": None,
                "logging.wandb_project": "p", "openrlhf.packing_samples": None, "openrlhf.async_train": None,
                "openrlhf.vllm_enable_sleep": None, "openrlhf.colocate_all": None,
                "name": None,  # names the run dir (here given explicitly) and the W&B run

@@ -27,7 +27,6 @@ from rlf_train.rollout import RolloutStats, SamplingParams, rollout
 from rlf_train.sft import demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
 
 
-
 def make_envs(cfg: TrainConfig, tokenizer: Any, stage: Stage, n: int) -> ToolVectorEnv:
     """A ToolVectorEnv of `n` envs made by `rlf_train.envs.make_env` for training or eval."""
     envs = [make_env(cfg, tokenizer, stage) for _ in range(n)]

@@ -1,6 +1,6 @@
 """The prompt datasets of backend openrlhf: one JSON line per prompt, `prompt` = the env's rendered prompt for
-the task, `label` = the task and its stage ("train" or "eval") as JSON (OpenRLHF hands the label back to the agent executor, which
-rebuilds the task from it), `datasource` = the env id. No OpenRLHF import here."""
+the task, `label` = the task and its stage ("train" or "eval") as JSON (OpenRLHF hands the label back to the
+agent executor, which rebuilds the task from it), `datasource` = the env id. No OpenRLHF import here."""
 
 from __future__ import annotations
 

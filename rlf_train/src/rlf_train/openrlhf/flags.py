@@ -86,7 +86,7 @@ def check_keys(cfg: TrainConfig) -> None:
             reason = "not mapped to OpenRLHF yet (remove it, or use openrlhf.extra_args)"
         if reason is not None:
             problems.append(f"  {key}: {reason}")
-    a, r, e = cfg.algorithm, cfg.rollout, cfg.eval
+    a, r = cfg.algorithm, cfg.rollout
     if a.loss_agg not in _LOSS_AGG and not (a.name == "dr_grpo" and a.loss_agg == "seq_mean_token_sum_norm"):
         problems.append(f"  algorithm.loss_agg: {a.loss_agg!r} is Dr.GRPO's own aggregation (algorithm.name: "
                         f"dr_grpo); with {a.name} use token_mean or seq_mean_token_mean")

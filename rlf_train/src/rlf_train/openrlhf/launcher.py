@@ -151,8 +151,8 @@ def prepare(cfg: TrainConfig, resume: bool = False) -> Launch:
         argv = [sys.executable, *ENTRY, *plan.flags]
         launch_env = {"RAY_ADDRESS": "local", **env}
     launch = Launch(run_dir, argv, launch_env, plan, checked)
-    write_text_atomic(run_dir / "openrlhf_plan.txt", "\n".join([
-        f"# {checked}", *(f"# note: {n}" for n in plan.notes), *(" ".join(g) for g in _flag_groups(plan.flags))]) + "\n")
+    plan_lines = [f"# {checked}", *(f"# note: {n}" for n in plan.notes), *map(" ".join, _flag_groups(plan.flags))]
+    write_text_atomic(run_dir / "openrlhf_plan.txt", "\n".join(plan_lines) + "\n")
     script = run_dir / COMMAND_FILE
     script.write_text(launch.script(), encoding="utf-8")
     script.chmod(0o755)
@@ -181,7 +181,8 @@ def preflight(launch: Launch) -> None:
                           "(--dry-run writes the run files and prints the command without it)")
     if launch.argv[0] == "ray":
         if shutil.which("ray") is None:
-            raise ConfigError("openrlhf.ray_address is set but the `ray` CLI is not on PATH: pip install 'ray[default]'")
+            raise ConfigError("openrlhf.ray_address is set but the `ray` CLI is not on PATH: "
+                              "pip install 'ray[default]'")
     else:
         import torch
 
