@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 from rlf_envs.formats.base import Format
+from rlf_envs.formats.tags import tag_blocks
 from rlf_envs.tools.base import ToolSpec
 from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult
 
@@ -23,8 +23,6 @@ CORRECTION = (
     "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
     "Let me try again.\n"
 )
-
-_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
 
 class SearchR1Format(Format):
@@ -67,8 +65,8 @@ class SearchR1Format(Format):
 
     def parse(self, text: str) -> Action:
         calls: list[ToolCall] = []
-        for m in _ACTION.finditer(text):
-            tag, inner = m.group(1), m.group(2).strip()
+        for b in tag_blocks(text, "search", "answer"):
+            tag, inner = b.tag, b.inner(text).strip()
             if tag == "answer":
                 if calls:  # searches before an answer in the same turn: run them, answer next turn
                     break
