@@ -56,6 +56,9 @@ class MCPServerConfig(pydantic.BaseModel):
     prefix: str = pydantic.Field("", description="prepended to tool names, to avoid clashes between servers")
     idempotent: bool | list[str] = pydantic.Field(False, description="tools that may be retried on timeout/crash")
     max_concurrency: int | None = pydantic.Field(None, ge=1, description="in-flight calls per tool")
+    max_reply_bytes: int = pydantic.Field(
+        4 << 20, ge=1024, description="stdio: a larger reply is dropped unparsed and answered with an error"
+    )
 
     @pydantic.model_validator(mode="after")
     def _one_transport(self) -> MCPServerConfig:
@@ -122,18 +125,18 @@ class MCPServer:
         self._owner: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
         self._starting: asyncio.Lock | None = None
-        self.restarts = 0
+        self.restarts = 0  # sessions started after the first one (crashes, undrainable replies)
+        self._started = False
+        self._transport: Any = None  # the stdio transport of the live session (None over HTTP)
         self.specs: list[ToolSpec] = []
         self.closed = False
 
     def _make_client(self) -> Any:
         from mcp import Client
-        from mcp.client.stdio import StdioServerParameters
 
         c = self.config
         if c.command is not None:
-            env = {**c.env} if c.env else None
-            server: Any = StdioServerParameters(command=c.command, args=c.args, env=env, cwd=c.cwd)
+            server: Any = self._stdio_transport()
         elif c.headers:
             from mcp.client.streamable_http import streamable_http_client
             from mcp.shared._httpx_utils import create_mcp_http_client
@@ -142,6 +145,28 @@ class MCPServer:
         else:
             server = c.url
         return Client(server, read_timeout_seconds=c.timeout_s + 5.0)
+
+    def _stdio_transport(self) -> Any:
+        """rlf's stdio transport: the server's whole process tree is ended with the session, and replies are
+        bounded by `max_reply_bytes` (see tools/mcp_stdio.py)."""
+        from rlf_envs.tools.mcp_stdio import BoundedStdioTransport
+
+        c = self.config
+        assert c.command is not None
+        self._transport = BoundedStdioTransport(
+            c.command, c.args, env=dict(c.env) or None, cwd=c.cwd, max_reply_bytes=c.max_reply_bytes
+        )
+        return self._transport
+
+    def reply_stuck(self, after_s: float) -> bool:
+        """stdio: a reply is mid-stream and is already over max_reply_bytes or has been arriving for `after_s`."""
+        t = self._transport
+        return t is not None and self._owner is not None and t.reply_stuck(after_s)
+
+    async def restart(self, why: str) -> None:
+        """End the session (and the server's process tree); the next call starts a new one."""
+        log.warning("MCP server %s: restarting (%s)", self.name, why)
+        await self._stop_owner()
 
     async def _run_owner(self, ready: asyncio.Future[Any], stop: asyncio.Event) -> None:
         try:
@@ -168,8 +193,9 @@ class MCPServer:
         async with self._starting:
             if self._client is not None and self._owner is not None and not self._owner.done():
                 return self._client
-            if self._owner is not None:  # a previous session died
+            if self._started:  # a previous session died or was ended
                 self.restarts += 1
+            if self._owner is not None:
                 await self._stop_owner()
             loop = asyncio.get_running_loop()
             ready: asyncio.Future[Any] = loop.create_future()
@@ -188,6 +214,7 @@ class MCPServer:
                 await self._stop_owner()
                 raise ToolCrashed(f"MCP server {self.name!r} failed to start: {type(e).__name__}: {e}") from None
             self._client = client
+            self._started = True
             return client
 
     async def list_tools(self) -> list[ToolSpec]:
@@ -277,7 +304,14 @@ class MCPTool(Tool):
             async with asyncio.timeout(self.call_timeout_s):
                 return await self.server.call_tool(self.remote_name, arguments)
         except TimeoutError:
+            await self._recover_after_timeout()
             raise TimeoutError(f"Error: tool {self.name} timed out after {self.call_timeout_s:g}s.") from None
+
+    async def _recover_after_timeout(self) -> None:
+        """A reply still streaming in when a call times out, oversize or for a whole deadline, is not going to
+        drain soon: restart the server, so the next call is not queued behind it."""
+        if self.server.reply_stuck(self.call_timeout_s):
+            await self.server.restart(f"a reply to {self.name} did not finish within {self.call_timeout_s:g}s")
 
 
 _shared: dict[str, MCPServer] = {}
