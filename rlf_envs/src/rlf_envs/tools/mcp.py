@@ -158,10 +158,21 @@ class MCPServer:
         )
         return self._transport
 
-    def reply_stuck(self, after_s: float) -> bool:
-        """stdio: a reply is mid-stream and is already over max_reply_bytes or has been arriving for `after_s`."""
+    async def drain_or_restart(self, grace_s: float, why: str) -> None:
+        """stdio: if a reply is mid-stream, give it `grace_s` to finish; a reply that does not (a server
+        streaming without end) is not going to drain: restart, so the next call is not queued behind it."""
         t = self._transport
-        return t is not None and self._owner is not None and t.reply_stuck(after_s)
+        if t is None or self._owner is None:
+            return
+        started = t.partial_reply_started()
+        if started is None:
+            return
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+            if t.partial_reply_started() != started:
+                return
+        await self.restart(why)
 
     async def restart(self, why: str) -> None:
         """End the session (and the server's process tree); the next call starts a new one."""
@@ -308,10 +319,8 @@ class MCPTool(Tool):
             raise TimeoutError(f"Error: tool {self.name} timed out after {self.call_timeout_s:g}s.") from None
 
     async def _recover_after_timeout(self) -> None:
-        """A reply still streaming in when a call times out, oversize or for a whole deadline, is not going to
-        drain soon: restart the server, so the next call is not queued behind it."""
-        if self.server.reply_stuck(self.call_timeout_s):
-            await self.server.restart(f"a reply to {self.name} did not finish within {self.call_timeout_s:g}s")
+        grace = min(self.call_timeout_s, 2.0)
+        await self.server.drain_or_restart(grace, f"a reply still streaming {grace:g}s after {self.name} timed out")
 
 
 _shared: dict[str, MCPServer] = {}

@@ -92,8 +92,6 @@ class BoundedStdioTransport:
         self.proc: subprocess.Popen[bytes] | None = None
         #: when the reply now being received started arriving (None between replies)
         self.partial_since: float | None = None
-        #: the reply now being received is over max_reply_bytes (being discarded)
-        self.partial_oversize = False
         self.oversize_replies = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._inodes: tuple[int, ...] = ()
@@ -206,12 +204,27 @@ class BoundedStdioTransport:
         try:
             async with self._from_session:
                 async for message in self._from_session:
-                    data = message.message.model_dump_json(by_alias=True, exclude_unset=True)
+                    try:
+                        data = message.message.model_dump_json(by_alias=True, exclude_unset=True)
+                    except Exception as e:  # e.g. arguments holding a lone surrogate: that request fails alone
+                        await self._refuse(message, e)
+                        continue
                     stdin.write(data.encode("utf-8", "replace") + b"\n")
                     await stdin.drain()
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError, RuntimeError):
             with contextlib.suppress(Exception):
                 await self._to_session.aclose()  # the session sees the connection end
+
+    async def _refuse(self, message: SessionMessage, exc: Exception) -> None:
+        rid = getattr(message.message, "id", None)
+        if rid is None:
+            return
+        err = types.ErrorData(code=types.INVALID_PARAMS, message=f"the request could not be encoded: {exc}"[:300])
+        await self._to_session.send(SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=rid, error=err)))
+
+    def partial_reply_started(self) -> float | None:
+        """When the reply now arriving started (None between replies)."""
+        return self.partial_since
 
     async def _read(self) -> None:
         stdout = self._stdout
@@ -233,7 +246,6 @@ class BoundedStdioTransport:
                         piece = chunk[pos:] if nl < 0 else chunk[pos:nl]
                         pos = len(chunk) if nl < 0 else nl + 1
                         if oversize:
-                            self.partial_oversize = True
                             oversize += len(piece)
                             tail = (tail + piece)[-_EDGE:]
                         else:
@@ -243,7 +255,7 @@ class BoundedStdioTransport:
                                 buf = bytearray()
                         if nl < 0:
                             break
-                        self.partial_since, self.partial_oversize = None, False
+                        self.partial_since = None
                         if oversize:
                             if not await self._deliver_oversize(head, tail, oversize):
                                 return
@@ -257,12 +269,7 @@ class BoundedStdioTransport:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError, ConnectionError, OSError):
             pass
         finally:
-            self.partial_since, self.partial_oversize = None, False
-
-    def reply_stuck(self, after_s: float) -> bool:
-        """Is a reply mid-stream that is already oversize, or has been arriving for `after_s` or more?"""
-        since = self.partial_since
-        return since is not None and (self.partial_oversize or time.monotonic() - since >= after_s)
+            self.partial_since = None
 
     async def _parse(self, line: bytes) -> SessionMessage | Exception:
         try:
