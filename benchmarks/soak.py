@@ -196,6 +196,7 @@ async def soak(minutes: float, n_envs: int, seed: int) -> dict[str, Any]:
         "episodes": episodes, "exceptions_out_of_step": escaped, "exception_samples": errors[:5],
         "tool_calls": metrics.calls, "tool_ok": metrics.ok, "tool_timeouts": metrics.timeouts,
         "tool_crashed": metrics.crashed, "tool_errors": metrics.errors, "tool_truncated": metrics.truncated,
+        "calls_per_tool": {k: v.calls for k, v in sorted(venv.envs[0].toolbox.metrics.per_tool.items())},
         "mcp_restarts": restarts, "mcp_server_processes_seen": len(leaders), "close_all_s": round(close_s, 2),
         "leftover_processes": leftovers, "peak_rss_mb": round(rss_peak, 1),
         "peak_rss_first_minute_mb": round(rss_first_min, 1), "final_rss_mb": round(_rss_mb(), 1),

@@ -121,7 +121,8 @@ def test_a_failure_that_escapes_rewinds_every_env_of_the_batch() -> None:
         while any(e.trajectory.turns for e in venv.envs) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for e, b in zip(venv.envs, before, strict=True):
-            assert e.trajectory.turns == [] and e.trajectory.token_ids == b and len(e.trajectory.loss_mask or []) == len(b)
+            traj = e.trajectory
+            assert traj.turns == [] and traj.token_ids == b and len(traj.loss_mask or []) == len(b)
             assert not e.done
         again = await venv.astep_active({i: tok.encode(GOOD).ids for i in range(3)})
         assert all(r.info["action_kind"] == "tool_calls" for r in again.values())

@@ -103,7 +103,7 @@ def flood(seconds: float) -> str:
     """Write a reply that never ends (no newline) for `seconds`, straight to the protocol pipe."""
     import fcntl
 
-    wire = [fd for fd in _wire_fds() if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY][0]
+    wire = next(fd for fd in _wire_fds() if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY)
     deadline = time.monotonic() + seconds
     os.write(wire, b'{"jsonrpc": "2.0", "id": 999999, "result": {"content": [{"type": "text", "text": "')
     while time.monotonic() < deadline:

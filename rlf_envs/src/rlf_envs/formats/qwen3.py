@@ -140,7 +140,8 @@ class Qwen3Format(Format):
             if isinstance(args, str):  # some models emit arguments as a JSON string
                 args, problem = _load_json(args) if args.strip() else ({}, None)
                 if problem is not None:
-                    return Action(ActionKind.INVALID, text, error=f'tool call {i + 1}: "arguments" is not JSON ({problem})')
+                    err = f'tool call {i + 1}: "arguments" is not JSON ({problem})'
+                    return Action(ActionKind.INVALID, text, error=err)
             if not isinstance(args, dict):
                 return Action(ActionKind.INVALID, text, error=f'tool call {i + 1}: "arguments" must be a JSON object')
             calls.append(ToolCall(obj["name"], args, id=f"call_{i}"))

@@ -2,7 +2,8 @@
 
 The database is opened read-only (`mode=ro` URI) with `PRAGMA query_only`, an authorizer that only
 allows reads (no ATTACH, PRAGMA, writes, temp tables), a progress handler enforcing the deadline, caps
-on rows, on string/blob size and on the result set's total size, and runs in a worker thread so the event loop never blocks.
+on rows, on string/blob size and on the result set's total size, and runs in a worker thread so the
+event loop never blocks.
 """
 
 from __future__ import annotations

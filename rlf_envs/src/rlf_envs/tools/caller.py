@@ -1,9 +1,9 @@
 """The async tool caller: every call of a batch (all calls of all envs of a vector step) at once.
 
 Per-call deadline (covers queueing, execution and every retry: one total budget per call), bounded
-retries with exponential backoff for idempotent tools only, per-tool and global concurrency limits, output truncation with a visible
-marker, and metrics. Any failure becomes a ToolResult with a non-OK status and a message the policy
-reads; `call_batch` never raises for a tool's fault and never waits past the deadlines.
+retries with exponential backoff for idempotent tools only, per-tool and global concurrency limits,
+output truncation with a visible marker, and metrics. Any failure becomes a ToolResult with a non-OK
+status and a message the policy reads; `call_batch` never raises for a tool's fault and never waits past the deadlines.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from rlf_envs.tools.base import InvalidArguments, Tool, ToolCrashed, ToolError
 from rlf_envs.tools.deadlines import DeadlineWheel
 from rlf_envs.tools.limits import Limiter
 from rlf_envs.types import ToolCall, ToolResult, ToolStatus
-
 
 #: a retry is started only if at least this much of the call's deadline is left after its backoff
 MIN_ATTEMPT_S = 0.01
