@@ -28,27 +28,46 @@ class TagBlock(NamedTuple):
 def tag_blocks(text: str, *tags: str) -> Iterator[TagBlock]:
     """The non-overlapping `<tag>...</tag>` blocks of any of `tags`, left to right, each closed by the first
     matching close tag after it (what `re.finditer(r"<(a|b)>(.*?)</\\1>", text, re.DOTALL)` yields)."""
-    opens = {t: f"<{t}>" for t in tags}
-    closes = {t: f"</{t}>" for t in tags}
-    nxt = {t: text.find(opens[t]) for t in tags}  # next open of each tag at or after pos (-1: none)
-    pos = 0
-    while True:
-        live = [t for t in tags if nxt[t] >= 0]
-        if not live:
+    if len(tags) == 1:
+        return _one_tag_blocks(text, tags[0])
+    return _tag_blocks(text, tags)
+
+
+def _one_tag_blocks(text: str, tag: str) -> Iterator[TagBlock]:
+    """`tag_blocks` for one tag (the common case; kept lean, it runs on every policy turn)."""
+    open_, close_ = f"<{tag}>", f"</{tag}>"
+    start = text.find(open_)
+    while start >= 0:
+        inner_start = start + len(open_)
+        close = text.find(close_, inner_start)
+        if close < 0:
             return
-        tag = min(live, key=nxt.__getitem__)
-        start = nxt[tag]
-        inner_start = start + len(opens[tag])
-        close = text.find(closes[tag], inner_start)
-        if close < 0:  # no close after this open, so none after any later one: this tag is finished
-            nxt[tag] = -1
-            continue
-        end = close + len(closes[tag])
+        end = close + len(close_)
         yield TagBlock(tag, start, end, inner_start, close)
-        pos = end
-        for t in live:
-            if nxt[t] < pos:
-                nxt[t] = text.find(opens[t], pos)
+        start = text.find(open_, end)
+
+
+def _tag_blocks(text: str, tags: tuple[str, ...]) -> Iterator[TagBlock]:
+    opens = [f"<{t}>" for t in tags]
+    closes = [f"</{t}>" for t in tags]
+    nxt = [text.find(o) for o in opens]  # next open of each tag at or after the scan position (-1: none left)
+    while True:
+        k, start = -1, -1
+        for j, p in enumerate(nxt):
+            if p >= 0 and (k < 0 or p < start):
+                k, start = j, p
+        if k < 0:
+            return
+        inner_start = start + len(opens[k])
+        close = text.find(closes[k], inner_start)
+        if close < 0:  # no close after this open, so none after any later one: this tag is finished
+            nxt[k] = -1
+            continue
+        end = close + len(closes[k])
+        yield TagBlock(tags[k], start, end, inner_start, close)
+        for j, p in enumerate(nxt):
+            if 0 <= p < end:
+                nxt[j] = text.find(opens[j], end)
 
 
 def first_block(text: str, tag: str) -> TagBlock | None:
