@@ -8,8 +8,9 @@ Configured by the usual `mcpServers` map (YAML or JSON)::
 
 One `MCPServer` (one session, one server process) per configured server per process, shared by every
 env that uses it (see `shared_mcp_tools`). Its session lives in an owner task on rlf's runtime loop;
-when the server dies, the next call starts it again. Server processes are reaped on close, on errors,
-and at interpreter exit.
+when the server dies, the next call starts it again. Stdio servers run through rlf's own transport
+(tools/mcp_stdio.py): each server's whole process tree is ended on close, restart, crash and interpreter
+exit, and replies are bounded by `max_reply_bytes`.
 
 Per-episode state: a shared server sees calls from many episodes interleaved. Tools that keep state
 must key it by an explicit argument (e.g. `session_id`), or be given to each env as its own server.
