@@ -192,10 +192,10 @@ def test_parsing_is_linear_in_the_action_length(case: str) -> None:
         assert ratio < 20, f"{case}: {size} bytes cost {ratio:.0f}x per byte what 1 KB costs (not linear)"
 
 
-def test_tag_blocks_match_the_regex_semantics() -> None:
+def test_tag_scanning_matches_the_regex_semantics() -> None:
     import re
 
-    from rlf_envs.formats.tags import strip_blocks, tag_blocks
+    from rlf_envs.formats.tags import first_inner, inners, strip_blocks, tagged
 
     rx = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
     samples = [
@@ -207,8 +207,10 @@ def test_tag_blocks_match_the_regex_semantics() -> None:
         "<answer>1</answer><answer>2</answer><search>",
     ]
     for s in samples:
-        ours = [(b.tag, b.inner(s)) for b in tag_blocks(s, "search", "answer")]
-        assert ours == [(m.group(1), m.group(2)) for m in rx.finditer(s)], s
+        assert list(tagged(s, "search", "answer")) == [(m.group(1), m.group(2)) for m in rx.finditer(s)], s
+        assert inners(s, "search") == re.findall(r"<search>(.*?)</search>", s, flags=re.DOTALL)
+        m = re.search(r"<answer>(.*?)</answer>", s, flags=re.DOTALL)
+        assert first_inner(s, "answer") == (m.group(1) if m else None)
         assert strip_blocks(s, "search") == re.sub(r"<search>.*?</search>", "", s, flags=re.DOTALL)
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from rlf_envs.formats.base import Format
-from rlf_envs.formats.tags import first_block, strip_blocks, tag_blocks
+from rlf_envs.formats.tags import first_inner, inners, strip_blocks
 from rlf_envs.tools.base import ToolSpec
 from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult
 
@@ -125,7 +125,7 @@ class Qwen3Format(Format):
     # -- parsing --------------------------------------------------------------------------------
     def parse(self, text: str) -> Action:
         body = text[: -len(IM_END)] if text.endswith(IM_END) else text
-        blocks = [b.inner(body) for b in tag_blocks(body, "tool_call")]
+        blocks = inners(body, "tool_call")
         n_open = body.count("<tool_call>")
         if n_open != len(blocks) or body.count("</tool_call>") != len(blocks):
             return Action(ActionKind.INVALID, text, error="a <tool_call> tag is not closed (or a stray </tool_call>)")
@@ -150,9 +150,9 @@ class Qwen3Format(Format):
                 err = f"{len(calls)} tool calls in one turn; at most {self.max_calls_per_turn}"
                 return Action(ActionKind.INVALID, text, error=err)
             return Action(ActionKind.TOOL_CALLS, text, calls=tuple(calls))
-        answer = first_block(body, "answer")
+        answer = first_inner(body, "answer")
         if answer is not None:
-            return Action(ActionKind.ANSWER, text, answer=answer.inner(body).strip())
+            return Action(ActionKind.ANSWER, text, answer=answer.strip())
         if self.answer_mode == "no_call":
             return Action(ActionKind.ANSWER, text, answer=strip_blocks(body, "think").strip())
         return Action(ActionKind.INVALID, text, error="no <tool_call> and no <answer>...</answer> in the turn")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rlf_envs.formats.base import Format
-from rlf_envs.formats.tags import tag_blocks
+from rlf_envs.formats.tags import tagged
 from rlf_envs.tools.base import ToolSpec
 from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult
 
@@ -65,8 +65,8 @@ class SearchR1Format(Format):
 
     def parse(self, text: str) -> Action:
         calls: list[ToolCall] = []
-        for b in tag_blocks(text, "search", "answer"):
-            tag, inner = b.tag, b.inner(text).strip()
+        for tag, raw in tagged(text, "search", "answer"):
+            inner = raw.strip()
             if tag == "answer":
                 if calls:  # searches before an answer in the same turn: run them, answer next turn
                     break

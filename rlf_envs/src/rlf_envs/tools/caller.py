@@ -166,57 +166,57 @@ class ToolCaller:
     async def call(self, call: ToolCall) -> ToolResult:
         """Run one call; always returns a ToolResult (never raises for the tool's faults)."""
         t0 = time.perf_counter()
+        tool = self.tools.get(call.name)
+        attempts = 1
         try:
-            res = await self._call(call, t0)
+            if tool is None:
+                names = ", ".join(sorted(self.tools)) or "(none)"
+                res = ToolResult(call, f"Error: unknown tool {call.name!r}. Available tools: {names}.",
+                                 ToolStatus.UNKNOWN_TOOL)
+            elif (problem := self._validate(tool, call.arguments)) is not None:
+                res = ToolResult(call, f"Error: invalid arguments for {tool.name}: {problem}",
+                                 ToolStatus.INVALID_ARGS)
+            else:
+                budget = tool.timeout_s or self.config.timeout_s  # for all attempts together
+                end = t0 + budget
+                max_attempts = 1 + (self.config.max_retries if tool.idempotent else 0)
+                while True:
+                    status = ToolStatus.OK
+                    try:
+                        content = await self._attempt(tool, call, max(end - time.perf_counter(), 0.0))
+                        if not isinstance(content, str):
+                            content = str(content)
+                    except TimeoutError as e:
+                        status = ToolStatus.TIMEOUT
+                        content = str(e) if e.args else f"Error: tool {tool.name} timed out after {budget:g}s."
+                    except InvalidArguments as e:
+                        status, content = ToolStatus.INVALID_ARGS, f"Error: {e}"
+                    except ToolCrashed as e:
+                        status, content = ToolStatus.CRASHED, f"Error: tool {tool.name} is unavailable ({e})."
+                    except ToolError as e:
+                        status, content = ToolStatus.ERROR, f"Error: {e}"
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:
+                        status, content = ToolStatus.ERROR, f"Error: {tool.name} failed: {type(e).__name__}: {e}"
+                    if status in (ToolStatus.TIMEOUT, ToolStatus.CRASHED) and attempts < max_attempts:
+                        backoff = self.config.retry_backoff_s * (2 ** (attempts - 1))
+                        if end - time.perf_counter() - backoff > MIN_ATTEMPT_S:  # a retry only within the budget
+                            await asyncio.sleep(backoff)
+                            attempts += 1
+                            continue
+                    break
+                if attempts > 1 and status is not ToolStatus.OK:
+                    spent = time.perf_counter() - t0
+                    content += f" ({attempts} attempts in {spent:.1f}s; the call's deadline is {budget:g}s in total)"
+                res = ToolResult(call, content, status, attempts=attempts)
         except Exception as e:  # e.g. RecursionError validating arguments nested ~1,000 deep
-            res = ToolResult(call, f"Error: the call to {call.name} failed: {type(e).__name__}.", ToolStatus.ERROR)
+            res = ToolResult(call, f"Error: the call to {call.name} failed: {type(e).__name__}.", ToolStatus.ERROR,
+                             attempts=attempts)
         res.content, res.truncated = truncate(clean_text(res.content), self.config.max_output_chars)
         res.latency_s = time.perf_counter() - t0
         self.metrics.add(res)
         return res
-
-    async def _call(self, call: ToolCall, t0: float) -> ToolResult:
-        tool = self.tools.get(call.name)
-        if tool is None:
-            names = ", ".join(sorted(self.tools)) or "(none)"
-            return ToolResult(call, f"Error: unknown tool {call.name!r}. Available tools: {names}.",
-                              ToolStatus.UNKNOWN_TOOL)
-        if (problem := self._validate(tool, call.arguments)) is not None:
-            return ToolResult(call, f"Error: invalid arguments for {tool.name}: {problem}", ToolStatus.INVALID_ARGS)
-        budget = tool.timeout_s or self.config.timeout_s  # for all attempts together
-        end = t0 + budget
-        max_attempts = 1 + (self.config.max_retries if tool.idempotent else 0)
-        attempts = 1
-        while True:
-            status = ToolStatus.OK
-            try:
-                content = await self._attempt(tool, call, max(end - time.perf_counter(), 0.0))
-                if not isinstance(content, str):
-                    content = str(content)
-            except TimeoutError as e:
-                status = ToolStatus.TIMEOUT
-                content = str(e) if e.args else f"Error: tool {tool.name} timed out after {budget:g}s."
-            except InvalidArguments as e:
-                status, content = ToolStatus.INVALID_ARGS, f"Error: {e}"
-            except ToolCrashed as e:
-                status, content = ToolStatus.CRASHED, f"Error: tool {tool.name} is unavailable ({e})."
-            except ToolError as e:
-                status, content = ToolStatus.ERROR, f"Error: {e}"
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                status, content = ToolStatus.ERROR, f"Error: {tool.name} failed: {type(e).__name__}: {e}"
-            if status in (ToolStatus.TIMEOUT, ToolStatus.CRASHED) and attempts < max_attempts:
-                backoff = self.config.retry_backoff_s * (2 ** (attempts - 1))
-                if end - time.perf_counter() - backoff > MIN_ATTEMPT_S:  # a retry only within the budget
-                    await asyncio.sleep(backoff)
-                    attempts += 1
-                    continue
-            break
-        if attempts > 1 and status is not ToolStatus.OK:
-            spent = time.perf_counter() - t0
-            content += f" ({attempts} attempts in {spent:.1f}s; the call's deadline is {budget:g}s in total)"
-        return ToolResult(call, content, status, attempts=attempts)
 
     async def call_batch(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run all calls concurrently; results in the order of `calls`."""
