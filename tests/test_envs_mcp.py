@@ -182,3 +182,144 @@ def test_mcp_config_from_yaml_and_json(tmp_path: Path) -> None:
 def test_unknown_allow_listed_tool(clean_servers: None) -> None:
     with pytest.raises(ValueError, match=r"has no tool\(s\) \['nope'\]"):
         mcp_tools(bad_config(tools=["nope"]))
+
+
+# -- containment: the server's whole process tree ends with it -------------------------------------------
+
+
+def running(pids: list[int]) -> list[int]:
+    out = []
+    for p in pids:
+        try:
+            if psutil.Process(p).status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def wait_gone(pids: list[int], seconds: float = 10.0) -> list[int]:
+    deadline = time.time() + seconds
+    while running(pids) and time.time() < deadline:
+        time.sleep(0.05)
+    return running(pids)
+
+
+def spawn_tree(caller: ToolCaller) -> list[int]:
+    (r,) = call(caller, ToolCall("spawn", {}))
+    assert r.ok, r.content
+    pids = json.loads(r.content)
+    assert len(pids) >= 5 and running(pids) == pids  # shell, its 2 pipeline children, daemon, grouped
+    return pids
+
+
+def test_processes_started_by_a_server_end_with_it_on_close(clean_servers: None) -> None:
+    caller = ToolCaller(mcp_tools(bad_config(timeout=5.0)))
+    pids = spawn_tree(caller)
+    runtime.run(close_mcp_servers())
+    assert wait_gone(pids) == [], "children of a closed MCP server are still running"
+
+
+def test_a_crash_with_children_holding_the_pipe_is_seen_and_the_tree_ended(clean_servers: None) -> None:
+    from rlf_envs.tools.mcp import _shared
+
+    tools = mcp_tools(bad_config(timeout=20.0))
+    caller = ToolCaller(tools)
+    server = next(iter(_shared.values()))
+    (pid0,) = call(caller, ToolCall("pid", {}))
+    pids = spawn_tree(caller)
+    t0 = time.perf_counter()
+    (crash,) = call(caller, ToolCall("crash", {}))
+    # the children keep the stdout pipe open, so no EOF ever comes: the leader's exit must be noticed
+    assert crash.status is ToolStatus.CRASHED and time.perf_counter() - t0 < 15, crash
+    assert wait_gone(pids) == [], "children of a crashed MCP server are still running"
+    (pid1,) = call(caller, ToolCall("pid", {}))
+    assert pid1.ok and pid1.content != pid0.content
+    assert server.restarts == 1
+    psutil.Process(int(pid1.content)).kill()  # dies between calls: the next call restarts it again
+    time.sleep(0.3)
+    call(caller, ToolCall("pid", {}))
+    (pid2,) = call(caller, ToolCall("pid", {}))
+    assert pid2.ok and server.restarts == 2
+
+
+def test_server_trees_end_at_interpreter_exit(tmp_path: Path) -> None:
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import json, sys\n"
+        "from rlf_envs import runtime\n"
+        "from rlf_envs.tools import ToolCaller, mcp_tools\n"
+        "from rlf_envs.types import ToolCall\n"
+        f"cfg = {{'mcpServers': {{'bad': {{'command': sys.executable, 'args': [{SERVER!r}], 'timeout': 5}}}}}}\n"
+        "caller = ToolCaller(mcp_tools(cfg))\n"
+        "pid = runtime.run(caller.call_batch([ToolCall('pid', {})]))[0].content\n"
+        "kids = runtime.run(caller.call_batch([ToolCall('spawn', {})]))[0].content\n"
+        "print(json.dumps([int(pid), *json.loads(kids)]), flush=True)\n"  # exits without closing anything
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    pids = json.loads(out.stdout.strip().splitlines()[-1])
+    assert wait_gone(pids) == [], "MCP server processes outlived the interpreter"
+
+
+# -- bounded replies ------------------------------------------------------------------------------------
+
+
+class Heartbeat:
+    """The longest gap between ticks of a 10 ms timer on rlf's loop: how long the loop was stalled."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._stop = False
+
+    async def run(self) -> None:
+        import asyncio
+
+        last = time.perf_counter()
+        while not self._stop:
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+    def stop(self) -> None:
+        self._stop = True
+
+
+def test_an_oversize_reply_is_an_error_the_loop_stays_responsive_and_the_server_recovers(
+    clean_servers: None,
+) -> None:
+    import asyncio
+
+    caller = ToolCaller(mcp_tools(bad_config(timeout=30.0, max_reply_bytes=1 << 20)), CallerConfig())
+    beat = Heartbeat()
+
+    async def go() -> list[Any]:
+        hb = asyncio.ensure_future(beat.run())
+        try:
+            return await caller.call_batch([ToolCall("huge", {"n": 20_000_000})])
+        finally:
+            beat.stop()
+            await hb
+
+    t0 = time.perf_counter()
+    (big,) = runtime.run(go())
+    assert big.status is ToolStatus.ERROR and "max_reply_bytes" in big.content, big.content[:300]
+    assert time.perf_counter() - t0 < 25
+    # the SDK's quadratic line joining stalled the loop for seconds on a 20 MB reply (~10 s for 50 MB)
+    assert beat.longest < 2.0, f"the event loop stalled {beat.longest:.1f}s while a 20 MB reply streamed in"
+    (echo,) = call(caller, ToolCall("echo", {"text": "still here"}))
+    assert echo.ok and echo.content == "still here"
+    (ok,) = call(caller, ToolCall("huge", {"n": 500_000}))  # under the limit: delivered
+    assert ok.ok and ok.truncated
+
+
+def test_a_reply_that_never_ends_restarts_the_server_for_the_next_call(clean_servers: None) -> None:
+    caller = ToolCaller(mcp_tools(bad_config(timeout=1.0)))
+    (pid0,) = call(caller, ToolCall("pid", {}))
+    (flood,) = call(caller, ToolCall("flood", {"seconds": 60}))
+    assert flood.status is ToolStatus.TIMEOUT
+    t0 = time.perf_counter()
+    (after,) = call(caller, ToolCall("pid", {}))
+    assert after.ok and after.content != pid0.content, after.content
+    assert time.perf_counter() - t0 < 20

@@ -159,13 +159,55 @@ def test_timeouts_are_retried_for_idempotent_tools() -> None:
         async def call(self, arguments: dict[str, Any]) -> str:
             self.attempts += 1
             if self.attempts == 1:
-                await asyncio.sleep(5)
+                async with asyncio.timeout(0.1):  # the tool's own, shorter deadline (e.g. an HTTP request's)
+                    await asyncio.sleep(5)
             return "second try"
 
     t = SlowOnce("s", idempotent=True)
-    caller = ToolCaller([t], CallerConfig(timeout_s=0.1, retry_backoff_s=0.001))
+    caller = ToolCaller([t], CallerConfig(timeout_s=5, retry_backoff_s=0.001))
     r = run(caller.call(ToolCall("s", {})))
     assert r.ok and r.content == "second try" and r.attempts == 2
+
+
+def test_retries_share_the_calls_deadline() -> None:
+    """An idempotent tool's retries never run past the call's deadline in total (3 x 30 s used to be 90 s), and
+    the error says what happened."""
+
+    class Hangs(Flaky):
+        async def call(self, arguments: dict[str, Any]) -> str:
+            self.attempts += 1
+            await asyncio.sleep(60)
+            return "never"
+
+    class InnerTimeout(Flaky):
+        async def call(self, arguments: dict[str, Any]) -> str:
+            self.attempts += 1
+            await asyncio.sleep(0.1)
+            raise TimeoutError("Error: the backend did not answer within 0.1s.")
+
+    hangs, inner = Hangs("hangs", idempotent=True), InnerTimeout("inner", idempotent=True)
+    caller = ToolCaller([hangs, inner], CallerConfig(timeout_s=1.0, max_retries=2, retry_backoff_s=0.01))
+    t0 = time.perf_counter()
+    r_hang, r_inner = run(caller.call_batch([ToolCall("hangs", {}), ToolCall("inner", {})]))
+    assert time.perf_counter() - t0 < 2.5  # not 3 x 1 s
+    assert r_hang.status is ToolStatus.TIMEOUT and hangs.attempts == 1 and "timed out after 1s" in r_hang.content
+    assert r_inner.status is ToolStatus.TIMEOUT and inner.attempts == 3 and r_inner.attempts == 3
+    assert "did not answer within 0.1s" in r_inner.content
+    assert "3 attempts in 0." in r_inner.content and "deadline is 1s in total" in r_inner.content
+
+
+def test_search_timeout_message_states_the_real_deadline_and_attempts(http_server: Any) -> None:
+    from rlf_envs.envs.search import HTTPBackend, SearchTool
+
+    url, _ = http_server
+    search = SearchTool(HTTPBackend(url + "/hang", timeout_s=0.2))
+    caller = ToolCaller([search], CallerConfig(timeout_s=30, max_retries=2, retry_backoff_s=0.01))
+    t0 = time.perf_counter()
+    (r,) = run(caller.call_batch([ToolCall("search", {"query": "x"})]))
+    assert time.perf_counter() - t0 < 10
+    assert r.status is ToolStatus.TIMEOUT and r.attempts == 3
+    assert "did not answer within 0.2s" in r.content and "30s" not in r.content.split("(")[0], r.content
+    assert "3 attempts" in r.content
 
 
 def test_per_tool_and_global_concurrency_limits() -> None:
@@ -280,10 +322,14 @@ def http_server() -> Any:
     async def huge(request: web.Request) -> web.Response:
         return web.Response(text="z" * 200_000)
 
+    async def hang(request: web.Request) -> web.Response:
+        await asyncio.sleep(5)
+        return web.json_response({"result": []})
+
     async def start() -> tuple[web.AppRunner, int]:
         app = web.Application()
         for path, h in [("/ok", ok), ("/plain", plain), ("/nf", not_found), ("/flaky", flaky), ("/slow", slow),
-                        ("/huge", huge)]:
+                        ("/huge", huge), ("/hang/retrieve", hang)]:
             app.router.add_route("*", path, h)
         runner = web.AppRunner(app)
         await runner.setup()

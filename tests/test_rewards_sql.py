@@ -184,3 +184,25 @@ def test_run_readonly_query_directly(db: Path) -> None:
     with pytest.raises(FileNotFoundError):
         run_readonly_query(db.parent / "missing.db", "SELECT 1")
     assert not (db.parent / "missing.db").exists()  # mode=ro never creates the file
+
+
+@pytest.mark.asyncio
+async def test_result_set_total_size_is_capped(db: Path) -> None:
+    """Rows and value sizes within their caps can still add up: 500 rows x 4 x 1 MB reached 1.7 GB."""
+    import tracemalloc
+
+    wide = ("WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT 500) "
+            "SELECT zeroblob(900000), zeroblob(900000), zeroblob(900000), zeroblob(900000) FROM c")
+    v = SqlVerifier(max_result_bytes=20_000_000)
+    tracemalloc.start()
+    try:
+        _, info = await run(v, traj(wide, "SELECT 1", db))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert info["sql/pred_too_large"] == 1.0
+    assert peak < 200_000_000, f"{peak / 1e6:.0f} MB held while reading a capped result set"
+    with pytest.raises(SqlQueryError) as ei:
+        run_readonly_query(db, wide, max_result_bytes=10_000_000)
+    assert ei.value.kind == "too_large" and "10,000,000 bytes" in str(ei.value)
+    assert len(run_readonly_query(db, "SELECT zeroblob(1000) FROM orders", max_result_bytes=10_000)) == 5

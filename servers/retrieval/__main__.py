@@ -46,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-topk", type=int, default=100)
     s.add_argument("--max-body-bytes", type=int, default=1 << 20)
     s.add_argument("--max-query-chars", type=int, default=4096)
+    s.add_argument("--header-timeout-s", type=float, default=30.0,
+                   help="close a connection that sends no complete request head within this (slow clients)")
+    s.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 if a body takes longer")
     s.add_argument("--max-batch", type=int, default=512, help="max queries per micro-batch")
     s.add_argument("--max-wait-ms", type=float, default=2.0, help="max wait for a micro-batch to fill")
     s.add_argument("--device", default=None, help="encoder device (default: cuda if available, else cpu)")
@@ -98,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("max_queries", "max_topk", "max_body_bytes", "max_query_chars", "max_batch"):
             if getattr(args, name) < 1:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be >= 1")
-        limits = Limits(args.max_queries, args.max_topk, args.max_body_bytes, args.max_query_chars)
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(args, name) > 0:
+                raise RetrievalError(f"--{name.replace('_', '-')} must be > 0")
+        limits = Limits(args.max_queries, args.max_topk, args.max_body_bytes, args.max_query_chars,
+                        args.header_timeout_s, args.body_timeout_s)
         asyncio.run(
             serve(
                 args.index,

@@ -10,10 +10,12 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rlf_envs.retrieval import MicroBatcher, Retriever, load_index
@@ -30,6 +32,10 @@ class Limits:
     max_topk: int = 100
     max_body_bytes: int = 1 << 20
     max_query_chars: int = 4096
+    #: a connection must send a whole request head within this of opening or of its previous response
+    header_timeout_s: float = 30.0
+    #: a request body must arrive within this of its head
+    body_timeout_s: float = 30.0
 
 
 class RetrieveRequest(BaseModel):
@@ -43,7 +49,11 @@ class RetrieveRequest(BaseModel):
 
 
 class BadRequest(Exception):
-    """A client error, answered with 400 and `{"error": message}`."""
+    """A client error, answered with `status` (400 by default) and `{"error": message}`."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 BATCHER = web.AppKey("batcher", MicroBatcher)
@@ -64,7 +74,10 @@ async def _json_errors(
     try:
         return await handler(request)
     except BadRequest as e:
-        return _error(400, str(e))
+        return _error(e.status, str(e))
+    except ConnectionError:  # the client went away (e.g. mid-body): nothing to log; the reply goes nowhere
+        log.debug("client %s disconnected", request.remote)
+        return _error(400, "the client disconnected")
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -76,19 +89,23 @@ async def _json_errors(
         return _error(500, f"retrieval failed: {type(e).__name__}: {e}")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, timeout_s: float = 30.0) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BadRequest(f"body: {request.content_length} bytes exceeds the limit of {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    while True:
-        chunk = await request.content.read(65536)
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise BadRequest(f"body: more than the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                chunk = await request.content.read(65536)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > limit:
+                    raise BadRequest(f"body: more than the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BadRequest(f"body: not received within {timeout_s:g}s", status=408) from None
     return b"".join(chunks)
 
 
@@ -98,8 +115,10 @@ def parse_request(body: bytes, limits: Limits) -> RetrieveRequest:
         raise BadRequest('body: empty; send JSON like {"queries": ["..."], "topk": 3, "return_scores": true}')
     try:
         raw = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body: malformed JSON ({e})") from e
+    except RecursionError:
+        raise BadRequest("body: JSON nested too deeply") from None
+    except ValueError as e:  # malformed JSON, bad UTF-8, an integer of more than 4,300 digits
+        raise BadRequest(f"body: malformed JSON ({str(e)[:200]})") from None
     if not isinstance(raw, dict):
         raise BadRequest(f"body: must be a JSON object, got {type(raw).__name__}")
     try:
@@ -124,7 +143,8 @@ def parse_request(body: bytes, limits: Limits) -> RetrieveRequest:
 
 async def _retrieve(request: web.Request) -> web.Response:
     app = request.app
-    req = parse_request(await _read_body(request, app[LIMITS].max_body_bytes), app[LIMITS])
+    limits = app[LIMITS]
+    req = parse_request(await _read_body(request, limits.max_body_bytes, limits.body_timeout_s), limits)
     results = await app[BATCHER].search(req.queries, req.topk)
     if req.return_scores:
         payload: list[list[Any]] = [[h.to_dict() for h in hits] for hits in results]
@@ -172,6 +192,50 @@ def make_app(
     return app
 
 
+class _JSONRequestHandler(RequestHandler):
+    """aiohttp's connection handler, answering its own protocol errors (bad request line, oversize headers,
+    ...) as `{"error": ...}` JSON like every other error, and logging them at debug level, not as ERROR."""
+
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        if status >= 500:
+            self.logger.error("error handling a request from %s", request.remote, exc_info=exc)
+        else:
+            self.logger.debug("bad request from %s: %s", request.remote, message or exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already started; cannot send the error")
+        text = message or (str(exc) if exc is not None and status < 500 else HTTPStatus(status).phrase)
+        resp = web.json_response({"error": text[:500]}, status=status)
+        resp.force_close()
+        return resp
+
+
+class _JSONServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JSONRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JSONServer  # same state, our connection handler
+        return server
+
+
+def make_runner(app: web.Application, limits: Limits, shutdown_timeout_s: float = 5.0) -> web.AppRunner:
+    """The app's runner: protocol errors as JSON; a connection that sends no complete request head within
+    `limits.header_timeout_s` (of opening, or of its previous response) is closed (slow-loris clients)."""
+    return _Runner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        shutdown_timeout=shutdown_timeout_s,
+        keepalive_timeout=limits.header_timeout_s,
+        lingering_time=2.0,  # after an early error reply, read a slow client's unread body for at most this
+    )
+
+
 async def serve(
     index_dir: str | Path,
     host: str = "127.0.0.1",
@@ -187,8 +251,9 @@ async def serve(
     retriever = await asyncio.to_thread(load_index, index_dir, device=device, use_gpu=use_gpu)
     manifest = retriever.manifest
     info = {"kind": manifest.kind, "model": manifest.model, "faiss": manifest.faiss}
+    limits = limits or Limits()
     app = make_app(retriever, limits, max_batch=max_batch, max_wait_s=max_wait_s, info=info)
-    runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=shutdown_timeout_s)
+    runner = make_runner(app, limits, shutdown_timeout_s)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     try:

@@ -9,6 +9,7 @@ whole episode exactly as the policy saw and produced it, never re-tokenised.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from rlf_envs.tasks import TaskSource, load_tasks
 from rlf_envs.tools.caller import CallerConfig, truncate
 from rlf_envs.tools.toolbox import MCPSource, Toolbox, ToolLike, shared_toolbox
 from rlf_envs.types import (
+    Action,
     ActionKind,
     EndReason,
     Score,
@@ -40,6 +42,17 @@ from rlf_envs.types import (
 )
 
 CHARS_PER_TOKEN = 4  # text mode measures budgets in characters / 4
+log = logging.getLogger(__name__)
+_warned: set[tuple[str, str]] = set()
+
+
+def _warn_once(where: str, exc: BaseException) -> None:
+    """Log a contained failure once per (place, exception type): a hostile policy must not flood the log."""
+    key = (where, type(exc).__name__)
+    if key not in _warned:
+        _warned.add(key)
+        log.warning("%s failed with %s: %s (contained: the env answers with an error observation; "
+                    "logged once per exception type)", where, type(exc).__name__, str(exc)[:300])
 
 
 def _default_verifier() -> Verifier:
@@ -57,6 +70,8 @@ class PendingStep:
 
 
 StepReturn = tuple[Any, float, bool, bool, dict[str, Any]]
+#: where an env's episode stood before a step: turns, token ids, token count, done, answer, end reason
+Mark = tuple[int, int, int, bool, str | None, EndReason]
 
 
 def encode_texts(envs: Sequence[ToolEnv], texts: Sequence[str]) -> list[list[int] | None]:
@@ -70,9 +85,21 @@ def encode_texts(envs: Sequence[ToolEnv], texts: Sequence[str]) -> list[list[int
     for ks in groups.values():
         tok = envs[ks[0]].tok
         assert tok is not None
-        for k, ids in zip(ks, tok.encode_batch([texts[k] for k in ks]), strict=True):
+        try:
+            batch = tok.encode_batch([texts[k] for k in ks])
+        except Exception as e:  # one text the tokenizer refuses (e.g. a lone surrogate from a tool): one by one
+            _warn_once("encoding observations", e)
+            batch = [_encode_one(tok, texts[k]) for k in ks]
+        for k, ids in zip(ks, batch, strict=True):
             out[k] = ids
     return out
+
+
+def _encode_one(tok: TokenizerAdapter, text: str) -> list[int]:
+    try:
+        return tok.encode(text)
+    except Exception:
+        return tok.encode(text.encode("utf-8", "replace").decode("utf-8"))
 
 
 def start_episodes(
@@ -90,20 +117,31 @@ def start_episodes(
 async def step_envs(envs: Sequence[ToolEnv], actions: Sequence[Any]) -> list[StepReturn]:
     """Step each env with its action, phase by phase for the whole batch: _record (sync; every action is
     checked before any is recorded) -> _call_tools (one gather, tool turns only) -> _observation_text
-    (sync) -> one tokenizer call -> _finish (sync) -> _score_end (one gather, finished episodes only)."""
+    (sync) -> one tokenizer call -> _finish (sync) -> _score_end (one gather, finished episodes only).
+
+    No phase raises for one env's action or tools: a parse failure (nesting, huge literals, a buggy
+    Format), a failing tool batch or a failing render becomes that env's error observation. Whatever
+    still escapes (a bug, a cancellation) rewinds every env of the batch to where it was before the step,
+    so no env is left with a half-recorded turn."""
     decoded = [e._decode_action(a) for e, a in zip(envs, actions, strict=True)]
-    steps = [e._record(*d) for e, d in zip(envs, decoded, strict=True)]
-    calling = [k for k, st in enumerate(steps) if st.turn.action.kind is ActionKind.TOOL_CALLS]
-    if calling:
-        await asyncio.gather(*(envs[k]._call_tools(steps[k]) for k in calling))
-    texts = [e._observation_text(st) for e, st in zip(envs, steps, strict=True)]
-    ids = encode_texts(envs, texts)
-    results = [e._finish(st, t, i) for e, st, t, i in zip(envs, steps, texts, ids, strict=True)]
-    ending = [k for k, e in enumerate(envs) if e.done]
-    if ending:
-        scored = await asyncio.gather(*(envs[k]._score_end(results[k]) for k in ending))
-        for k, r in zip(ending, scored, strict=True):
-            results[k] = r
+    marks = [e._mark() for e in envs]
+    try:
+        steps = [e._record(*d) for e, d in zip(envs, decoded, strict=True)]
+        calling = [k for k, st in enumerate(steps) if st.turn.action.kind is ActionKind.TOOL_CALLS]
+        if calling:
+            await asyncio.gather(*(envs[k]._call_tools(steps[k]) for k in calling))
+        texts = [e._observation_text(st) for e, st in zip(envs, steps, strict=True)]
+        ids = encode_texts(envs, texts)
+        results = [e._finish(st, t, i) for e, st, t, i in zip(envs, steps, texts, ids, strict=True)]
+        ending = [k for k, e in enumerate(envs) if e.done]
+        if ending:
+            scored = await asyncio.gather(*(envs[k]._score_end(results[k]) for k in ending))
+            for k, r in zip(ending, scored, strict=True):
+                results[k] = r
+    except BaseException:
+        for e, m in zip(envs, marks, strict=True):
+            e._rewind(m)
+        raise
     return results
 
 
@@ -252,15 +290,20 @@ class ToolEnv(gym.Env[Any, Any]):
     def step(self, action: Any) -> StepReturn:
         return runtime.run(self.astep(action))
 
-    def _action_text(self, action: Any) -> tuple[str, list[int] | None]:
+    def _action_text(self, action: Any) -> tuple[str, list[int] | None, str | None]:
+        """(text, token ids, why the ids could not be decoded). A wrong action type is the caller's bug and
+        raises; ids the tokenizer cannot decode (e.g. from a model's padded vocabulary) are a bad action."""
         if self.tok is None:
             if not isinstance(action, str):
                 raise TypeError(f"text-mode ToolEnv takes str actions, got {type(action).__name__}")
-            return action, None
+            return action, None, None
         if isinstance(action, str):  # convenience: text given to a token-mode env
-            return action, self.tok.encode(action)
+            return action, _encode_one(self.tok, action), None
         ids = [int(x) for x in (action.tolist() if isinstance(action, np.ndarray) else action)]
-        return self.tok.decode(ids), ids
+        try:
+            return self.tok.decode(ids), ids, None
+        except Exception as e:
+            return "", ids, f"the token ids could not be decoded ({type(e).__name__})"
 
     def _cap_results(self, results: list[ToolResult]) -> None:
         """Shorten tool outputs so one observation stays within max_obs_tokens."""
@@ -284,17 +327,40 @@ class ToolEnv(gym.Env[Any, Any]):
     async def astep(self, action: Any) -> StepReturn:
         return (await step_envs([self], [action]))[0]
 
-    def _decode_action(self, action: Any) -> tuple[str, list[int] | None]:
+    def _decode_action(self, action: Any) -> tuple[str, list[int] | None, str | None]:
         """Check the env can step and convert the action; raises before anything is recorded."""
         if self._done or self._traj is None:
             raise RuntimeError("episode is over: call reset() (or areset()) before step()")
         return self._action_text(action)
 
-    def _record(self, text: str, ids: list[int] | None) -> PendingStep:
+    def _mark(self) -> Mark:
+        traj = self._traj
+        assert traj is not None
+        n_ids = len(traj.token_ids) if traj.token_ids is not None else 0
+        return len(traj.turns), n_ids, self._n_tokens, self._done, traj.answer, traj.end
+
+    def _rewind(self, mark: Mark) -> None:
+        """Undo a step that did not complete (see `step_envs`)."""
+        traj = self._traj
+        assert traj is not None
+        n_turns, n_ids, self._n_tokens, self._done, traj.answer, traj.end = mark
+        del traj.turns[n_turns:]
+        if traj.token_ids is not None and traj.loss_mask is not None:
+            del traj.token_ids[n_ids:], traj.loss_mask[n_ids:]
+
+    def _parse(self, text: str) -> Action:
+        """The format's parse; any exception in it is an invalid turn, not a crash of the step."""
+        try:
+            return self.format.parse(text)
+        except Exception as e:
+            _warn_once(f"{type(self.format).__name__}.parse", e)
+            return Action(ActionKind.INVALID, text, error=f"the turn could not be parsed ({type(e).__name__})")
+
+    def _record(self, text: str, ids: list[int] | None, problem: str | None = None) -> PendingStep:
         """Parse the action and append it (ids with loss mask 1) to the trajectory as a new turn."""
         traj = self._traj
         assert traj is not None
-        parsed = self.format.parse(text)
+        parsed = self._parse(text) if problem is None else Action(ActionKind.INVALID, text, error=problem)
         turn = Turn(action=parsed, stats=TurnStats(invalid=parsed.kind is ActionKind.INVALID))
         if ids is not None and traj.token_ids is not None and traj.loss_mask is not None:
             start = len(traj.token_ids)
@@ -310,11 +376,16 @@ class ToolEnv(gym.Env[Any, Any]):
     async def _call_tools(self, step: PendingStep) -> None:
         turn = step.turn
         t0 = time.perf_counter()
-        turn.results = await self.toolbox.call_batch(self._tool_calls(step))
-        for r, call in zip(turn.results, turn.action.calls, strict=True):
-            r.call = call  # the trajectory records the policy's calls, not what an env bound to them
+        try:
+            turn.results = await self.toolbox.call_batch(self._tool_calls(step))
+            for r, call in zip(turn.results, turn.action.calls, strict=True):
+                r.call = call  # the trajectory records the policy's calls, not what an env bound to them
+            self._cap_results(turn.results)
+        except Exception as e:  # the caller turns each tool's faults into results; this is a last resort
+            _warn_once("the tool batch", e)
+            msg = f"Error: the tool call failed ({type(e).__name__})."
+            turn.results = [ToolResult(c, msg, ToolStatus.ERROR) for c in turn.action.calls]
         turn.stats.tool_seconds = time.perf_counter() - t0
-        self._cap_results(turn.results)
         st = turn.stats
         st.calls = len(turn.results)
         for r in turn.results:
@@ -332,9 +403,17 @@ class ToolEnv(gym.Env[Any, Any]):
         parsed = step.turn.action
         if parsed.kind is ActionKind.ANSWER or len(self._traj.turns) >= self.max_turns:  # type: ignore[union-attr]
             return ""
-        if parsed.kind is ActionKind.TOOL_CALLS:
-            return self.format.render_observation(step.action_text, step.turn.results)
-        return self.format.render_correction(step.action_text, parsed)
+        try:
+            if parsed.kind is ActionKind.TOOL_CALLS:
+                return self.format.render_observation(step.action_text, step.turn.results)
+            return self.format.render_correction(step.action_text, parsed)
+        except Exception as e:
+            _warn_once(f"{type(self.format).__name__}.render", e)
+            why = f"the observation could not be rendered ({type(e).__name__})"
+            try:
+                return self.format.render_correction(step.action_text, Action(ActionKind.INVALID, "", error=why))
+            except Exception:
+                return f"\nError: {why}.\n"
 
     def _finish(
         self, step: PendingStep, obs_text: str, obs_ids: list[int] | None
@@ -366,7 +445,10 @@ class ToolEnv(gym.Env[Any, Any]):
         elif obs_text:
             self._n_tokens += -(-len(obs_text) // CHARS_PER_TOKEN)
         if self.turn_rewarder is not None:
-            turn.reward = float(self.turn_rewarder.turn_reward(turn))
+            try:
+                turn.reward = float(self.turn_rewarder.turn_reward(turn))
+            except Exception as e:
+                _warn_once("the turn rewarder", e)
         info: dict[str, Any] = {
             "turn": len(traj.turns),
             "action_kind": parsed.kind.value,

@@ -100,6 +100,10 @@ class HTTPBackend:
                 status = resp.status
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             raise ToolCrashed(f"cannot reach the retrieval server at {self.url}: {type(e).__name__}") from None
+        except TimeoutError:  # our request deadline (the caller's own deadline cancels instead)
+            raise TimeoutError(
+                f"Error: the retrieval server at {self.url} did not answer within {self.timeout_s:g}s."
+            ) from None
         if status >= 500:
             raise ToolCrashed(f"retrieval server answered HTTP {status}")
         try:

@@ -9,17 +9,14 @@ turn). Results: one user turn holding `<tool_response>\\n...\\n</tool_response>`
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from rlf_envs.formats.base import Format
+from rlf_envs.formats.tags import first_inner, inners, strip_blocks
 from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult, ToolSpec
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 
 TOOLS_HEADER = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
@@ -38,6 +35,19 @@ CALL_HOWTO = (
 def _tojson(x: Any) -> str:
     # transformers' chat-template `tojson`: key order kept, no ASCII escaping, default separators
     return json.dumps(x, ensure_ascii=False)
+
+
+def _load_json(raw: str) -> tuple[Any, str | None]:
+    """`json.loads(raw)`, or the reason it failed. Hostile input raises more than JSONDecodeError: nesting
+    ~1,000 deep raises RecursionError, an integer literal of more than 4,300 digits ValueError."""
+    try:
+        return json.loads(raw), None
+    except json.JSONDecodeError as e:
+        return None, e.msg
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError as e:  # int literal beyond sys.get_int_max_str_digits(), and the like
+        return None, str(e).split(";")[0]
 
 
 class Qwen3Format(Format):
@@ -114,24 +124,23 @@ class Qwen3Format(Format):
     # -- parsing --------------------------------------------------------------------------------
     def parse(self, text: str) -> Action:
         body = text[: -len(IM_END)] if text.endswith(IM_END) else text
-        blocks = _TOOL_CALL.findall(body)
+        blocks = inners(body, "tool_call")
         n_open = body.count("<tool_call>")
         if n_open != len(blocks) or body.count("</tool_call>") != len(blocks):
             return Action(ActionKind.INVALID, text, error="a <tool_call> tag is not closed (or a stray </tool_call>)")
         calls: list[ToolCall] = []
         for i, raw in enumerate(blocks):
-            try:
-                obj = json.loads(raw)
-            except json.JSONDecodeError as e:
-                return Action(ActionKind.INVALID, text, error=f"tool call {i + 1} is not valid JSON ({e.msg})")
+            obj, problem = _load_json(raw)
+            if problem is not None:
+                return Action(ActionKind.INVALID, text, error=f"tool call {i + 1} is not valid JSON ({problem})")
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
                 return Action(ActionKind.INVALID, text, error=f'tool call {i + 1} needs a string "name"')
             args = obj.get("arguments", {})
             if isinstance(args, str):  # some models emit arguments as a JSON string
-                try:
-                    args = json.loads(args) if args.strip() else {}
-                except json.JSONDecodeError:
-                    return Action(ActionKind.INVALID, text, error=f'tool call {i + 1}: "arguments" is not JSON')
+                args, problem = _load_json(args) if args.strip() else ({}, None)
+                if problem is not None:
+                    err = f'tool call {i + 1}: "arguments" is not JSON ({problem})'
+                    return Action(ActionKind.INVALID, text, error=err)
             if not isinstance(args, dict):
                 return Action(ActionKind.INVALID, text, error=f'tool call {i + 1}: "arguments" must be a JSON object')
             calls.append(ToolCall(obj["name"], args, id=f"call_{i}"))
@@ -140,11 +149,11 @@ class Qwen3Format(Format):
                 err = f"{len(calls)} tool calls in one turn; at most {self.max_calls_per_turn}"
                 return Action(ActionKind.INVALID, text, error=err)
             return Action(ActionKind.TOOL_CALLS, text, calls=tuple(calls))
-        m = _ANSWER.search(body)
-        if m:
-            return Action(ActionKind.ANSWER, text, answer=m.group(1).strip())
+        answer = first_inner(body, "answer")
+        if answer is not None:
+            return Action(ActionKind.ANSWER, text, answer=answer.strip())
         if self.answer_mode == "no_call":
-            return Action(ActionKind.ANSWER, text, answer=_THINK.sub("", body).strip())
+            return Action(ActionKind.ANSWER, text, answer=strip_blocks(body, "think").strip())
         return Action(ActionKind.INVALID, text, error="no <tool_call> and no <answer>...</answer> in the turn")
 
     # -- observations -----------------------------------------------------------------------------

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
 from rlf_envs.formats.base import Format
+from rlf_envs.formats.tags import tagged
 from rlf_envs.types import Action, ActionKind, Task, ToolCall, ToolResult, ToolSpec
 
 SEARCH_R1_INSTRUCTION = (
@@ -23,8 +23,6 @@ CORRECTION = (
     "</search>. If I want to give the final answer, I should put the answer between <answer> and </answer>. "
     "Let me try again.\n"
 )
-
-_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
 
 
 class SearchR1Format(Format):
@@ -100,8 +98,8 @@ class SearchR1Format(Format):
 
     def parse(self, text: str) -> Action:
         calls: list[ToolCall] = []
-        for m in _ACTION.finditer(text):
-            tag, inner = m.group(1), m.group(2).strip()
+        for tag, raw in tagged(text, "search", "answer"):
+            inner = raw.strip()
             if tag == "answer":
                 if calls:  # searches before an answer in the same turn: run them, answer next turn
                     break

@@ -2,7 +2,8 @@
 
 The database is opened read-only (`mode=ro` URI) with `PRAGMA query_only`, an authorizer that only
 allows reads (no ATTACH, PRAGMA, writes, temp tables), a progress handler enforcing the deadline, caps
-on rows and on string/blob size, and runs in a worker thread so the event loop never blocks.
+on rows, on string/blob size and on the result set's total size, and runs in a worker thread so the
+event loop never blocks.
 """
 
 from __future__ import annotations
@@ -43,10 +44,38 @@ def _authorizer(action: int, *_: Any) -> int:
     return sqlite3.SQLITE_OK if action in _ALLOWED_ACTIONS else sqlite3.SQLITE_DENY
 
 
+def _row_bytes(row: tuple[Any, ...]) -> int:
+    """Roughly what a row holds in memory: string/blob lengths, 8 bytes per other value."""
+    return sum(len(v) if isinstance(v, str | bytes) else 8 for v in row)
+
+
+def _fetch_bounded(cur: sqlite3.Cursor, max_rows: int, max_result_bytes: int) -> list[tuple[Any, ...]]:
+    """Up to max_rows + 1 rows, one at a time, so that `max_result_bytes` is never exceeded by more than one row
+    (500 rows x 4 values x 1 MB reached 1.7 GB when only rows and value sizes were capped)."""
+    rows: list[tuple[Any, ...]] = []
+    total = 0
+    while len(rows) <= max_rows:
+        row = cur.fetchone()
+        if row is None:
+            break
+        total += _row_bytes(row)
+        if total > max_result_bytes:
+            raise SqlQueryError("too_large", f"the result set is larger than {max_result_bytes:,} bytes")
+        rows.append(row)
+    return rows
+
+
 def run_readonly_query(
-    db_path: str | Path, sql: str, *, timeout_s: float = 5.0, max_rows: int = 10_000, max_value_bytes: int = 1_000_000
+    db_path: str | Path,
+    sql: str,
+    *,
+    timeout_s: float = 5.0,
+    max_rows: int = 10_000,
+    max_value_bytes: int = 1_000_000,
+    max_result_bytes: int = 32_000_000,
 ) -> list[tuple[Any, ...]]:
-    """Run one read-only SELECT and return up to `max_rows` rows; raise `SqlQueryError` otherwise (blocking)."""
+    """Run one read-only SELECT and return up to `max_rows` rows (at most `max_result_bytes` in all); raise
+    `SqlQueryError` otherwise (blocking)."""
     first = _LEADING_WORD.match(_STRINGS.sub(" ", sql))
     if first is None or first.group(1).upper() not in {"SELECT", "WITH", "VALUES"}:
         raise SqlQueryError("denied", "only read-only queries starting with SELECT, WITH or VALUES are allowed")
@@ -66,7 +95,7 @@ def run_readonly_query(
         conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
         try:
             cur = conn.execute(sql)
-            rows = cur.fetchmany(max_rows + 1)
+            rows = _fetch_bounded(cur, max_rows, max_result_bytes)
         except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as e:
             msg = str(e)
             if "interrupted" in msg or time.monotonic() > deadline:
@@ -131,6 +160,7 @@ class SqlConfig(VerifierConfig):
     timeout_s: float = Field(5.0, gt=0)
     max_rows: int = Field(10_000, ge=1)
     max_value_bytes: int = Field(1_000_000, ge=1024)
+    max_result_bytes: int = Field(32_000_000, ge=1024, description="cap on a result set's total size")
     order: Literal["auto", "ordered", "unordered"] = "auto"
     compare: Literal["multiset", "set"] = "multiset"
     float_digits: int | None = Field(6, ge=0)
@@ -159,7 +189,7 @@ class SqlVerifier(ConfiguredVerifier[SqlConfig]):
         async with self._gate.get():
             return await asyncio.to_thread(
                 run_readonly_query, db, sql, timeout_s=c.timeout_s, max_rows=c.max_rows,
-                max_value_bytes=c.max_value_bytes,
+                max_value_bytes=c.max_value_bytes, max_result_bytes=c.max_result_bytes,
             )
 
     async def score(self, trajectory: Trajectory, task: Task) -> Score:

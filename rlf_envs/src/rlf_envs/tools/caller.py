@@ -1,9 +1,9 @@
 """The async tool caller: every call of a batch (all calls of all envs of a vector step) at once.
 
-Per-call deadline (covers queueing and execution), bounded retries with exponential backoff for
-idempotent tools only, per-tool and global concurrency limits, output truncation with a visible
-marker, and metrics. Any failure becomes a ToolResult with a non-OK status and a message the policy
-reads; `call_batch` never raises for a tool's fault and never waits past the deadlines.
+Per-call deadline (covers queueing, execution and every retry: one total budget per call), bounded
+retries with exponential backoff for idempotent tools only, per-tool and global concurrency limits,
+output truncation with a visible marker, and metrics. Any failure becomes a ToolResult with a non-OK
+status and a message the policy reads; `call_batch` never raises for a tool's fault and never waits past the deadlines.
 """
 
 from __future__ import annotations
@@ -21,14 +21,19 @@ from rlf_envs.tools.deadlines import DeadlineWheel
 from rlf_envs.tools.limits import Limiter
 from rlf_envs.types import ToolCall, ToolResult, ToolStatus
 
+#: a retry is started only if at least this much of the call's deadline is left after its backoff
+MIN_ATTEMPT_S = 0.01
+
 
 class CallerConfig(pydantic.BaseModel):
     """Limits of the tool caller (YAML-configurable)."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
 
-    timeout_s: float = pydantic.Field(30.0, gt=0, description="default per-call deadline")
-    max_retries: int = pydantic.Field(2, ge=0, le=10, description="extra attempts, idempotent tools only")
+    timeout_s: float = pydantic.Field(30.0, gt=0, description="default per-call deadline (all attempts together)")
+    max_retries: int = pydantic.Field(
+        2, ge=0, le=10, description="extra attempts, idempotent tools only, within the call's deadline"
+    )
     retry_backoff_s: float = pydantic.Field(0.05, ge=0)
     max_concurrency: int = pydantic.Field(1024, ge=1, description="calls in flight across all tools")
     max_output_chars: int = pydantic.Field(16_384, ge=64, description="longer outputs are truncated with a marker")
@@ -94,6 +99,18 @@ class CallerMetrics:
         st.add(r)
 
 
+def clean_text(text: str) -> str:
+    """`text` as valid UTF-8: a tool's output may hold lone surrogates (JSON `"\\ud800"`), which tokenizers
+    and UTF-8 writers refuse. Replaced by `?`."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def truncate(text: str, limit: int) -> tuple[str, bool]:
     """Cut `text` to `limit` characters with a visible marker saying how much was dropped."""
     if len(text) <= limit:
@@ -151,41 +168,52 @@ class ToolCaller:
         t0 = time.perf_counter()
         tool = self.tools.get(call.name)
         attempts = 1
-        if tool is None:
-            names = ", ".join(sorted(self.tools)) or "(none)"
-            res = ToolResult(call, f"Error: unknown tool {call.name!r}. Available tools: {names}.",
-                             ToolStatus.UNKNOWN_TOOL)
-        elif (problem := self._validate(tool, call.arguments)) is not None:
-            res = ToolResult(call, f"Error: invalid arguments for {tool.name}: {problem}", ToolStatus.INVALID_ARGS)
-        else:
-            deadline = tool.timeout_s or self.config.timeout_s
-            max_attempts = 1 + (self.config.max_retries if tool.idempotent else 0)
-            while True:
-                status = ToolStatus.OK
-                try:
-                    content = await self._attempt(tool, call, deadline)
-                    if not isinstance(content, str):
-                        content = str(content)
-                except TimeoutError as e:
-                    status = ToolStatus.TIMEOUT
-                    content = str(e) if e.args else f"Error: tool {tool.name} timed out after {deadline:g}s."
-                except InvalidArguments as e:
-                    status, content = ToolStatus.INVALID_ARGS, f"Error: {e}"
-                except ToolCrashed as e:
-                    status, content = ToolStatus.CRASHED, f"Error: tool {tool.name} is unavailable ({e})."
-                except ToolError as e:
-                    status, content = ToolStatus.ERROR, f"Error: {e}"
-                except asyncio.CancelledError:
-                    raise
-                except Exception as e:
-                    status, content = ToolStatus.ERROR, f"Error: {tool.name} failed: {type(e).__name__}: {e}"
-                if status in (ToolStatus.TIMEOUT, ToolStatus.CRASHED) and attempts < max_attempts:
-                    await asyncio.sleep(self.config.retry_backoff_s * (2 ** (attempts - 1)))
-                    attempts += 1
-                    continue
-                break
-            res = ToolResult(call, content, status, attempts=attempts)
-        res.content, res.truncated = truncate(res.content, self.config.max_output_chars)
+        try:
+            if tool is None:
+                names = ", ".join(sorted(self.tools)) or "(none)"
+                res = ToolResult(call, f"Error: unknown tool {call.name!r}. Available tools: {names}.",
+                                 ToolStatus.UNKNOWN_TOOL)
+            elif (problem := self._validate(tool, call.arguments)) is not None:
+                res = ToolResult(call, f"Error: invalid arguments for {tool.name}: {problem}",
+                                 ToolStatus.INVALID_ARGS)
+            else:
+                budget = tool.timeout_s or self.config.timeout_s  # for all attempts together
+                end = t0 + budget
+                max_attempts = 1 + (self.config.max_retries if tool.idempotent else 0)
+                while True:
+                    status = ToolStatus.OK
+                    try:
+                        content = await self._attempt(tool, call, max(end - time.perf_counter(), 0.0))
+                        if not isinstance(content, str):
+                            content = str(content)
+                    except TimeoutError as e:
+                        status = ToolStatus.TIMEOUT
+                        content = str(e) if e.args else f"Error: tool {tool.name} timed out after {budget:g}s."
+                    except InvalidArguments as e:
+                        status, content = ToolStatus.INVALID_ARGS, f"Error: {e}"
+                    except ToolCrashed as e:
+                        status, content = ToolStatus.CRASHED, f"Error: tool {tool.name} is unavailable ({e})."
+                    except ToolError as e:
+                        status, content = ToolStatus.ERROR, f"Error: {e}"
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:
+                        status, content = ToolStatus.ERROR, f"Error: {tool.name} failed: {type(e).__name__}: {e}"
+                    if status in (ToolStatus.TIMEOUT, ToolStatus.CRASHED) and attempts < max_attempts:
+                        backoff = self.config.retry_backoff_s * (2 ** (attempts - 1))
+                        if end - time.perf_counter() - backoff > MIN_ATTEMPT_S:  # a retry only within the budget
+                            await asyncio.sleep(backoff)
+                            attempts += 1
+                            continue
+                    break
+                if attempts > 1 and status is not ToolStatus.OK:
+                    spent = time.perf_counter() - t0
+                    content += f" ({attempts} attempts in {spent:.1f}s; the call's deadline is {budget:g}s in total)"
+                res = ToolResult(call, content, status, attempts=attempts)
+        except Exception as e:  # e.g. RecursionError validating arguments nested ~1,000 deep
+            res = ToolResult(call, f"Error: the call to {call.name} failed: {type(e).__name__}.", ToolStatus.ERROR,
+                             attempts=attempts)
+        res.content, res.truncated = truncate(clean_text(res.content), self.config.max_output_chars)
         res.latency_s = time.perf_counter() - t0
         self.metrics.add(res)
         return res

@@ -13,8 +13,9 @@ Files written for Claude Desktop, Cursor or Cline work unchanged: `disabled` is 
 
 One `MCPServer` (one session, one server process) per configured server per process, shared by every
 env that uses it (see `shared_mcp_tools`). Its session lives in an owner task on rlf's runtime loop;
-when the server dies, the next call starts it again. Server processes are reaped on close, on errors,
-and at interpreter exit.
+when the server dies, the next call starts it again. Stdio servers run through rlf's own transport
+(tools/mcp_stdio.py): each server's whole process tree is ended on close, restart, crash and interpreter
+exit, and replies are bounded by `max_reply_bytes`.
 
 Per-episode state: a shared server sees calls from many episodes interleaved. Tools that keep state
 must key it by an explicit argument (e.g. `session_id`), or be given to each env as its own server.
@@ -68,6 +69,9 @@ class MCPServerConfig(pydantic.BaseModel):
     prefix: str = pydantic.Field("", description="prepended to tool names, to avoid clashes between servers")
     idempotent: bool | list[str] = pydantic.Field(False, description="tools that may be retried on timeout/crash")
     max_concurrency: int | None = pydantic.Field(None, ge=1, description="in-flight calls per tool")
+    max_reply_bytes: int = pydantic.Field(
+        4 << 20, ge=1024, description="stdio: a larger reply is dropped unparsed and answered with an error"
+    )
     disabled: bool = pydantic.Field(False, description="skip this server (as MCP clients do)")
 
     @pydantic.model_validator(mode="before")
@@ -161,18 +165,18 @@ class MCPServer:
         self._owner: asyncio.Task[None] | None = None
         self._stop: asyncio.Event | None = None
         self._starting: asyncio.Lock | None = None
-        self.restarts = 0
+        self.restarts = 0  # sessions started after the first one (crashes, undrainable replies)
+        self._started = False
+        self._transport: Any = None  # the stdio transport of the live session (None over HTTP)
         self.specs: list[ToolSpec] = []
         self.closed = False
 
     def _make_client(self) -> Any:
         from mcp import Client
-        from mcp.client.stdio import StdioServerParameters
 
         c = self.config
         if c.command is not None:
-            env = {**c.env} if c.env else None
-            server: Any = StdioServerParameters(command=c.command, args=c.args, env=env, cwd=c.cwd)
+            server: Any = self._stdio_transport()
         elif c.transport == "sse":
             from mcp.client.sse import sse_client
 
@@ -185,6 +189,39 @@ class MCPServer:
         else:
             server = c.url
         return Client(server, read_timeout_seconds=c.timeout_s + 5.0)
+
+    def _stdio_transport(self) -> Any:
+        """rlf's stdio transport: the server's whole process tree is ended with the session, and replies are
+        bounded by `max_reply_bytes` (see tools/mcp_stdio.py)."""
+        from rlf_envs.tools.mcp_stdio import BoundedStdioTransport
+
+        c = self.config
+        assert c.command is not None
+        self._transport = BoundedStdioTransport(
+            c.command, c.args, env=dict(c.env) or None, cwd=c.cwd, max_reply_bytes=c.max_reply_bytes
+        )
+        return self._transport
+
+    async def drain_or_restart(self, grace_s: float, why: str) -> None:
+        """stdio: if a reply is mid-stream, give it `grace_s` to finish; a reply that does not (a server
+        streaming without end) is not going to drain: restart, so the next call is not queued behind it."""
+        t = self._transport
+        if t is None or self._owner is None:
+            return
+        started = t.partial_reply_started()
+        if started is None:
+            return
+        deadline = asyncio.get_running_loop().time() + grace_s
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+            if t.partial_reply_started() != started:
+                return
+        await self.restart(why)
+
+    async def restart(self, why: str) -> None:
+        """End the session (and the server's process tree); the next call starts a new one."""
+        log.warning("MCP server %s: restarting (%s)", self.name, why)
+        await self._stop_owner()
 
     async def _run_owner(self, ready: asyncio.Future[Any], stop: asyncio.Event) -> None:
         try:
@@ -211,8 +248,9 @@ class MCPServer:
         async with self._starting:
             if self._client is not None and self._owner is not None and not self._owner.done():
                 return self._client
-            if self._owner is not None:  # a previous session died
+            if self._started:  # a previous session died or was ended
                 self.restarts += 1
+            if self._owner is not None:
                 await self._stop_owner()
             loop = asyncio.get_running_loop()
             ready: asyncio.Future[Any] = loop.create_future()
@@ -231,6 +269,7 @@ class MCPServer:
                 await self._stop_owner()
                 raise ToolCrashed(f"MCP server {self.name!r} failed to start: {type(e).__name__}: {e}") from None
             self._client = client
+            self._started = True
             return client
 
     async def list_tools(self) -> list[ToolSpec]:
@@ -320,7 +359,12 @@ class MCPTool(Tool):
             async with asyncio.timeout(self.call_timeout_s):
                 return await self.server.call_tool(self.remote_name, arguments)
         except TimeoutError:
+            await self._recover_after_timeout()
             raise TimeoutError(f"Error: tool {self.name} timed out after {self.call_timeout_s:g}s.") from None
+
+    async def _recover_after_timeout(self) -> None:
+        grace = min(self.call_timeout_s, 2.0)
+        await self.server.drain_or_restart(grace, f"a reply still streaming {grace:g}s after {self.name} timed out")
 
 
 _shared: dict[str, MCPServer] = {}
