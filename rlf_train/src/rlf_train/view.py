@@ -157,7 +157,7 @@ def render_html(data: dict[str, Any]) -> str:
 
     js_hash = base64.b64encode(hashlib.sha256(js.encode("utf-8")).digest()).decode("ascii")
     csp = (f"default-src 'none'; script-src 'sha256-{js_hash}'; style-src 'unsafe-inline'; img-src data:; "
-           "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+           "base-uri 'none'; form-action 'none'")
     title = "rlf viewer: " + "".join(c for c in str(data.get("run", "")) if c.isalnum() or c in "-_.")
     # str.replace, not str.format: the inlined CSS/JS are full of braces
     return (template.replace("@CSP@", csp).replace("@TITLE@", title).replace("@CSS@", css)

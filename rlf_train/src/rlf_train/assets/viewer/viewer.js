@@ -196,7 +196,9 @@
       (what ? " (" + what + ")" : ""));
   }
   function message(cls, who, text, info) {
-    return el("div", { "class": "msg " + cls }, el("div", { "class": "who" }, who, info), el("pre", null, text));
+    // whitespace-only text (common for an untrained policy) is shown escaped, so the turn is not blank
+    var shown = text.trim() === "" ? "(only whitespace: " + JSON.stringify(text) + ")" : text;
+    return el("div", { "class": "msg " + cls }, el("div", { "class": "who" }, who, info), el("pre", null, shown));
   }
   function maskBar(ep) {
     var runs = ep.mask_runs || [];
@@ -216,7 +218,8 @@
     card.appendChild(el("div", { "class": "meta" }, "task " + ep.task.id + " · gold " + ep.task.gold + " · answer " +
       (ep.answer === null ? "(none)" : JSON.stringify(ep.answer)) + (ep.error ? " · policy error: " + ep.error : "")));
     card.appendChild(el("div", { "class": "meta" }, "question: " + ep.task.question));
-    card.appendChild(maskBar(ep));
+    var bar = maskBar(ep);
+    if (bar) card.appendChild(bar);
     var prompt = el("details", { "class": "prompt-box" }, el("summary", null, "prompt", tokInfo(ep.prompt_tokens, "not trained")));
     prompt.appendChild(message("prompt", "prompt", ep.prompt, null));
     card.appendChild(prompt);
