@@ -76,17 +76,33 @@ def test_bad_lines_name_the_file_and_line(tmp_path: Path) -> None:
 
 
 def test_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A crash while writing leaves the old file intact and no temp file behind."""
+    """A crash while writing (in the middle of the records, or at the rename) leaves the old file intact and
+    no temp file behind."""
     rec = TrajectoryRecord.from_trajectory(episode())
     path = write_records(tmp_path / "t" / "step_1.jsonl", [rec])
     before = path.read_bytes()
+    new = [rec.model_copy(update={"index": i}) for i in range(1, 4)]
+    calls = {"n": 0}
+    real_to_json = TrajectoryRecord.to_json
+
+    def fail_on_second(self: TrajectoryRecord) -> str:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("crash mid-write")
+        return real_to_json(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(TrajectoryRecord, "to_json", fail_on_second)
+        with pytest.raises(RuntimeError, match="mid-write"):
+            write_records(path, new)
+    assert path.read_bytes() == before
 
     def boom(*a: object) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError, match="disk full"):
-        write_records(path, [rec, rec, rec])
+        write_records(path, new)
     assert path.read_bytes() == before
     assert sorted(p.name for p in path.parent.iterdir()) == ["step_1.jsonl"]
 
