@@ -126,7 +126,8 @@ class ChatProtocol:
                      for c, r in zip(reply.tool_calls, turn.results, strict=True)]
             return msgs
         text = self.action_text(reply)
-        return [{"role": "assistant", "content": text}, {"role": "user", "content": strip_chat_markup(turn.observation)}]
+        return [{"role": "assistant", "content": text},
+                {"role": "user", "content": strip_chat_markup(turn.observation)}]
 
 
 class ChatPolicy:
@@ -286,11 +287,11 @@ async def run_episode(env: ToolEnv, proto: ChatProtocol, policy: ChatPolicy, tas
     except Exception as e:  # openai.APIError and friends after the client's bounded retries
         error = f"{type(e).__name__}: {str(e)[:300]}"
     seconds = time.perf_counter() - t0
-    usage["latency_s"] = sum(latencies)  # type: ignore[assignment]
     if error is not None:
         traj.reward = 0.0
     rec = TrajectoryRecord.from_trajectory(traj, source="api_eval", step=0, index=index, error=error,
-                                           usage={k: float(v) for k, v in usage.items()})
+                                           usage={**{k: float(v) for k, v in usage.items()},
+                                                  "latency_s": sum(latencies)})
     return EpisodeResult(rec, latencies, seconds)
 
 
@@ -409,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-n", type=int, default=200, help="episodes (tasks in the env's order, cycling)")
     p.add_argument("--concurrency", type=int, default=64, help="episodes in flight at once")
     p.add_argument("--api-key", default=None, help="API key (default: $OPENAI_API_KEY, else 'EMPTY')")
-    p.add_argument("--env-kwargs", type=_json_arg, default={}, help='JSON for gymnasium.make, e.g. \'{"split": "test"}\'')
+    p.add_argument("--env-kwargs", type=_json_arg, default={},
+                   help='JSON for gymnasium.make, e.g. \'{"split": "test"}\'')
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=512, help="max tokens per reply")
     p.add_argument("--request-timeout", type=float, default=60.0, help="deadline of one request attempt (s)")

@@ -176,7 +176,7 @@ def make_server(run_dir: Path, host: str = "127.0.0.1", port: int = 8765) -> htt
     """A local server whose `/` is the page of `run_dir`, rebuilt on every request."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        def do_GET(self) -> None:
             if self.path.split("?")[0] not in ("/", "/index.html"):
                 self.send_error(404, "the viewer serves one page: /")
                 return
