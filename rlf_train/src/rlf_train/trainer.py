@@ -18,7 +18,7 @@ import torch
 from rlf_envs import runtime
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.env.vector import ToolVectorEnv
-from rlf_envs.records import record_text_sample, sample_records, write_trajectories
+from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
 from rlf_train.checkpoint import CheckpointMeta, latest_checkpoint, load_weights, read_checkpoint, save_checkpoint
 from rlf_train.config import TrainConfig, dump_config
@@ -27,8 +27,6 @@ from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, 
 from rlf_train.model import load_policy, load_tokenizer, num_parameters
 from rlf_train.rollout import RolloutStats, SamplingParams, rollout
 from rlf_train.sft import demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
-
-SUCCESS_THRESHOLD = 1.0 - 1e-6
 
 
 def make_envs(cfg: TrainConfig, tokenizer: Any, split: str | None, n: int) -> ToolVectorEnv:
