@@ -101,8 +101,10 @@
     [[y0, H - B], [y1, 10]].forEach(function (t) {
       var tx = svg("text", { x: 2, y: t[1], "font-size": 10, fill: "#4b5563" }); tx.textContent = fmt(t[0]); g.appendChild(tx);
     });
-    [[x0, L], [x1, W - 30]].forEach(function (t) {
-      var tx = svg("text", { x: t[1], y: H - 4, "font-size": 10, fill: "#4b5563" }); tx.textContent = "step " + fmt(t[0]); g.appendChild(tx);
+    [[x0, L, "start"], [x1, W - 4, "end"]].forEach(function (t) {
+      var tx = svg("text", { x: t[1], y: H - 4, "font-size": 10, fill: "#4b5563", "text-anchor": t[2] });
+      tx.textContent = "step " + fmt(t[0]);
+      g.appendChild(tx);
     });
     var legend = el("div", { "class": "legend" });
     series.forEach(function (s) {
