@@ -245,3 +245,13 @@ def test_served_page_and_screenshot(run_dir: Path, tmp_path: Path) -> None:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+def test_an_api_eval_dir_is_viewable(tmp_path: Path) -> None:
+    """`python -m rlf_envs.eval` writes records and a summary.json, no metrics.jsonl: the viewer shows both."""
+    hostile_run(tmp_path)
+    (tmp_path / "metrics.jsonl").unlink()
+    (tmp_path / "summary.json").write_text('{"success_rate": 0.25, "reward_mean": 0.5}')
+    data = load_run(tmp_path)
+    assert data["metrics"]["eval"] == [{"step": 0, "success_api": 0.25, "reward_api": 0.5}]
+    assert len(data["episodes"]) == 3
