@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -59,3 +61,21 @@ def bm25_index_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bm25") / "idx"
     build_index(SEARCH_CORPUS, out, kind="bm25", show_progress=False)
     return out
+
+
+@pytest.fixture
+def chat_server() -> Iterator[Any]:
+    """`chat_server(**kw)` starts a scripted OpenAI-compatible chat server on loopback
+    (tests/servers/fake_openai.py) and returns it; all are stopped after the test."""
+    from tests.servers.fake_openai import FakeChatServer, RunningServer
+
+    started: list[RunningServer] = []
+
+    def start(**kw: Any) -> FakeChatServer:
+        fake = FakeChatServer(**kw)
+        started.append(RunningServer(fake))
+        return fake
+
+    yield start
+    for s in started:
+        s.stop()

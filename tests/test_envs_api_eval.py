@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,24 +13,10 @@ import pytest
 
 from rlf_envs.eval import EvalArgs, main, run_eval, strip_chat_markup
 from rlf_envs.records import read_records, step_path
-from tests.servers.fake_openai import FakeChatServer, RunningServer
+from tests.servers.fake_openai import FakeChatServer
 
 pytestmark = pytest.mark.envs
 pytest.importorskip("openai", reason="rlf_envs.eval needs the openai client (rlf-envs[openai])")
-
-
-@pytest.fixture
-def serve() -> Iterator[Any]:
-    started: list[RunningServer] = []
-
-    def start(**kw: Any) -> FakeChatServer:
-        fake = FakeChatServer(**kw)
-        started.append(RunningServer(fake))
-        return fake
-
-    yield start
-    for s in started:
-        s.stop()
 
 
 def calc_args(fake: FakeChatServer, out: Path, **kw: Any) -> EvalArgs:
@@ -42,8 +27,8 @@ def calc_args(fake: FakeChatServer, out: Path, **kw: Any) -> EvalArgs:
 
 
 @pytest.mark.parametrize("mode", ["native", "text"])
-def test_tool_calls_native_and_text_solve_the_task(serve: Any, tmp_path: Path, mode: str) -> None:
-    fake = serve(mode=mode)
+def test_tool_calls_native_and_text_solve_the_task(chat_server: Any, tmp_path: Path, mode: str) -> None:
+    fake = chat_server(mode=mode)
     summary = run_eval(calc_args(fake, tmp_path))
     assert summary.episodes == 12 and summary.success_rate == 1.0 and summary.policy_errors == 0
     assert summary.tool_calls_mean == 1.0 and summary.requests == 24
@@ -63,8 +48,8 @@ def test_tool_calls_native_and_text_solve_the_task(serve: Any, tmp_path: Path, m
     assert "<|im_start|>" not in json.dumps(fake.bodies)  # no ChatML markup sent to a chat API
 
 
-def test_malformed_tool_calls_get_the_envs_correction(serve: Any, tmp_path: Path) -> None:
-    fake = serve(mode="malformed")
+def test_malformed_tool_calls_get_the_envs_correction(chat_server: Any, tmp_path: Path) -> None:
+    fake = chat_server(mode="malformed")
     summary = run_eval(calc_args(fake, tmp_path, n=4))
     assert summary.invalid_turns == 4 and summary.success_rate == 1.0 and summary.policy_errors == 0
     r = read_records(step_path(tmp_path, 0))[0]
@@ -74,14 +59,14 @@ def test_malformed_tool_calls_get_the_envs_correction(serve: Any, tmp_path: Path
     assert retry["messages"][-1]["role"] == "user" and "not JSON" in retry["messages"][-1]["content"]
 
 
-def test_500s_are_retried_within_the_bound(serve: Any, tmp_path: Path) -> None:
-    fake = serve(error_every=2)
+def test_500s_are_retried_within_the_bound(chat_server: Any, tmp_path: Path) -> None:
+    fake = chat_server(error_first=2)
     summary = run_eval(calc_args(fake, tmp_path, n=6, concurrency=2))
-    assert fake.errors_sent > 0 and summary.success_rate == 1.0 and summary.policy_errors == 0
+    assert fake.errors_sent == 2 * summary.requests and summary.success_rate == 1.0 and summary.policy_errors == 0
 
 
-def test_a_server_that_always_fails_gives_policy_errors_not_a_crash(serve: Any, tmp_path: Path) -> None:
-    fake = serve(always_error=True)
+def test_a_server_that_always_fails_gives_policy_errors_not_a_crash(chat_server: Any, tmp_path: Path) -> None:
+    fake = chat_server(always_error=True)
     summary = run_eval(calc_args(fake, tmp_path, n=3, concurrency=3, max_retries=1))
     assert summary.policy_errors == 3 and summary.success_rate == 0.0
     assert fake.requests == 3 * 2  # one try + one retry each: bounded
@@ -89,14 +74,14 @@ def test_a_server_that_always_fails_gives_policy_errors_not_a_crash(serve: Any, 
     assert all(r.end_reason == "policy_error" and "InternalServerError" in (r.error or "") for r in recs)
 
 
-def test_slow_requests_hit_the_deadline_and_are_retried(serve: Any, tmp_path: Path) -> None:
-    fake = serve(slow_every=3, delay_s=30.0)
+def test_slow_requests_hit_the_deadline_and_are_retried(chat_server: Any, tmp_path: Path) -> None:
+    fake = chat_server(slow_first=1, delay_s=30.0)
     summary = run_eval(calc_args(fake, tmp_path, n=6, concurrency=3, request_timeout_s=1.0, max_retries=3))
-    assert fake.slow_sent > 0 and summary.success_rate == 1.0 and summary.policy_errors == 0
+    assert fake.slow_sent == summary.requests and summary.success_rate == 1.0 and summary.policy_errors == 0
 
 
-def test_episode_deadline_fires_on_a_server_that_never_answers(serve: Any, tmp_path: Path) -> None:
-    fake = serve(always_slow=True, delay_s=60.0)
+def test_episode_deadline_fires_on_a_server_that_never_answers(chat_server: Any, tmp_path: Path) -> None:
+    fake = chat_server(always_slow=True, delay_s=60.0)
     t0 = time.perf_counter()
     summary = run_eval(calc_args(fake, tmp_path, n=2, concurrency=2, request_timeout_s=30.0,
                                  episode_timeout_s=1.0))
@@ -105,31 +90,16 @@ def test_episode_deadline_fires_on_a_server_that_never_answers(serve: Any, tmp_p
     assert all("deadline" in (r.error or "") for r in read_records(step_path(tmp_path, 0)))
 
 
-def test_progress_lines_when_not_a_tty(serve: Any, tmp_path: Path) -> None:
+def test_progress_lines_when_not_a_tty(chat_server: Any, tmp_path: Path) -> None:
     from rlf_envs import runtime
     from rlf_envs.eval import evaluate
 
-    fake = serve()
+    fake = chat_server()
     stream = io.StringIO()
     args = calc_args(fake, tmp_path, n=5, progress=True)
     runtime.run(evaluate(args, stream))
     lines = stream.getvalue().splitlines()
     assert lines and "\r" not in stream.getvalue() and lines[-1].startswith("5/5 episodes")
-
-
-def test_cli_on_search_r1_text_protocol(serve: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Search-R1 tags through a chat API (the server cuts the stop string off; we put it back)."""
-    pytest.importorskip("bm25s", reason="rlf/Search-v0 in-process search needs rlf-envs[search]")
-    fake = serve(mode="search_r1")
-    rc = main(["--env", "rlf/Search-v0", "--base-url", fake.url, "--model", "fake", "-n", "3", "--concurrency", "3",
-               "--out", str(tmp_path), "--no-progress", "--env-kwargs", '{"split": "test"}'])
-    assert rc == 0
-    assert json.loads(capsys.readouterr().out)["episodes"] == 3
-    assert fake.bodies[0]["stop"] == ["</search>", "</answer>"] and "tools" not in fake.bodies[0]
-    r = read_records(step_path(tmp_path, 0))[0]
-    assert r.turns[0].action.endswith("</search>") and r.turns[0].kind == "tool_calls"
-    assert r.turns[0].results[0].status == "ok" and "<information>" in r.turns[0].observation
-    assert r.turns[1].kind == "answer" and r.answer == "nobody knows"
 
 
 def test_strip_chat_markup() -> None:

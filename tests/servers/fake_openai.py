@@ -7,8 +7,9 @@ Calculator questions ("What is 12 * 34?") or searches the question (Search-v0), 
 - "malformed": the first call of an episode has arguments that are not JSON (then a good call)
 - "search_r1": `<search>question` with the stop string cut off (as OpenAI servers do), then an answer
 
-and with these faults: `slow_every` (every k-th request sleeps `delay_s`), `error_every` (every k-th
-request is a 500), `always_error`, `always_slow`.
+and with these faults: `slow_first` (the first k attempts of each distinct request sleep `delay_s`),
+`error_first` (the first k attempts of each distinct request are 500s), `always_error`, `always_slow`.
+Faults are per request content, not per arrival order, so concurrency cannot change what a test sees.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import json
 import re
 import socket
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +31,8 @@ _EXPR = re.compile(r"What is (.+?)\?")
 @dataclass
 class FakeChatServer:
     mode: str = "native"
-    slow_every: int = 0
-    error_every: int = 0
+    slow_first: int = 0
+    error_first: int = 0
     always_error: bool = False
     always_slow: bool = False
     delay_s: float = 5.0
@@ -38,18 +40,21 @@ class FakeChatServer:
     errors_sent: int = 0
     slow_sent: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
+    attempts: Counter[str] = field(default_factory=Counter)
     url: str = ""
     closing: asyncio.Event | None = None  # set on stop: slow handlers return at once
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.requests += 1
-        k = self.requests
         body = await request.json()
         self.bodies.append(body)
-        if self.always_error or (self.error_every and k % self.error_every == 0):
+        key = json.dumps(body["messages"], sort_keys=True)
+        self.attempts[key] += 1
+        k = self.attempts[key]
+        if self.always_error or k <= self.error_first:
             self.errors_sent += 1
             return web.json_response({"error": {"message": "boom", "type": "server_error"}}, status=500)
-        if self.always_slow or (self.slow_every and k % self.slow_every == 0):
+        if self.always_slow or k <= self.slow_first:
             self.slow_sent += 1
             assert self.closing is not None
             try:
