@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,3 +147,21 @@ def stop_process(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(5)
+
+
+@pytest.fixture
+def chat_server() -> Iterator[Any]:
+    """`chat_server(**kw)` starts a scripted OpenAI-compatible chat server on loopback
+    (tests/servers/fake_openai.py) and returns it; all are stopped after the test."""
+    from tests.servers.fake_openai import FakeChatServer, RunningServer
+
+    started: list[RunningServer] = []
+
+    def start(**kw: Any) -> FakeChatServer:
+        fake = FakeChatServer(**kw)
+        started.append(RunningServer(fake))
+        return fake
+
+    yield start
+    for s in started:
+        s.stop()

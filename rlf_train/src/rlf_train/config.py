@@ -141,6 +141,9 @@ class LoggingConfig(_Section):
     progress: bool = True
     save_every: int = Field(0, ge=0, description="checkpoint every N RL steps (0: only at the end)")
     keep_last: int = Field(2, ge=1)
+    trajectories: int = Field(8, ge=-1, description="episodes stored per eval mode and per sampled training step "
+                              "in run_dir/trajectories/step_K.jsonl for the viewer (-1: all, 0: none)")
+    trajectories_every: int = Field(10, ge=0, description="also store training episodes every N RL steps (0: never)")
 
 
 class OpenRLHFConfig(_Section):

@@ -8,9 +8,6 @@ from typing import Any, Literal
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_train.config import TrainConfig
 
-SUCCESS_THRESHOLD = 1.0 - 1e-6  # an episode succeeds when its outcome reward is (numerically) 1
-
-
 Stage = Literal["train", "eval"]
 
 

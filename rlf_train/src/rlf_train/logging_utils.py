@@ -82,6 +82,12 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({f"{stage}/{k}": v for k, v in record.items() if isinstance(v, int | float)}, step=gstep)
 
+    def text(self, tag: str, markdown: str, step: int) -> None:
+        """A TensorBoard text summary (e.g. a sample episode per eval); a no-op without TensorBoard."""
+        if self._tb is not None:
+            self._tb.add_text(tag, markdown, step)
+            self._tb.flush()
+
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()

@@ -16,10 +16,11 @@ import torch
 
 from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
+from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
 from rlf_train.checkpoint import CheckpointMeta, latest_checkpoint, load_weights, read_checkpoint, save_checkpoint
 from rlf_train.config import TrainConfig, dump_config
-from rlf_train.envs import SUCCESS_THRESHOLD, Stage, make_env
+from rlf_train.envs import Stage, make_env
 from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters
@@ -180,6 +181,14 @@ class Trainer:
                                batch_size=self.cfg.rollout.batch_size, gen=gen)
         return [copy.copy(t) for t in trajs], stats
 
+    def store_trajectories(self, step: int, trajs: Sequence[Trajectory], source: str) -> None:
+        """Sampled episodes for the viewer (run_dir/trajectories/step_K.jsonl); evals also get a TensorBoard
+        text sample (the first episode)."""
+        write_trajectories(self.run_dir, step, trajs, self.cfg.logging.trajectories, source)
+        if source.startswith("eval") and trajs:
+            self.logger.text(f"episode/{source}", record_text_sample(sample_records(trajs, 1, source=source,
+                                                                                     step=step)[0]), step)
+
     # ---------------------------------------------------------------- eval
     def evaluate(self, step: int) -> dict[str, Any]:
         """Held-out success/reward/tool stats, greedy and sampled (on `eval.num_tasks` test tasks)."""
@@ -200,6 +209,7 @@ class Trainer:
                 idx = list(range(s, min(s + envs.num_envs, n_tasks)))
                 tr, _ = self.rollouts(envs, idx, params, seed_base=s, gen=gen)
                 trajs.extend(tr)
+            self.store_trajectories(step, trajs, f"eval_{mode}")
             st = episode_stats(trajs)
             result[mode] = st
             result[f"success_{mode}"] = st["success_rate"]
@@ -271,6 +281,8 @@ class Trainer:
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens_per_turn)
         trajs, rstats = self.rollouts(self.train_envs, task_indices, params,
                                       seed_base=(cfg.seed * 1_000_003 + step * 10_007) % (2**31), gen=self.gen)
+        if cfg.logging.trajectories_every and step % cfg.logging.trajectories_every == 0:
+            self.store_trajectories(step, trajs, "train")
         t_train = time.perf_counter()
         mb = a.micro_batch_size
         N = len(trajs)
