@@ -17,14 +17,14 @@ from rlf_train.rollout import SamplingParams, rollout
 
 
 def evaluate_policy(cfg: TrainConfig, checkpoint: Path | None) -> dict[str, Any]:
-    from rlf_train.trainer import env_tasks, episode_stats, make_envs
+    from rlf_train.trainer import env_tasks, episode_stats, is_success, make_envs
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tok = load_tokenizer(cfg.model)
     model = load_policy(cfg.model, tok, cfg.seed, weights_dir=checkpoint)
     n_env = min(cfg.eval.num_tasks, cfg.rollout.batch_size)
-    envs = make_envs(cfg, tok, cfg.env.eval_split, n_env)
+    envs = make_envs(cfg, tok, cfg.env.eval_split, n_env, split_key="env.eval_split")
     n_tasks = min(cfg.eval.num_tasks, len(env_tasks(envs.envs[0])))
     out: dict[str, Any] = {"checkpoint": str(checkpoint) if checkpoint else None, "split": cfg.env.eval_split,
                            "num_tasks": n_tasks}
@@ -40,7 +40,7 @@ def evaluate_policy(cfg: TrainConfig, checkpoint: Path | None) -> dict[str, Any]
                             batch_size=cfg.rollout.batch_size, gen=gen)
             trajs.extend(tr)
         st = episode_stats(trajs)
-        st["em"] = sum(t.score_info.get("em", t.reward >= 1.0 - 1e-6) for t in trajs) / max(len(trajs), 1)
+        st["em"] = sum(t.score_info.get("em", is_success(t)) for t in trajs) / max(len(trajs), 1)
         out[mode] = st
     return out
 
@@ -65,7 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     if ckpt is not None and not (ckpt / "model.safetensors").is_file() and not (ckpt / "config.json").is_file():
         print(f"error: {ckpt} is not a checkpoint dir (no model.safetensors)", file=sys.stderr)
         return 2
-    res = evaluate_policy(cfg, ckpt)
+    try:
+        res = evaluate_policy(cfg, ckpt)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     text = json.dumps(res, indent=2, sort_keys=True)
     if args.json:
         args.json.write_text(text)
