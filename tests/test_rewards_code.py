@@ -29,7 +29,9 @@ async def run(v: CodeVerifier, answer: str | None, tests: object = TESTS) -> tup
 
 
 def fast(**kw: object) -> CodeVerifier:
-    return CodeVerifier(**{"timeout_s": 5.0, "cpu_s": 5, **kw})
+    # generous limits: a loaded CI machine may take seconds to start a sandboxed interpreter; tests of a
+    # limit set that limit low themselves
+    return CodeVerifier(**{"timeout_s": 60.0, "cpu_s": 20, **kw})
 
 
 def test_extract_code() -> None:
@@ -80,20 +82,20 @@ async def test_cheating_does_not_pass() -> None:
 
 @pytest.mark.asyncio
 async def test_infinite_loops_hit_the_deadline() -> None:
-    v = fast(timeout_s=1.0, cpu_s=10)
-    for code in ["while True:\n    pass", "import time\ntime.sleep(100)", "def add(a, b):\n    while True: pass"]:
+    v = fast(timeout_s=1.0, cpu_s=1000)
+    for code in ["while True:\n    pass", "import time\ntime.sleep(1000)", "def add(a, b):\n    while True: pass"]:
         t0 = time.monotonic()
         value, info = await run(v, code)
         assert value == 0.0 and info["code/timeout"] == 1.0, code
-        assert time.monotonic() - t0 < 4.0
+        assert time.monotonic() - t0 < 120.0  # the deadline fired (a generous bound: the code runs 1000 s)
 
 
 @pytest.mark.asyncio
 async def test_cpu_limit_kills_busy_loop_before_wall_deadline() -> None:
-    t0 = time.monotonic()
-    value, info = await run(fast(timeout_s=20.0, cpu_s=1), "while True:\n    pass")
+    # the CPU limit (1 s) ends the loop, not the wall deadline (reported as code/timeout), however slowly a
+    # loaded machine hands out that CPU second
+    value, info = await run(fast(timeout_s=600.0, cpu_s=1), "while True:\n    pass")
     assert value == 0.0 and info["code/no_report"] == 1.0 and info["code/timeout"] == 0.0
-    assert time.monotonic() - t0 < 6.0
 
 
 @pytest.mark.asyncio
@@ -110,10 +112,8 @@ async def test_memory_bomb_is_contained() -> None:
 @pytest.mark.asyncio
 async def test_huge_output_is_capped() -> None:
     v = fast(max_output_bytes=4096)
-    t0 = time.monotonic()
     value, info = await run(v, "while True:\n    print('x' * 10000)")
-    assert value == 0.0 and info["code/output_limit"] == 1.0
-    assert time.monotonic() - t0 < 4.0
+    assert value == 0.0 and info["code/output_limit"] == 1.0 and info["code/timeout"] == 0.0  # cut, not timed out
     value, info = await run(v, "import sys\nwhile True:\n    sys.stderr.write('y' * 10000)")
     assert value == 0.0 and info["code/output_limit"] == 1.0
 
@@ -139,12 +139,12 @@ async def test_forked_children_are_killed() -> None:
         "print('CHILD', pid, file=sys.stderr, flush=True)\n"
         "def add(a, b): return a + b\n"
     )
-    out = await run_sandboxed(solution, TESTS, timeout_s=5.0)
+    out = await run_sandboxed(solution, TESTS, timeout_s=60.0)
     assert out.results == [True, True, True]
     m = re.search(r"CHILD (\d+)", out.stderr_tail)
     assert m, out.stderr_tail
     pid = int(m.group(1))
-    deadline = time.monotonic() + 3
+    deadline = time.monotonic() + 60  # generous: the child is killed at once, a loaded machine may lag
     while time.monotonic() < deadline:
         try:
             state = Path(f"/proc/{pid}/status").read_text()
@@ -168,8 +168,9 @@ async def test_environment_is_scrubbed(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.asyncio
 async def test_batch_runs_concurrently() -> None:
     v = fast(max_concurrency=4)
-    trajs = [traj("import time\ntime.sleep(0.5)\ndef add(a, b): return a + b", tid=f"b{i}") for i in range(4)]
+    trajs = [traj("import time\ntime.sleep(6)\ndef add(a, b): return a + b", tid=f"b{i}") for i in range(4)]
     t0 = time.monotonic()
     scores = await v.score_batch(trajs)
     assert [s.value for s in scores] == [1.0] * 4
-    assert time.monotonic() - t0 < 4 * 0.5 + 1.5
+    # one after another the four take >= 24 s; together ~6 s plus start-up (a generous bound for a busy machine)
+    assert time.monotonic() - t0 < 20.0

@@ -7,6 +7,7 @@ import copy
 import importlib
 import math
 import random
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,9 +68,10 @@ def _entry_point_params(env_id: str) -> set[str] | None:
     return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def _one_line(e: BaseException, limit: int = 300) -> str:
-    """An exception as one short line (some messages embed a tokenizer's or a config's whole repr)."""
-    text = " ".join(str(e).split())
+def _one_line(e: BaseException, limit: int = 300, text: str | None = None) -> str:
+    """An exception (or `text` for its message) as one short line (some messages embed a tokenizer's or a
+    config's whole repr)."""
+    text = " ".join((str(e) if text is None else text).split())
     return f"{type(e).__name__}: {text[:limit] + ' ...' if len(text) > limit else text}"
 
 
@@ -109,10 +111,16 @@ def make_envs(cfg: TrainConfig, tokenizer: Any, split: str | None, n: int, split
     try:
         envs = [gymnasium.make(cfg.env.id, disable_env_checker=True, **kwargs).unwrapped for _ in range(n)]
     except (TypeError, ValueError, KeyError, LookupError, OSError, gymnasium.error.Error) as e:
-        # the env's own check of its arguments: a config error, on one line
+        # the env's own check of its arguments: a config error, on one line (without the kwargs gymnasium
+        # appends: they include the tokenizer's whole repr)
+        msg = str(e).split(" was raised from the environment creator")[0]
+        bad = re.search(r"unexpected keyword argument '(\w+)'", msg)
+        if bad and bad.group(1) in cfg.env.kwargs:
+            raise ConfigError(f"env.kwargs: {bad.group(1)!r} is not an option of {cfg.env.id} ({' '.join(msg.split())}); "
+                              "check its spelling against the env's arguments") from None
         keys = ", ".join(f"{k}={v!r}" for k, v in cfg.env.kwargs.items()) or "none"
         where = f"{split_key}={split!r} or env.kwargs ({keys})" if split is not None else f"env.kwargs ({keys})"
-        raise ConfigError(f"env.id {cfg.env.id!r} could not be made with {where}: {_one_line(e)}") from None
+        raise ConfigError(f"env.id {cfg.env.id!r} could not be made with {where}: {_one_line(e, text=msg)}") from None
     if not isinstance(envs[0], ToolEnv):
         raise ConfigError(f"env.id {cfg.env.id!r} makes a {type(envs[0]).__name__}, not an rlf ToolEnv; the "
                           "local backend steps token-mode ToolEnvs (subclass rlf_envs.ToolEnv for your own env)")
@@ -476,7 +484,8 @@ class Trainer:
                                       weight_decay=cfg.optim.weight_decay)
         warm = cfg.optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-        if self.state is not None and self.meta is not None and self.state.get("optimizer") is not None:
+        if self.state is not None and self.meta is not None and self.meta.stage == "rl" \
+                and self.state.get("optimizer") is not None:
             optimizer.load_state_dict(self.state["optimizer"])
             scheduler.load_state_dict(self.state["scheduler"])
         if cfg.algorithm.kl_coef > 0:
