@@ -200,3 +200,30 @@ def test_success_threshold() -> None:
 
 def test_parity_reward_levels() -> None:
     assert [parity_reward(i) for i in range(5)] == [1.0, 0.5, 1.0, 0.0, 1.0]
+
+
+def test_eval_cli_em_is_the_greedy_success_on_the_eval_split(tmp_path: Path) -> None:
+    """`python -m rlf_train.eval` on a checkpoint: greedy EM equals the share of eval prompts whose argmax
+    first token the verifier pays in full, computed here from the model directly."""
+    from rlf_train.eval import main
+    from rlf_train.model import load_policy, load_tokenizer
+    from rlf_train.trainer import make_envs
+
+    run = tmp_path / "c"
+    cfg = parity_cfg(run, 2, ["optim.lr=0.1"])  # a large step: the greedy first tokens differ across prompts
+    Trainer(cfg).run()
+    ckpt = run / "checkpoints" / "step_2"
+    out = tmp_path / "eval.json"
+    assert main(["--config", str(run / "config.yaml"), "--checkpoint", str(ckpt), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    tok = load_tokenizer(cfg.model)
+    model = load_policy(cfg.model, tok, cfg.seed, weights_dir=ckpt).eval()
+    env = make_envs(cfg, tok, "test", 1).envs[0]
+    paid = []
+    for i in range(len(env.tasks)):
+        obs, _ = env.reset(options={"task_index": i})
+        with torch.no_grad():
+            first = int(model(input_ids=torch.as_tensor(obs, dtype=torch.long)[None]).logits[0, -1].argmax())
+        paid.append(parity_reward(first) == 1.0)
+    assert res["split"] == "test" and res["num_tasks"] == 5
+    assert res["greedy"]["em"] == pytest.approx(sum(paid) / 5) == res["greedy"]["success_rate"]
