@@ -284,13 +284,21 @@ async def test_batcher_flush_when_idle_does_not_wait_out_max_wait(bm25: BM25Inde
 async def test_batcher_runs_fast_searches_on_the_loop_and_slow_ones_on_its_thread(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The batcher's clock is faked: a search 'takes' exactly its declared time, however busy the machine."""
+    import dataclasses
     import threading
     import types
 
     from rlf_envs.retrieval import batcher as batcher_mod
 
     now = [0.0]
-    monkeypatch.setattr(batcher_mod, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+
+    def clock() -> float:
+        return now[0]
+
+    monkeypatch.setattr(batcher_mod, "time", types.SimpleNamespace(monotonic=clock))
+    fields = [(f.name, f.type, f) for f in dataclasses.fields(batcher_mod._Pending)]
+    fields[-1] = ("arrived", float, dataclasses.field(default_factory=clock))  # requests arrive on the fake clock
+    monkeypatch.setattr(batcher_mod, "_Pending", dataclasses.make_dataclass("_Pending", fields, slots=True))
 
     class Timed:
         def __init__(self, seconds: float) -> None:

@@ -102,7 +102,7 @@ def test_update_moves_the_policy_toward_rewarded_actions(tmp_path: Path, monkeyp
     assert good.mean() > 0.05, f"log-prob of rewarded actions did not rise: {good}"
     assert bad.mean() < -0.05, f"log-prob of unrewarded actions did not fall: {bad}"
     assert good.min() > bad.max()
-    rec = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()][0]
+    rec = json.loads((tmp_path / "r" / "metrics.jsonl").read_text().splitlines()[0])
     assert rec["groups_with_signal"] == 1.0 and rec["grad_norm"] > 0
 
 

@@ -6,8 +6,8 @@ first tokens, so every GRPO group has mixed rewards, non-zero advantages and a n
 "rewarded behaviour" is exactly known: the first tokens the verifier paid for.
 
 `pause_after` (a run's `checkpoints/latest`) and `pause_at` (a checkpoint name): once that file names
-`pause_at`, the next episode's scoring creates the file `pause_on` and blocks the process for good (after `pause_skip` more episodes), so a
-subprocess test can SIGKILL a run parked right after a given checkpoint, mid-rollout of the next step.
+`pause_at`, the episode scored `pause_skip` episodes later creates the file `pause_on` and blocks the
+process for good, so a subprocess test can SIGKILL a run parked at a known point after a checkpoint.
 """
 
 from __future__ import annotations

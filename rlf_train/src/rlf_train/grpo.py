@@ -148,7 +148,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     """log p(target) per position under the sampling distribution: logits [B, T, V], targets [B, T] -> [B, T]."""
     keep = None
     if top_p < 1.0:
-        keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter(-1, targets.unsqueeze(-1), True)
+        keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        keep = keep.scatter(-1, targets.unsqueeze(-1), True)
     lp = torch.log_softmax(sampling_logits(logits, temperature, top_p, keep), dim=-1)
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 

@@ -116,8 +116,8 @@ def make_envs(cfg: TrainConfig, tokenizer: Any, split: str | None, n: int, split
         msg = str(e).split(" was raised from the environment creator")[0]
         bad = re.search(r"unexpected keyword argument '(\w+)'", msg)
         if bad and bad.group(1) in cfg.env.kwargs:
-            raise ConfigError(f"env.kwargs: {bad.group(1)!r} is not an option of {cfg.env.id} ({' '.join(msg.split())}); "
-                              "check its spelling against the env's arguments") from None
+            raise ConfigError(f"env.kwargs: {bad.group(1)!r} is not an option of {cfg.env.id} "
+                              f"({' '.join(msg.split())}); check its spelling against the env's arguments") from None
         keys = ", ".join(f"{k}={v!r}" for k, v in cfg.env.kwargs.items()) or "none"
         where = f"{split_key}={split!r} or env.kwargs ({keys})" if split is not None else f"env.kwargs ({keys})"
         raise ConfigError(f"env.id {cfg.env.id!r} could not be made with {where}: {_one_line(e, text=msg)}") from None
@@ -535,9 +535,8 @@ class Trainer:
                                + ("" if m.stage == "rl" or m.sft_done else " (SFT continues)"))
             elif self.resume:
                 progress.print(f"--resume {self.run_dir}: no checkpoint yet, starting the run over")
-            if m is None or (m.stage == "sft" and not m.sft_done):
-                if cfg.sft.enabled and cfg.sft.steps > 0:
-                    self.run_sft(progress)
+            if (m is None or (m.stage == "sft" and not m.sft_done)) and cfg.sft.enabled and cfg.sft.steps > 0:
+                self.run_sft(progress)
             if m is None or m.stage == "sft":
                 if cfg.eval.before_rl:
                     self._record_eval(self.evaluate(0), progress)
