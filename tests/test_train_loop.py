@@ -165,7 +165,7 @@ def test_resume_reproduces_next_step(tmp_path: Path) -> None:
 
 
 def test_resume_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no run there"):
         Trainer(_cfg(tmp_path / "none", 1), resume=True)
 
 
