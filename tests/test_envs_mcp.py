@@ -130,12 +130,13 @@ def test_streamable_http_server(clean_servers: None) -> None:
     proc = subprocess.Popen([sys.executable, SERVER, "http", str(port)], stderr=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 20
-        while time.time() < deadline:
+        deadline = time.time() + 180  # generous: a loaded machine takes many seconds to start the server
+        while True:
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
                 break
             except OSError:
+                assert proc.poll() is None and time.time() < deadline, "the MCP HTTP server did not start"
                 time.sleep(0.1)
         tools = mcp_tools({"mcpServers": {"remote": {"url": f"http://127.0.0.1:{port}/mcp", "tools": ["echo"],
                                                      "prefix": "r_"}}})
