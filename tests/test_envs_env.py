@@ -260,7 +260,7 @@ def test_rlf_envs_imports_no_torch() -> None:
     code = ("import sys, rlf_envs, rlf_envs.rewards, rlf_envs.tasks, rlf_envs.formats, rlf_envs.tools; "
             "import gymnasium as gym; gym.make('rlf/Calculator-v0'); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
@@ -320,7 +320,7 @@ def test_autoreset_disabled_requires_explicit_reset() -> None:
 
 
 def test_async_api_steps_only_active_envs_and_slow_env_does_not_stall() -> None:
-    venv = ToolVectorEnv(num_envs=4, tools=[echo, sleepy], tasks=TASKS, caller={"timeout_s": 0.3})
+    venv = ToolVectorEnv(num_envs=4, tools=[echo, sleepy], tasks=TASKS, caller={"timeout_s": 3.0})
 
     async def scenario() -> None:
         await venv.areset_envs({i: {"task_index": i % 3} for i in range(4)})
@@ -332,8 +332,8 @@ def test_async_api_steps_only_active_envs_and_slow_env_does_not_stall() -> None:
             2: ANSWER.format("gamma"),
         })
         elapsed = time.perf_counter() - t0
-        assert elapsed < 1.5, f"a slow tool stalled the batch for {elapsed:.2f}s"
-        assert "timed out after 0.3s" in res[0].obs
+        assert elapsed < 20, f"a slow tool (30 s, deadline 3 s) stalled the batch for {elapsed:.2f}s"
+        assert "timed out after 3s" in res[0].obs
         assert "fast" in res[1].obs and res[2].terminated and res[2].reward == 1.0
         assert venv.active == [0, 1, 3]
 

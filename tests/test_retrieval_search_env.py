@@ -20,7 +20,7 @@ from rlf_envs.tasks.parquet import load_search_r1_parquet
 from rlf_envs.types import Task
 from servers.retrieval.process import ROOT, ServerProcess
 
-pytestmark = [pytest.mark.retrieval, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.retrieval, pytest.mark.timeout(600)]  # a hang guard, generous for a loaded machine
 
 CORPUS = ROOT / "rlf_envs" / "src" / "rlf_envs" / "data" / "search" / "corpus.jsonl"
 

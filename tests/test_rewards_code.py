@@ -89,15 +89,15 @@ async def test_infinite_loops_hit_the_deadline() -> None:
         t0 = time.monotonic()
         value, info = await run(v, code)
         assert value == 0.0 and info["code/timeout"] == 1.0, code
-        assert time.monotonic() - t0 < 4.0
+        assert time.monotonic() - t0 < 60.0  # a hang guard, not a speed claim
 
 
 @pytest.mark.asyncio
 async def test_cpu_limit_kills_busy_loop_before_wall_deadline() -> None:
-    t0 = time.monotonic()
-    value, info = await run(fast(timeout_s=20.0, cpu_s=1), "while True:\n    pass")
-    assert value == 0.0 and info["code/timeout"] == 0.0  # killed by RLIMIT_CPU, not by the wall deadline
-    assert time.monotonic() - t0 < 15.0
+    # the CPU limit (1 s) ends the loop, not the wall deadline (reported as code/timeout), however slowly a
+    # loaded machine hands out that CPU second
+    value, info = await run(fast(timeout_s=600.0, cpu_s=1), "while True:\n    pass")
+    assert value == 0.0 and info["code/timeout"] == 0.0
 
 
 @pytest.mark.asyncio
@@ -114,10 +114,8 @@ async def test_memory_bomb_is_contained() -> None:
 @pytest.mark.asyncio
 async def test_huge_output_is_capped() -> None:
     v = fast(max_output_bytes=4096)
-    t0 = time.monotonic()
     value, info = await run(v, "while True:\n    print('x' * 10000)")
-    assert value == 0.0 and info["code/output_limit"] == 1.0
-    assert time.monotonic() - t0 < 4.0
+    assert value == 0.0 and info["code/output_limit"] == 1.0 and info["code/timeout"] == 0.0
     value, info = await run(v, "import sys\nwhile True:\n    sys.stderr.write('y' * 10000)")
     assert value == 0.0 and info["code/output_limit"] == 1.0
 
@@ -133,13 +131,26 @@ async def test_file_size_limit_and_temp_dir_cleanup(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_batch_runs_concurrently() -> None:
-    v = fast(max_concurrency=4)
-    trajs = [traj("import time\ntime.sleep(0.5)\ndef add(a, b): return a + b", tid=f"b{i}") for i in range(4)]
-    t0 = time.monotonic()
+async def test_batch_runs_concurrently(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to max_concurrency sandboxes at once (counted, not timed)."""
+    import rlf_envs.rewards.code as code_mod
+
+    inner, live, peak = code_mod.run_tests, [0], [0]
+
+    async def counting(*a: object, **k: object) -> object:
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        try:
+            return await inner(*a, **k)  # type: ignore[arg-type]
+        finally:
+            live[0] -= 1
+
+    monkeypatch.setattr(code_mod, "run_tests", counting)
+    v = fast(max_concurrency=3)
+    trajs = [traj("import time\ntime.sleep(0.5)\ndef add(a, b): return a + b", tid=f"b{i}") for i in range(6)]
     scores = await v.score_batch(trajs)
-    assert [s.value for s in scores] == [1.0] * 4
-    assert time.monotonic() - t0 < 4 * 0.5 + 1.5
+    assert [s.value for s in scores] == [1.0] * 6
+    assert peak[0] == 3
 
 
 # ---- hostile solutions: each of these forged a pass, leaked or escaped with the old in-interpreter harness ----

@@ -113,5 +113,5 @@ def test_quickstart_config_is_valid() -> None:
 def test_module_help() -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     r = subprocess.run([sys.executable, "-m", "rlf_train", "--help"], capture_output=True, text=True, env=env,
-                       timeout=60)
+                       timeout=300)
     assert r.returncode == 0 and "--config" in r.stdout and "--resume" in r.stdout and "--dry-run" in r.stdout

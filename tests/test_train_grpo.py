@@ -68,6 +68,11 @@ def test_aggregations_and_accumulation() -> None:
     assert seq.loss.item() == pytest.approx((-1 + 2) / 2)
     dr = policy_loss(lp, lp, adv, mask, clip_low=0.2, clip_high=0.2, agg="seq_mean_token_sum_norm", norm_len=10)
     assert dr.loss.item() == pytest.approx((-2 + 2) / (2 * 10))
+    # advantages that do not cancel tell the three apart: pg per token -1, -1 (seq 0) and +3 (seq 1)
+    adv3 = torch.tensor([1.0, -3.0])
+    losses = [policy_loss(lp, lp, adv3, mask, clip_low=0.2, clip_high=0.2, agg=agg, norm_len=10).loss.item()
+              for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")]
+    assert losses == pytest.approx([1 / 3, (-1 + 3) / 2, (-2 + 3) / (2 * 10)])
     # micro-batches with mini-batch denominators sum to the full-batch loss
     a = policy_loss(lp[:1], lp[:1], adv[:1], mask[:1], clip_low=0.2, clip_high=0.2, total_tokens=3, total_seqs=2)
     b = policy_loss(lp[1:], lp[1:], adv[1:], mask[1:], clip_low=0.2, clip_high=0.2, total_tokens=3, total_seqs=2)
@@ -92,6 +97,18 @@ def test_per_turn_returns_hand_computed() -> None:
     assert ret[0, 1:3].tolist() == pytest.approx([1.3, 1.3]) and ret[0, 4].item() == pytest.approx(1.2)
     adv = token_advantages(ret, ep, 2, std_normalize=False)
     assert adv[0, 4].item() == pytest.approx(1.2 - 0.65) and adv[1, 4].item() == pytest.approx(-0.65)
+    # the std-normalised path (GRPO's default, what the trainer calls): group of 2 episodes, returns 1.3
+    # and 0: mean 0.65, population std 0.65
+    adv = token_advantages(ret, ep, 2, std_normalize=True, eps=1e-6)
+    assert adv[0, 1].item() == pytest.approx((1.3 - 0.65) / (0.65 + 1e-6))
+    assert adv[0, 4].item() == pytest.approx((1.2 - 0.65) / (0.65 + 1e-6))
+    assert adv[1, 4].item() == pytest.approx(-0.65 / (0.65 + 1e-6))
+    # two groups of two (rows 0,1 | 2,3): each normalised by its own statistics
+    ep4 = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    adv4 = token_advantages(ep4.unsqueeze(1), ep4, 2, std_normalize=True, eps=0.0)
+    assert adv4.squeeze(1).tolist() == pytest.approx([1.0, -1.0, 1.0, -1.0])
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        token_advantages(ep4.unsqueeze(1)[:3], ep4[:3], 2, True)
     ret2, _ = token_returns([tr, other], 5, per_turn=False)
     assert torch.all(ret2[0] == 1.0)
 

@@ -165,7 +165,7 @@ def test_resume_reproduces_next_step(tmp_path: Path) -> None:
 
 
 def test_resume_errors(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    with pytest.raises(FileNotFoundError, match="no run there"):
         Trainer(_cfg(tmp_path / "none", 1), resume=True)
 
 
@@ -189,5 +189,5 @@ def test_eval_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     )
     res = json.loads(out_json.read_text())
     assert res["num_tasks"] == 4 and {"greedy", "sampled"} <= set(res)
-    assert 0.0 <= res["greedy"]["em"] <= 1.0 and "tool_calls_mean" in res["greedy"]
+    assert "em" in res["greedy"] and "tool_calls_mean" in res["greedy"]  # values: test_train_signal's eval CLI test
     assert main(["--config", str(cfg_path), "--checkpoint", str(tmp_path)]) == 2

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 WEIGHTS = "model.safetensors"
 STATE = "trainer_state.pt"
 META = "checkpoint.json"
-_STEP_RE = re.compile(r"^step_(\d+)$")
+_STEP_RE = re.compile(r"^(step_|sft_)(\d+)$")
 
 
 @dataclass
@@ -92,9 +92,35 @@ def save_checkpoint(run_dir: Path, name: str, model: torch.nn.Module, trainer_st
 
 
 def _prune(ckpt_root: Path, keep_last: int) -> None:
-    steps = sorted((int(m.group(1)), p) for p in ckpt_root.iterdir() if (m := _STEP_RE.match(p.name)))
-    for _, p in steps[:-keep_last]:
-        shutil.rmtree(p, ignore_errors=True)
+    """Keep the newest `keep_last` of each series (step_N of RL, sft_N of SFT)."""
+    for prefix in ("step_", "sft_"):
+        steps = sorted((int(m.group(2)), p) for p in ckpt_root.iterdir()
+                       if (m := _STEP_RE.match(p.name)) and m.group(1) == prefix)
+        for _, p in steps[:-keep_last]:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def remove_checkpoints(run_dir: Path, prefix: str) -> None:
+    """Delete the numbered checkpoints `<prefix>N` (e.g. SFT's intermediate ones once `sft` is saved)."""
+    ckpt_root = Path(run_dir) / "checkpoints"
+    if ckpt_root.is_dir():
+        for p in ckpt_root.iterdir():
+            if (m := _STEP_RE.match(p.name)) and m.group(1) == prefix:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def prepare_run_dir(run_dir: Path) -> None:
+    """Create the run dir and check it is writable (a ConfigError naming logging.run_dir if not)."""
+    from rlf_train.config import ConfigError
+
+    probe = Path(run_dir) / f".write_test_{os.getpid()}"
+    try:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"logging.run_dir: cannot write to {run_dir} ({e.strerror or e}); set logging.run_dir "
+                          "(or name) to a writable directory") from None
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

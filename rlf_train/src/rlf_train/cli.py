@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     config_path = args.config
     if config_path is None and args.resume is not None:
         config_path = args.resume / "config.yaml"
+        if not config_path.is_file():
+            print(f"error: --resume {args.resume}: no run there (no config.yaml); check the path, or start a new "
+                  "run with --config", file=sys.stderr)
+            return 2
     if config_path is None:
         print("error: --config is required (or --resume RUN_DIR)", file=sys.stderr)
         return 2
@@ -68,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         trainer = Trainer(cfg, resume=args.resume is not None)
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+        # found before any training work: the key and the fix, on one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     summary = trainer.run()

@@ -22,7 +22,7 @@ def evaluate_policy(cfg: TrainConfig, checkpoint: Path | None, records_dir: Path
                     num_records: int = 8) -> dict[str, Any]:
     """Held-out stats per mode; with `records_dir`, also store `num_records` episodes per mode there."""
     from rlf_envs.records import write_trajectories
-    from rlf_train.trainer import env_tasks, episode_stats, make_envs
+    from rlf_train.trainer import env_tasks, episode_stats, is_success, make_envs
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -47,7 +47,7 @@ def evaluate_policy(cfg: TrainConfig, checkpoint: Path | None, records_dir: Path
         if records_dir is not None:
             write_trajectories(records_dir, _checkpoint_step(checkpoint), trajs, num_records, f"offline_eval_{mode}")
         st = episode_stats(trajs)
-        st["em"] = sum(t.score_info.get("em", t.reward >= 1.0 - 1e-6) for t in trajs) / max(len(trajs), 1)
+        st["em"] = sum(t.score_info.get("em", is_success(t)) for t in trajs) / max(len(trajs), 1)
         out[mode] = st
     return out
 
@@ -89,7 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {ckpt} is not a checkpoint dir (no model.safetensors)", file=sys.stderr)
         return 2
     n_rec = cfg.logging.trajectories if args.trajectories is None else args.trajectories
-    res = evaluate_policy(cfg, ckpt, records_dir=cfg.resolved_run_dir(), num_records=n_rec)
+    try:
+        res = evaluate_policy(cfg, ckpt, records_dir=cfg.resolved_run_dir(), num_records=n_rec)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     text = json.dumps(res, indent=2, sort_keys=True)
     if args.json:
         args.json.write_text(text)

@@ -15,25 +15,27 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool, eps: float = 1e-6) -> torch.Tensor:
-    """A_i = r_i - mean(group), divided by the group std (unbiased=False) when `std_normalize`.
+    """A_i = r_i - mean(group), divided by the group std (unbiased=False) when `std_normalize`: the
+    one-token case of `token_advantages` (the function the trainer calls).
 
     `rewards` is [N] with N = groups * group_size, groups contiguous."""
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries")
-    r = rewards.view(-1, group_size)
-    adv = r - r.mean(dim=1, keepdim=True)
-    if std_normalize:
-        adv = adv / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
-    return adv.reshape(-1)
+    return token_advantages(rewards.unsqueeze(1), rewards, group_size, std_normalize, eps).squeeze(1)
 
 
 def token_advantages(
     returns: torch.Tensor, episode_returns: torch.Tensor, group_size: int, std_normalize: bool, eps: float = 1e-6
 ) -> torch.Tensor:
-    """Per-token advantages with per-turn rewards: token t's return-to-go minus its group's mean episode
-    return (over std). `returns` is [N, T] (return-to-go of the turn each token belongs to),
-    `episode_returns` [N]. Without per-turn rewards every token's return equals the episode return,
-    which reduces to `group_advantages` broadcast over tokens."""
+    """Per-token advantages [N, T]: token t's return-to-go minus its group's mean episode return, divided
+    by the group's std of episode returns (unbiased=False) + eps when `std_normalize` (GRPO; off for
+    Dr.GRPO). `returns` is [N, T] (return-to-go of the turn each token belongs to), `episode_returns`
+    [N]; groups are contiguous blocks of `group_size` rows, the layout the trainer's rollout produces
+    (the trainer checks it). Without per-turn rewards every token's return equals the episode return, so
+    each row is its episode's group advantage."""
+    if episode_returns.ndim != 1 or episode_returns.numel() % group_size:
+        raise ValueError(f"episode returns must be 1-D with a multiple of group_size={group_size} entries, "
+                         f"got shape {tuple(episode_returns.shape)}")
+    if returns.shape[0] != episode_returns.shape[0]:
+        raise ValueError(f"returns has {returns.shape[0]} rows, episode returns {episode_returns.shape[0]}")
     r = episode_returns.view(-1, group_size)
     mean = r.mean(dim=1).repeat_interleave(group_size).unsqueeze(1)
     adv = returns - mean
@@ -116,18 +118,48 @@ def policy_loss(
                    kl=kl_val, clip_frac=clip_frac, ratio_mean=ratio_mean)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log p(target) per position: logits [B, T, V], targets [B, T] -> [B, T]."""
+def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of the distribution the rollout samples from: divided by `temperature`, and with every
+    token outside the top-p nucleus set to -inf when `top_p` < 1 (the nucleus: the most likely tokens whose
+    preceding cumulative probability is below top_p, so it is never empty). Float32.
+
+    `keep` ([..., V] bool, optional) forces tokens into the nucleus: the update passes the sampled token,
+    so its log-prob stays finite when a parameter update (or a rounding difference between the rollout's
+    cached decode and the update's full forward) moves it just outside. `rollout._sample` samples from
+    exactly this distribution, and the GRPO update's log-probs/ratios/KL are computed under it."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if top_p < 1.0:
+        with torch.no_grad():
+            probs = torch.softmax(logits, dim=-1)
+            sorted_p, idx = probs.sort(dim=-1, descending=True)
+            keep_sorted = sorted_p.cumsum(-1) - sorted_p < top_p
+            inside = torch.zeros_like(keep_sorted).scatter(-1, idx, keep_sorted)
+            if keep is not None:
+                inside = inside | keep
+        logits = logits.masked_fill(~inside, float("-inf"))
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   top_p: float = 1.0) -> torch.Tensor:
+    """log p(target) per position under the sampling distribution: logits [B, T, V], targets [B, T] -> [B, T]."""
+    keep = None
+    if top_p < 1.0:
+        keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+        keep = keep.scatter(-1, targets.unsqueeze(-1), True)
+    lp = torch.log_softmax(sampling_logits(logits, temperature, top_p, keep), dim=-1)
+    return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def masked_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool = False
+                    targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool = False,
+                    temperature: float = 1.0, top_p: float = 1.0,
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) [B, T] computed only where `mask` is set (0 elsewhere), plus per-token entropy there.
+    """log p(target) [B, T] computed only where `mask` is set (0 elsewhere), plus per-token entropy there,
+    under the sampling distribution of `sampling_logits(temperature, top_p)` (1.0/1.0: the model's own).
 
     The vocabulary projection runs on the masked (policy) positions only: with short actions inside
     long prompts/observations this is most of the compute saved."""
@@ -136,21 +168,30 @@ def masked_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     sel = mask.bool()
     if body is None or head is None or body is model:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-        lp = token_logprobs(logits, targets) * mask
-        ent = entropy_from_logits(logits) * mask if with_entropy else None
+        lp = token_logprobs(logits, targets, temperature, top_p) * mask
+        ent = entropy_from_logits(sampling_logits(logits, temperature, top_p)) * mask if with_entropy else None
         return lp, ent
     hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    logits = head(hidden[sel]).float()  # [K, V]
+    tgt = targets[sel]
+    raw = head(hidden[sel])  # [K, V]
+    keep = None
+    if top_p < 1.0:
+        keep = torch.zeros(raw.shape, dtype=torch.bool, device=raw.device).scatter(-1, tgt.unsqueeze(-1), True)
+    logits = sampling_logits(raw, temperature, top_p, keep)
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = torch.zeros(mask.shape, dtype=logits.dtype, device=logits.device)
-    lp[sel] = logp_all.gather(-1, targets[sel].unsqueeze(-1)).squeeze(-1)
+    lp[sel] = logp_all.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
     ent = None
     if with_entropy:
         ent = torch.zeros(mask.shape, dtype=logits.dtype, device=logits.device)
-        ent[sel] = -(logp_all.exp() * logp_all).sum(-1).detach()
+        ent[sel] = _entropy(logp_all).detach()
     return lp, ent
 
 
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """-sum p log p over the last dim; tokens outside a top-p nucleus (logp -inf) contribute 0."""
+    return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    return _entropy(torch.log_softmax(logits.float(), dim=-1))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,10 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 @dataclass
 class MetricsLogger:
+    """metrics.jsonl rows `{"stage": sft|rl|eval, "step": N, ...}`. TensorBoard: one writer per stage under
+    tb/<stage>, each stage on its own step axis from 0 (SFT steps; RL steps; eval at the RL step it ran
+    after). W&B: `<stage>/<key>` against `<stage>/step`."""
+
     run_dir: Path
     tensorboard: bool = True
     wandb_project: str | None = None
@@ -35,12 +41,9 @@ class MetricsLogger:
 
     def __post_init__(self) -> None:
         self.path = self.run_dir / "metrics.jsonl"
-        self._tb = None
+        self._tb: dict[str, Any] = {}
+        self._purge: dict[str, int] = {}
         self._wandb = None
-        if self.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
         if self.wandb_project and self.wandb_mode != "disabled":
             try:
                 import wandb
@@ -49,9 +52,16 @@ class MetricsLogger:
                                    "pip install 'rlf-train[wandb]'") from e
             self._wandb = wandb.init(project=self.wandb_project, mode=self.wandb_mode, dir=str(self.run_dir),
                                      config=self.config_dict or {})
+            for stage in ("sft", "rl", "eval"):
+                wandb.define_metric(f"{stage}/step")
+                wandb.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
 
-    def truncate_after(self, step: int, stage: str = "rl") -> None:
-        """On resume: drop lines of `stage` beyond `step` (written after the checkpoint)."""
+    def resume_from(self, kept: dict[str, float]) -> None:
+        """On resume: drop the rows of each stage beyond `kept[stage]` (written after the checkpoint the run
+        continues from; they are logged again), in metrics.jsonl and in that stage's TensorBoard events."""
+        for stage, last in kept.items():
+            if last != float("inf"):
+                self._purge[stage] = int(last) + 1
         if not self.path.is_file():
             return
         keep = []
@@ -60,12 +70,19 @@ class MetricsLogger:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a torn last line from a crash
-            if rec.get("stage") == stage and rec.get("step", 0) > step:
+            if rec.get("step", 0) > kept.get(rec.get("stage", ""), float("inf")):
                 continue
             keep.append(line)
         tmp = self.path.with_name(".metrics.tmp")
         tmp.write_text("".join(k + "\n" for k in keep))
         os.replace(tmp, self.path)
+
+    def _writer(self, stage: str) -> Any:
+        if stage not in self._tb:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb[stage] = SummaryWriter(log_dir=str(self.run_dir / "tb" / stage), purge_step=self._purge.get(stage))
+        return self._tb[stage]
 
     def log(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, sort_keys=True)
@@ -73,14 +90,16 @@ class MetricsLogger:
             f.write(line + "\n")
             f.flush()
         stage = record.get("stage", "rl")
-        gstep = int(record.get("global_step", record.get("step", 0)))
-        if self._tb is not None:
-            for k, v in record.items():
-                if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("step", "global_step"):
-                    self._tb.add_scalar(f"{stage}/{k}", v, gstep)
-            self._tb.flush()
+        step = int(record.get("step", 0))
+        scalars = {k: v for k, v in record.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool) and k != "step"}
+        if self.tensorboard:
+            tb = self._writer(stage)
+            for k, v in scalars.items():
+                tb.add_scalar(f"{stage}/{k}", v, step)
+            tb.flush()
         if self._wandb is not None:
-            self._wandb.log({f"{stage}/{k}": v for k, v in record.items() if isinstance(v, int | float)}, step=gstep)
+            self._wandb.log({f"{stage}/step": step, **{f"{stage}/{k}": v for k, v in scalars.items()}})
 
     def text(self, tag: str, markdown: str, step: int) -> None:
         """A TensorBoard text summary (e.g. a sample episode per eval); a no-op without TensorBoard."""
@@ -89,8 +108,8 @@ class MetricsLogger:
             self._tb.flush()
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tb in self._tb.values():
+            tb.close()
         if self._wandb is not None:
             self._wandb.finish()
 
@@ -145,15 +164,21 @@ def plot_reward_curve(run_dir: Path, out: Path | None = None) -> Path:
 
 
 class Progress:
-    """A rich progress bar showing the live reward; a no-op when disabled."""
+    """Progress of each stage. On a terminal: rich bars with the live reward. Otherwise (CI, `tee`, a cluster
+    log): plain lines `SFT 150/1500 (10%) 0:00:41 elapsed, ~0:06:09 left | loss 0.412`, one each time a
+    stage passes another `every` share of its steps (and at its last step). A no-op when disabled
+    (messages still print)."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, interactive: bool | None = None, every: float = 0.05) -> None:
         self.enabled = enabled
+        self.interactive = sys.stdout.isatty() if interactive is None else interactive
+        self.every = every
         self._p = None
         self._tasks: dict[str, Any] = {}
+        self._plain: dict[str, list[float]] = {}  # name -> [done, total, started, last printed share, done at start]
 
     def __enter__(self) -> Progress:
-        if self.enabled:
+        if self.enabled and self.interactive:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
 
@@ -165,10 +190,23 @@ class Progress:
     def add(self, name: str, total: int, completed: int = 0) -> None:
         if self._p is not None:
             self._tasks[name] = self._p.add_task(name, total=total, completed=completed, info="")
+        elif self.enabled:
+            self._plain[name] = [completed, max(total, 1), time.monotonic(), completed / max(total, 1), completed]
 
     def update(self, name: str, advance: int = 1, info: str = "") -> None:
         if self._p is not None and name in self._tasks:
             self._p.update(self._tasks[name], advance=advance, info=info)
+        elif name in self._plain:
+            st = self._plain[name]
+            st[0] += advance
+            done, total, started, last, first = st
+            share = done / total
+            if share - last >= self.every - 1e-9 or done >= total:
+                st[3] = share
+                spent = time.monotonic() - started
+                left = spent / max(done - first, 1) * (total - done)
+                print(f"{name} {int(done)}/{int(total)} ({share:.0%}) {_hms(spent)} elapsed, ~{_hms(left)} left"
+                      + (f" | {info}" if info else ""), flush=True)
 
     def print(self, msg: str) -> None:
         if self._p is not None:
@@ -179,3 +217,8 @@ class Progress:
     def __exit__(self, *exc: object) -> None:
         if self._p is not None:
             self._p.__exit__(None, None, None)
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rlf_train.config import ModelConfig
+from rlf_train.config import ConfigError, ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerFast
@@ -97,7 +97,14 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
 
     path = cfg.tokenizer or cfg.name_or_path
-    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    key = "model.tokenizer" if cfg.tokenizer else "model.name_or_path"
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:  # not a dir with a tokenizer, and no hub access (offline)
+        local = "a local directory" if Path(path).exists() else "neither a local directory nor a model in the HF cache"
+        raise ConfigError(f"{key}: cannot load a tokenizer from {path!r} ({local}: {' '.join(str(e).split())[:200]}); "
+                          "use `tiny` (the offline model), or a path/hub id of a transformers causal LM that is "
+                          "already downloaded (runs are offline: HF_HUB_OFFLINE)") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -105,9 +112,23 @@ def load_tokenizer(cfg: ModelConfig) -> PreTrainedTokenizerFast:
 
 
 def resolve_device(spec: str) -> torch.device:
+    """`model.device` as a torch device; a device this machine lacks is a ConfigError naming the key."""
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec)
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"model.device: {spec!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"model.device: {spec!r} but no CUDA GPU is visible here; use model.device=cpu "
+                              "(or auto, which picks a GPU when there is one)")
+        if dev.index is not None and dev.index >= n:
+            raise ConfigError(f"model.device: {spec!r} but only {n} CUDA GPU(s) are visible (cuda:0..cuda:{n - 1})")
+    elif dev.type not in ("cpu", "mps", "xpu"):
+        raise ConfigError(f"model.device: {spec!r} is not supported; use auto, cpu, cuda or cuda:N")
+    return dev
 
 
 def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int, pad_token_id: int | None) -> PreTrainedModel:
@@ -150,7 +171,12 @@ def load_policy(
         from transformers import AutoModelForCausalLM
 
         src = str(weights_dir) if weights_dir is not None else cfg.name_or_path
-        model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(src, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"model.name_or_path: cannot load a causal LM from {src!r} "
+                              f"({' '.join(str(e).split())[:200]}); use `tiny` or a downloaded transformers "
+                              "causal LM") from None
     model.to(device=resolve_device(cfg.device), dtype=dtype)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -23,6 +23,7 @@ import torch
 from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
+from rlf_train.grpo import sampling_logits
 
 
 @dataclass(frozen=True)
@@ -67,16 +68,11 @@ class StopChecker:
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+    """Greedy at temperature 0, else a draw from `sampling_logits` (the distribution the update's
+    log-probs are computed under)."""
     if params.temperature == 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / params.temperature
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
-        sorted_p = sorted_p * keep
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-        probs = probs / probs.sum(-1, keepdim=True)
+    probs = torch.softmax(sampling_logits(logits, params.temperature, params.top_p), dim=-1)
     return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
 
 

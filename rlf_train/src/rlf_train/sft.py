@@ -85,18 +85,32 @@ def scripted_demos(tasks: Sequence[Task], n: int, fmt_name: str, p_no_search: fl
 
 
 def load_demos(path: str | Path) -> list[Demo]:
-    """JSONL: one {"task_index": int, "actions": [str, ...]} per line."""
+    """JSONL: one {"task_index": int, "actions": [str, ...]} per line. Problems are ConfigErrors naming
+    sft.demos_path."""
+    from rlf_train.config import ConfigError
+
+    fix = "point sft.demos_path to a JSONL of {task_index, actions}, or remove it to use scripted demos"
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"sft.demos_path: no such file: {path}; {fix}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"sft.demos_path: cannot read {path} ({e}); {fix}") from None
     demos = []
-    for ln, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for ln, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-            demos.append(Demo(int(rec["task_index"]), tuple(str(a) for a in rec["actions"]), "file"))
+            acts = rec["actions"]
+            if not isinstance(acts, list) or not all(isinstance(a, str) for a in acts):
+                raise TypeError("actions must be a list of strings")
+            demos.append(Demo(int(rec["task_index"]), tuple(acts), "file"))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"{path}:{ln}: a demo needs task_index (int) and actions (list of str): {e}") from None
+            raise ConfigError(f"sft.demos_path {path}:{ln}: a demo needs task_index (int) and actions (list of "
+                              f"str): {type(e).__name__}: {e}") from None
     if not demos:
-        raise ValueError(f"{path}: no demonstrations")
+        raise ConfigError(f"sft.demos_path {path}: no demonstrations in the file; {fix}")
     return demos
 
 

@@ -18,14 +18,22 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
-from rlf_train.checkpoint import CheckpointMeta, latest_checkpoint, load_weights, read_checkpoint, save_checkpoint
-from rlf_train.config import TrainConfig, dump_config
+from rlf_train.checkpoint import (
+    CheckpointMeta,
+    latest_checkpoint,
+    load_weights,
+    prepare_run_dir,
+    read_checkpoint,
+    remove_checkpoints,
+    save_checkpoint,
+)
+from rlf_train.config import ConfigError, TrainConfig, dump_config
 from rlf_train.envs import Stage, make_env
 from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
-from rlf_train.model import load_policy, load_tokenizer, num_parameters
+from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
 from rlf_train.rollout import RolloutStats, SamplingParams, rollout
-from rlf_train.sft import demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
+from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
 
 
 def make_envs(cfg: TrainConfig, tokenizer: Any, stage: Stage, n: int) -> ToolVectorEnv:
@@ -85,6 +93,8 @@ def token_returns(trajs: Sequence[Trajectory], T: int, per_turn: bool) -> tuple[
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path | None = None, resume: bool = False) -> None:
+        """Everything that can be checked before training work starts is checked here (tokenizer, device,
+        env ids/kwargs/splits, demos, run dir): a mistake raises ConfigError naming the key."""
         self.cfg = cfg
         self.run_dir = Path(run_dir) if run_dir is not None else cfg.resolved_run_dir()
         self.resume = resume
@@ -94,18 +104,30 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         self.tokenizer = load_tokenizer(cfg.model)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        resolve_device(cfg.model.device)
         self.meta: CheckpointMeta | None = None
         self.state: dict[str, Any] | None = None
         ckpt = None
         if resume:
+            if not (self.run_dir / "config.yaml").is_file():
+                raise FileNotFoundError(f"--resume {self.run_dir}: no run there (no config.yaml); check the path, "
+                                        "or start a new run without --resume")
             ckpt = latest_checkpoint(self.run_dir)
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume {self.run_dir}: no checkpoint found (checkpoints/latest)")
-            self.meta, self.state = read_checkpoint(ckpt)
-        elif (self.run_dir / "metrics.jsonl").exists():
-            raise FileExistsError(f"run dir {self.run_dir} already holds a run; use --resume {self.run_dir} "
-                                  "or pick another logging.run_dir / name")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+            if ckpt is not None:
+                self.meta, self.state = read_checkpoint(ckpt)
+            # no checkpoint yet (killed before the first one): the run starts over in the same dir
+        elif (self.run_dir / "metrics.jsonl").exists() or latest_checkpoint(self.run_dir) is not None:
+            raise FileExistsError(f"run dir {self.run_dir} already holds a run; continue it with --resume "
+                                  f"{self.run_dir}, or pick another logging.run_dir / name (or delete that dir)")
+        r = cfg.rollout
+        self.n_rollout = r.prompts_per_step * r.samples_per_prompt
+        self.train_envs = make_envs(cfg, self.tokenizer, "train", self.n_rollout)
+        self.train_tasks = env_tasks(self.train_envs.envs[0])
+        # built now, not at the first eval: a wrong env.eval_split must fail before the SFT stage, not after
+        self._eval_envs: ToolVectorEnv = make_envs(cfg, self.tokenizer, "eval", min(cfg.eval.num_tasks, r.batch_size))
+        env_tasks(self._eval_envs.envs[0])
+        self.demos = self._demos() if cfg.sft.enabled and cfg.sft.steps > 0 else []
+        prepare_run_dir(self.run_dir)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -119,23 +141,44 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard,
                                     wandb_project=cfg.logging.wandb_project, wandb_mode=cfg.logging.wandb_mode,
                                     config_dict=cfg.model_dump(mode="json"))
-        if self.meta is not None:
-            self.logger.truncate_after(self.meta.step if self.meta.stage == "rl" else -1, "rl")
+        # rows logged after the checkpoint we continue from are dropped (they are logged again), so a resumed
+        # run's metrics.jsonl / TensorBoard hold each step once
+        self.logger.resume_from(self._kept_steps())
         self.evals: list[dict[str, Any]] = []
-        if resume and (self.run_dir / "eval.json").is_file():
+        if self.meta is not None and (self.run_dir / "eval.json").is_file():
             import json
 
+            kept = self._kept_steps()["eval"]
             self.evals = [e for e in json.loads((self.run_dir / "eval.json").read_text()).get("evals", [])
-                          if self.meta is None or e["step"] <= self.meta.step]
-        r = cfg.rollout
-        self.n_rollout = r.prompts_per_step * r.samples_per_prompt
-        self.train_envs = make_envs(cfg, self.tokenizer, "train", self.n_rollout)
-        self.train_tasks = env_tasks(self.train_envs.envs[0])
-        self._eval_envs: ToolVectorEnv | None = None
+                          if e["step"] <= kept]
+
+    def _kept_steps(self) -> dict[str, float]:
+        """Last step of each stage's metrics that the checkpoint we start from already includes."""
+        m = self.meta
+        if m is None:
+            return {"sft": -1, "rl": -1, "eval": -1}
+        if m.stage == "rl":
+            return {"sft": math.inf, "rl": m.step, "eval": m.step}
+        return {"sft": math.inf if m.sft_done else m.step, "rl": -1, "eval": -1}
+
+    def _demos(self) -> list[Demo]:
+        """SFT demonstrations (from sft.demos_path, else scripted), checked against the train tasks."""
+        c = self.cfg.sft
+        if c.demos_path:
+            demos = load_demos(c.demos_path)
+            bad = [d.task_index for d in demos if not 0 <= d.task_index < len(self.train_tasks)]
+            if bad:
+                raise ConfigError(f"sft.demos_path {c.demos_path}: task_index {bad[0]} is out of range (the "
+                                  f"{self.cfg.env.train_split!r} split has {len(self.train_tasks)} tasks; "
+                                  f"{len(bad)} demos affected); fix the file or point sft.demos_path elsewhere")
+            return demos
+        fmt_name = getattr(self.train_envs.envs[0].format, "name", "search_r1")
+        return scripted_demos(self.train_tasks, c.num_demos, fmt_name, c.p_no_search, c.p_wrong_query,
+                              seed=self.cfg.seed + 3)
 
     # ---------------------------------------------------------------- helpers
     def _save(self, name: str, stage: str, step: int, optimizer: torch.optim.Optimizer | None,
-              scheduler: Any = None) -> Path:
+              scheduler: Any = None, sft_done: bool = True, sft_rng: random.Random | None = None) -> Path:
         state = {
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -145,8 +188,9 @@ class Trainer:
             "order": list(self.order),
             "order_pos": self.order_pos,
             "python_rng": random.getstate(),
+            "sft_rng": sft_rng.getstate() if sft_rng is not None else None,
         }
-        meta = CheckpointMeta(stage=stage, step=step, sft_done=stage == "rl" or self.cfg.sft.enabled)
+        meta = CheckpointMeta(stage=stage, step=step, sft_done=sft_done)
         return save_checkpoint(self.run_dir, name, self.model, state, meta,
                                keep_last=self.cfg.logging.keep_last, tokenizer=self.tokenizer)
 
@@ -169,9 +213,6 @@ class Trainer:
         return out
 
     def eval_envs(self) -> ToolVectorEnv:
-        if self._eval_envs is None:
-            n = min(self.cfg.eval.num_tasks, self.cfg.rollout.batch_size)
-            self._eval_envs = make_envs(self.cfg, self.tokenizer, "eval", n)
         return self._eval_envs
 
     def rollouts(self, venv: ToolVectorEnv, task_indices: Sequence[int], params: SamplingParams,
@@ -218,7 +259,7 @@ class Trainer:
     def _record_eval(self, res: dict[str, Any], progress: Progress) -> None:
         self.evals.append(res)
         write_json_atomic(self.run_dir / "eval.json", {"latest": res, "evals": self.evals})
-        rec = {"stage": "eval", "step": res["step"], "global_step": res["step"]}
+        rec = {"stage": "eval", "step": res["step"]}
         rec.update({k: v for k, v in res.items() if k.startswith("success_")})
         for mode in ("greedy", "sampled"):
             if mode in res:
@@ -230,14 +271,11 @@ class Trainer:
 
     # ---------------------------------------------------------------- SFT
     def run_sft(self, progress: Progress) -> None:
+        """SFT on the demos; checkpoints `sft_<step>` every `logging.save_every` steps (a killed run resumes
+        mid-stage with its optimizer and batch order) and `sft` at the end."""
         c = self.cfg.sft
         env = self.train_envs.envs[0]
-        fmt_name = getattr(env.format, "name", "search_r1")
-        if c.demos_path:
-            demos = load_demos(c.demos_path)
-        else:
-            demos = scripted_demos(self.train_tasks, c.num_demos, fmt_name, c.p_no_search, c.p_wrong_query,
-                                   seed=self.cfg.seed + 3)
+        demos = self.demos
         trajs = runtime.run(demo_trajectories(env, demos, self.tokenizer))
         trajs = [copy.copy(t) for t in trajs]
         kinds = {k: sum(d.kind == k for d in demos) / len(demos) for k in {d.kind for d in demos}}
@@ -245,10 +283,16 @@ class Trainer:
                        f"demo success {sum(map(is_success, trajs)) / len(trajs):.2f}")
         opt = torch.optim.AdamW(self.model.parameters(), lr=c.lr, weight_decay=self.cfg.optim.weight_decay)
         rng = random.Random(self.cfg.seed + 4)
-        progress.add("SFT", total=c.steps)
+        start = 0
+        if self.meta is not None and self.meta.stage == "sft" and not self.meta.sft_done and self.state is not None:
+            start = self.meta.step
+            opt.load_state_dict(self.state["optimizer"])
+            rng.setstate(self.state["sft_rng"])
+        progress.add("SFT", total=c.steps, completed=start)
         self.model.train()
         t0 = time.perf_counter()
-        for step in range(1, c.steps + 1):
+        save_every = self.cfg.logging.save_every
+        for step in range(start + 1, c.steps + 1):
             batch = [trajs[rng.randrange(len(trajs))] for _ in range(c.batch_size)]
             lr = c.lr * min(1.0, step / max(1, c.steps // 10)) * (0.5 * (1 + math.cos(math.pi * step / c.steps)))
             for g in opt.param_groups:
@@ -259,17 +303,25 @@ class Trainer:
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
             opt.step()
             if step % 10 == 0 or step == c.steps:
-                self.logger.log({"stage": "sft", "step": step, "global_step": step - c.steps - 1, "loss": loss.item(),
+                self.logger.log({"stage": "sft", "step": step, "loss": loss.item(),
                                  "grad_norm": float(gn), "tokens": ntok, "seconds": time.perf_counter() - t0})
             progress.update("SFT", info=f"loss {loss.item():.3f}")
-        self._save("sft", "sft", 0, None)
+            if save_every and step % save_every == 0 and step < c.steps:
+                self._save(f"sft_{step}", "sft", step, opt, sft_done=False, sft_rng=rng)
+        self._save("sft", "sft", c.steps, None)
+        remove_checkpoints(self.run_dir, "sft_")
 
     # ---------------------------------------------------------------- GRPO
     def _logprobs(self, model: torch.nn.Module, trajs: Sequence[Trajectory], grad: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the policy tokens under the rollout's sampling distribution (rollout.temperature and
+        top_p, see `grpo.sampling_logits`): the distribution the tokens were drawn from, so PPO ratios, the
+        KL and the entropy are those of the policy that acted."""
         ids, attn, tgt, mask = pad_batch(trajs, self.pad_id, self.device)
+        r = self.cfg.rollout
         with torch.set_grad_enabled(grad):
-            lp, ent = masked_logprobs(model, ids, attn, tgt, mask, with_entropy=grad)
+            lp, ent = masked_logprobs(model, ids, attn, tgt, mask, with_entropy=grad, temperature=r.temperature,
+                                      top_p=r.top_p)
         return lp, mask, ent
 
     def grpo_step(self, step: int, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
@@ -281,6 +333,12 @@ class Trainer:
         params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens_per_turn)
         trajs, rstats = self.rollouts(self.train_envs, task_indices, params,
                                       seed_base=(cfg.seed * 1_000_003 + step * 10_007) % (2**31), gen=self.gen)
+        # the advantage groups rows i*G..(i+1)*G-1 together: they must be the G samples of one prompt
+        got = [t.task.id for t in trajs]
+        want = [self.train_tasks[i].id for i in task_indices]
+        if got != want:
+            raise RuntimeError(f"rollout returned trajectories out of prompt order (tasks {got[:8]}..., expected "
+                               f"{want[:8]}...): GRPO groups would mix prompts")
         if cfg.logging.trajectories_every and step % cfg.logging.trajectories_every == 0:
             self.store_trajectories(step, trajs, "train")
         t_train = time.perf_counter()
@@ -331,7 +389,7 @@ class Trainer:
                 losses.append(loss_sum)
         scheduler.step()
         now = time.perf_counter()
-        rec: dict[str, Any] = {"stage": "rl", "step": step, "global_step": step}
+        rec: dict[str, Any] = {"stage": "rl", "step": step}
         rec.update(episode_stats(trajs))
         groups = ep_returns.view(-1, r.samples_per_prompt)
         rec.update({
@@ -351,7 +409,8 @@ class Trainer:
                                       weight_decay=cfg.optim.weight_decay)
         warm = cfg.optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
-        if self.state is not None and self.meta is not None and self.state.get("optimizer") is not None:
+        if self.state is not None and self.meta is not None and self.meta.stage == "rl" \
+                and self.state.get("optimizer") is not None:
             optimizer.load_state_dict(self.state["optimizer"])
             scheduler.load_state_dict(self.state["scheduler"])
         if cfg.algorithm.kl_coef > 0:
@@ -393,20 +452,23 @@ class Trainer:
                            f"({num_parameters(self.model) / 1e6:.2f}M params, vocab {len(self.tokenizer)})  "
                            f"train tasks: {len(self.train_tasks)}")
             start_step = 0
-            if self.meta is None:
-                if cfg.sft.enabled and cfg.sft.steps > 0:
-                    self.run_sft(progress)
+            m = self.meta
+            if m is not None:
+                assert self.state is not None
+                self._restore_rng(self.state)
+                progress.print(f"resumed from the {m.stage} checkpoint at step {m.step}"
+                               + ("" if m.stage == "rl" or m.sft_done else " (SFT continues)"))
+            elif self.resume:
+                progress.print(f"--resume {self.run_dir}: no checkpoint yet, starting the run over")
+            if (m is None or (m.stage == "sft" and not m.sft_done)) and cfg.sft.enabled and cfg.sft.steps > 0:
+                self.run_sft(progress)
+            if m is None or m.stage == "sft":
                 if cfg.eval.before_rl:
                     self._record_eval(self.evaluate(0), progress)
                 if cfg.algorithm.steps > 0 and cfg.logging.save_every:
                     self._save("step_0", "rl", 0, None)
             else:
-                assert self.state is not None
-                self._restore_rng(self.state)
-                start_step = self.meta.step if self.meta.stage == "rl" else 0
-                if self.meta.stage == "sft" and cfg.eval.before_rl and not self.evals:
-                    self._record_eval(self.evaluate(0), progress)
-                progress.print(f"resumed from {self.meta.stage} checkpoint at step {start_step}")
+                start_step = m.step
             self.run_rl(progress, start_step)
         self.logger.close()
         plot_reward_curve(self.run_dir)
