@@ -71,7 +71,7 @@ def test_training_writes_trajectory_records(run_dir: Path) -> None:
     s, e = r.turns[0].action_span  # type: ignore[misc]
     assert set(r.loss_mask[s:e]) == {1}
     # a TensorBoard text sample per eval
-    events = b"".join(p.read_bytes() for p in (run_dir / "tb").iterdir())
+    events = b"".join(p.read_bytes() for p in (run_dir / "tb" / "eval").iterdir())  # text samples: eval axis
     assert b"episode/eval_greedy" in events
 
 

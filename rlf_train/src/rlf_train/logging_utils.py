@@ -102,10 +102,12 @@ class MetricsLogger:
             self._wandb.log({f"{stage}/step": step, **{f"{stage}/{k}": v for k, v in scalars.items()}})
 
     def text(self, tag: str, markdown: str, step: int) -> None:
-        """A TensorBoard text summary (e.g. a sample episode per eval); a no-op without TensorBoard."""
-        if self._tb is not None:
-            self._tb.add_text(tag, markdown, step)
-            self._tb.flush()
+        """A TensorBoard text summary on the eval stage's axis (a sample episode per eval); a no-op without
+        TensorBoard."""
+        if self.tensorboard:
+            tb = self._writer("eval")
+            tb.add_text(tag, markdown, step)
+            tb.flush()
 
     def close(self) -> None:
         for tb in self._tb.values():

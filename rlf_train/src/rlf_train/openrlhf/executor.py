@@ -181,11 +181,16 @@ class RlfAgentExecutor(AgentExecutorBase):
         self._free: dict[Stage, list[ToolEnv]] = {"train": [], "eval": []}  # per stage (eval_kwargs differ)
         self._tokenizer: Any = None
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()  # one env build at a time: the first one may build an index
         self._warned_prompt = False
+        # a config error fails the rollout actor at start-up, not at its first rollout; the first build also
+        # fills the env's caches (e.g. an in-process index) before many episodes ask at once
+        make_env(self.cfg, None, "train").close()
 
     def new_env(self, stage: Stage, max_length: int) -> ToolEnv:
         """An env as the rollout actor steps it (token mode, the run's budgets, the stage's split and kwargs)."""
-        env = make_env(self.cfg, self._tokenizer, stage)
+        with self._build_lock:
+            env = make_env(self.cfg, self._tokenizer, stage)
         env.max_total_tokens = min(self.cfg.rollout.max_total_tokens, max_length)
         return env
 
