@@ -12,19 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.records import atomic_write_text
+
 log = logging.getLogger(__name__)
 
 
-def write_text_atomic(path: Path, text: str) -> Path:
-    """Write through a temporary file and rename: readers see the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
-
-
 def write_json_atomic(path: Path, obj: Any) -> None:
-    write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True))
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True))
 
 
 @dataclass

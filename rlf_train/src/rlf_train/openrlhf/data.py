@@ -9,11 +9,11 @@ import random
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.records import atomic_write_text
 from rlf_envs.tasks import task_from_dict
 from rlf_envs.types import Task
 from rlf_train.config import ConfigError, TrainConfig
 from rlf_train.envs import Stage
-from rlf_train.logging_utils import write_text_atomic
 
 
 def task_to_label(task: Task, stage: Stage) -> str:
@@ -56,11 +56,12 @@ def write_prompts(cfg: TrainConfig, data_dir: Path) -> tuple[Path, Path | None, 
 
     data_dir.mkdir(parents=True, exist_ok=True)
     n_train = cfg.algorithm.steps * cfg.rollout.prompts_per_step
-    train = write_text_atomic(data_dir / "train.jsonl", _joined(lines("train", n_train, True)))
+    train = data_dir / "train.jsonl"
+    atomic_write_text(train, _joined(lines("train", n_train, True)))
     ev = None
     if cfg.eval.greedy or cfg.eval.sampled:
-        ev_lines = lines("eval", None, False)[: cfg.eval.num_tasks]
-        ev = write_text_atomic(data_dir / "eval.jsonl", _joined(ev_lines))
+        ev = data_dir / "eval.jsonl"
+        atomic_write_text(ev, _joined(lines("eval", None, False)[: cfg.eval.num_tasks]))
     return train, ev, n_train
 
 

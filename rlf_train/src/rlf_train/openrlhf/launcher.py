@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.records import atomic_write_text
 from rlf_train.config import ConfigError, TrainConfig, dump_config
-from rlf_train.logging_utils import write_text_atomic
 from rlf_train.openrlhf.data import write_prompts
 from rlf_train.openrlhf.flags import FlagPlan, RunPaths, check_keys, openrlhf_flags
 
@@ -152,7 +152,7 @@ def prepare(cfg: TrainConfig, resume: bool = False) -> Launch:
         launch_env = {"RAY_ADDRESS": "local", **env}
     launch = Launch(run_dir, argv, launch_env, plan, checked)
     plan_lines = [f"# {checked}", *(f"# note: {n}" for n in plan.notes), *map(" ".join, _flag_groups(plan.flags))]
-    write_text_atomic(run_dir / "openrlhf_plan.txt", "\n".join(plan_lines) + "\n")
+    atomic_write_text(run_dir / "openrlhf_plan.txt", "\n".join(plan_lines) + "\n")
     script = run_dir / COMMAND_FILE
     script.write_text(launch.script(), encoding="utf-8")
     script.chmod(0o755)
