@@ -174,7 +174,9 @@ def write_function(r: random.Random) -> Task:
                  f"divisible by {a} or by {b}. Test it with the python tool, then give the function's code as "
                  "your answer.", tests, f"""
         def count_multiples(n):
-            return sum(1 for k in range(1, n + 1) if k % {a} == 0 or k % {b} == 0)""", check="tests")
+            return sum(1 for k in range(1, n + 1) if k % {a} == 0 or k % {b} == 0)
+
+        print(count_multiples(100))""", check="tests")
 
 
 FAMILIES: tuple[tuple[Callable[[random.Random], Task], int], ...] = (
