@@ -32,7 +32,8 @@ FAST = SandboxLimits(timeout_s=3.0, cpu_s=3, memory_mb=256, max_output_bytes=409
 
 
 def call(code: str, **extra: Any) -> str:
-    return f"<tool_call>\n{json.dumps({'name': 'python', 'arguments': {'code': code, **extra}})}\n</tool_call><|im_end|>"
+    payload = json.dumps({"name": "python", "arguments": {"code": code, **extra}})
+    return f"<tool_call>\n{payload}\n</tool_call><|im_end|>"
 
 
 def answer(text: object) -> str:

@@ -1,5 +1,6 @@
 """The trainer on the new envs' configs: configs/sql_quickstart.yaml (rlf/SQL-v0 with its own tokenizer),
-configs/code_quickstart.yaml (rlf/Code-v0, likewise) and configs/mcp_example.yaml (rlf/Tools-v0 + a real PyPI MCP server, from YAML alone)."""
+configs/code_quickstart.yaml (rlf/Code-v0, likewise) and configs/mcp_example.yaml (rlf/Tools-v0 + a real PyPI
+MCP server, from YAML alone)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Gymnasium ids: `rlf/Calculator-v0`, `rlf/Tools-v0`, `rlf/Search-v0`, `rlf/SQL-v0`, `rlf/Code-v0` (env and vector entry points)."""
+"""Gymnasium ids: `rlf/Calculator-v0`, `rlf/Tools-v0`, `rlf/Search-v0`, `rlf/SQL-v0`, `rlf/Code-v0` (env and vector
+entry points)."""
 
 from __future__ import annotations
 
