@@ -17,6 +17,7 @@ import gymnasium as gym
 import pytest
 import tokenizers
 from gymnasium.utils.env_checker import check_env
+from tokenizer_support import train_bpe
 
 import rlf_envs  # noqa: F401 - registers the ids
 from rlf_envs import runtime
@@ -295,16 +296,10 @@ def test_unparsable_or_missing_answers_score_zero() -> None:
 
 
 def make_tokenizer() -> tokenizers.Tokenizer:
-    """A byte-level BPE trained here, offline, on the env's prompts and a few programs."""
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    """A byte-level BPE trained here, offline, on the env's prompts and its reference programs."""
     env = CodeEnv(split="test")
     text = [env.format.render_prompt(t, env.toolbox.specs, env.system_prompt) for t in env.tasks[:20]]
-    tok.train_from_iterator(text + [str(t.meta["program"]) for t in env.tasks], trainer)
-    return tok
+    return train_bpe(text + [str(t.meta["program"]) for t in env.tasks], 400)
 
 
 def test_check_env_text_and_token_mode() -> None:

@@ -90,18 +90,9 @@ def test_mcp_example_trains_from_yaml_alone(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sql_quickstart_runs_a_few_steps(tmp_path: Path) -> None:
-    out = _train("configs/sql_quickstart.yaml", tmp_path / "run", "sft.steps=5", "algorithm.steps=1",
-                 "eval.num_tasks=8", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "demo success" in out.stdout
-    recs = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in recs if r["stage"] == "rl"] == [1]
-
-
-@pytest.mark.slow
-def test_code_quickstart_runs_a_few_steps(tmp_path: Path) -> None:
-    out = _train("configs/code_quickstart.yaml", tmp_path / "run", "sft.steps=5", "algorithm.steps=1",
+@pytest.mark.parametrize("config", ENV_CONFIGS)
+def test_env_quickstart_runs_a_few_steps(config: str, tmp_path: Path) -> None:
+    out = _train(f"configs/{config}", tmp_path / "run", "sft.steps=5", "algorithm.steps=1",
                  "eval.num_tasks=8", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "demo success" in out.stdout
