@@ -119,7 +119,6 @@ def test_work_dir_is_per_episode_and_removed_at_every_end() -> None:
     # truncation (max turns) removes it too
     for _ in range(3):
         _, _, term, trunc, _ = env.step(call("print(1)"))
-    third_root = env.trajectory  # noqa: F841 - the episode ran
     assert trunc and env.workdir is None
     # and close()
     env.reset(seed=0, options={"task_index": 1})
@@ -219,8 +218,6 @@ def test_hostile_code_is_contained(leftovers: Callable[[str], list[int]], isolat
 
 
 def test_fork_bomb_is_bounded_by_the_process_limit(isolated: None) -> None:
-    probe = runtime.run(python_tool(FAST).call({"code": "pass"}))
-    assert probe == "[no output]"
     from rlf_envs.sandbox import run_python
 
     guards = runtime.run(run_python("pass", "", FAST)).guards
