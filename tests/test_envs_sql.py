@@ -15,6 +15,7 @@ import gymnasium as gym
 import pytest
 import tokenizers
 from gymnasium.utils.env_checker import check_env
+from tokenizer_support import train_bpe
 
 import rlf_envs  # noqa: F401 - registers the ids
 from rlf_envs.env import ToolVectorEnv
@@ -26,15 +27,9 @@ pytestmark = pytest.mark.envs
 
 def make_tokenizer() -> tokenizers.Tokenizer:
     """A byte-level BPE tokenizer trained here, offline, on the SQL env's prompt and some SQL."""
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=500, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     env = SqlEnv(split="test")
     text = [env.format.render_prompt(t, env.toolbox.specs, env.system_prompt) for t in env.tasks[:20]]
-    tok.train_from_iterator(text + [t.ground_truth for t in env.tasks], trainer)
-    return tok
+    return train_bpe(text + [t.ground_truth for t in env.tasks], 500)
 
 
 def call(name: str, **args: Any) -> str:

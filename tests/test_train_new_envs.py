@@ -1,5 +1,6 @@
-"""The trainer on the new envs' configs: configs/sql_quickstart.yaml (rlf/SQL-v0 with its own tokenizer) and
-configs/mcp_example.yaml (rlf/Tools-v0 + a real PyPI MCP server, from YAML alone)."""
+"""The trainer on the new envs' configs: configs/sql_quickstart.yaml (rlf/SQL-v0 with its own tokenizer),
+configs/code_quickstart.yaml (rlf/Code-v0, likewise) and configs/mcp_example.yaml (rlf/Tools-v0 + a real PyPI
+MCP server, from YAML alone)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ from rlf_train.trainer import make_envs
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_sql_tokenizer_covers_the_env_text() -> None:
-    """The shipped SQL tokenizer: protocol tags are single tokens, and a demo turn fits the turn budget."""
-    cfg = load_config(ROOT / "configs" / "sql_quickstart.yaml")
+ENV_CONFIGS = ["sql_quickstart.yaml", "code_quickstart.yaml"]
+
+
+@pytest.mark.parametrize("config", ENV_CONFIGS)
+def test_env_tokenizer_covers_the_env_text(config: str) -> None:
+    """The env's shipped tokenizer: protocol tags are single tokens, and a demo turn fits the turn budget."""
+    cfg = load_config(ROOT / "configs" / config)
     tok = load_tokenizer(cfg.model)
     for tag in ("<tool_call>", "</tool_call>", "<answer>", "</answer>", "<|im_end|>"):
         assert len(tok.encode(tag, add_special_tokens=False)) == 1, tag
@@ -29,19 +34,21 @@ def test_sql_tokenizer_covers_the_env_text() -> None:
     assert longest <= cfg.rollout.max_new_tokens_per_turn
 
 
-def test_sql_config_builds_token_mode_envs_and_demos_replay() -> None:
-    cfg = load_config(ROOT / "configs" / "sql_quickstart.yaml")
+@pytest.mark.parametrize("config", ENV_CONFIGS)
+def test_env_config_builds_token_mode_envs_and_demos_replay(config: str) -> None:
+    cfg = load_config(ROOT / "configs" / config)
     tok = load_tokenizer(cfg.model)
     venv = make_envs(cfg, tok, "train", 2)
     env = venv.envs[0]
-    assert env.token_mode and len(env.tasks) > 300
+    assert env.token_mode and len(env.tasks) >= 300
     from rlf_envs import runtime
     from rlf_train.sft import demo_trajectories, load_demos
 
     demos = [d for d in load_demos(ROOT / cfg.sft.demos_path) if len(d.actions) == 2][:5]  # type: ignore[operator]
     trajs = runtime.run(demo_trajectories(env, demos, tok))
-    assert all(t.reward == 1.0 for t in trajs)  # the scripted run-the-gold-query demos are verified correct
+    assert all(t.reward == 1.0 for t in trajs)  # the scripted run-the-gold-query/program demos are verified correct
     assert all(len(t.token_ids or []) <= cfg.rollout.max_total_tokens for t in trajs)
+    venv.close()
 
 
 def test_null_split_is_not_passed_to_the_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -84,8 +91,9 @@ def test_mcp_example_trains_from_yaml_alone(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sql_quickstart_runs_a_few_steps(tmp_path: Path) -> None:
-    out = _train("configs/sql_quickstart.yaml", tmp_path / "run", "sft.steps=5", "algorithm.steps=1",
+@pytest.mark.parametrize("config", ENV_CONFIGS)
+def test_env_quickstart_runs_a_few_steps(config: str, tmp_path: Path) -> None:
+    out = _train(f"configs/{config}", tmp_path / "run", "sft.steps=5", "algorithm.steps=1",
                  "eval.num_tasks=8", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=4")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "demo success" in out.stdout

@@ -1,4 +1,5 @@
-"""Gymnasium ids: `rlf/Calculator-v0`, `rlf/Tools-v0`, `rlf/Search-v0`, `rlf/SQL-v0` (env and vector entry points)."""
+"""Gymnasium ids: `rlf/Calculator-v0`, `rlf/Tools-v0`, `rlf/Search-v0`, `rlf/SQL-v0`, `rlf/Code-v0` (env and vector
+entry points)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ ENVS = {
     "rlf/Tools-v0": "rlf_envs.envs.demo:ToolsEnv",
     "rlf/Search-v0": "rlf_envs.envs.search:SearchEnv",
     "rlf/SQL-v0": "rlf_envs.envs.sql:SqlEnv",
+    "rlf/Code-v0": "rlf_envs.envs.code:CodeEnv",
 }
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -240,38 +240,56 @@ def quickstart_tokenizer_text() -> list[str]:
 
 
 SQL_TOKENIZER_FILE = ASSETS / "sql_tokenizer.json"
+CODE_TOKENIZER_FILE = ASSETS / "code_tokenizer.json"
 
 
-def sql_tokenizer_text() -> list[str]:
-    """Training text of the SQL tokenizer (configs/sql_quickstart.yaml): rlf/SQL-v0's rendered train prompts,
-    the shipped warm-start demos, and the observations the demos' queries produce (train split only)."""
+def env_tokenizer_text(env: Any, demos: Path) -> list[str]:
+    """Training text of an env's own tokenizer: its rendered (train) prompts, the shipped warm-start demos, and
+    the observations the demos produce when replayed through the env."""
     import json
 
-    from rlf_envs.data.sql import DATA_DIR
-    from rlf_envs.envs.sql import SqlEnv
-
-    env = SqlEnv(split="train")
     lines: list[str] = [env.format.render_prompt(t, env.toolbox.specs, env.system_prompt) for t in env.tasks]
-    for raw in (DATA_DIR / "sft_demos.jsonl").read_text(encoding="utf-8").splitlines():
+    for raw in demos.read_text(encoding="utf-8").splitlines():
         demo = json.loads(raw)
         env.reset(seed=0, options={"task_index": demo["task_index"]})
         for action in demo["actions"]:
             obs, *_ = env.step(action)
             lines.extend([action, obs])
+    env.close()
     return [ln for ln in lines if ln.strip()]
 
 
+def sql_tokenizer_text() -> list[str]:
+    """Training text of the SQL tokenizer (configs/sql_quickstart.yaml), train split only."""
+    from rlf_envs.data.sql import DATA_DIR
+    from rlf_envs.envs.sql import SqlEnv
+
+    return env_tokenizer_text(SqlEnv(split="train"), DATA_DIR / "sft_demos.jsonl")
+
+
+def code_tokenizer_text() -> list[str]:
+    """Training text of the Code tokenizer (configs/code_quickstart.yaml), train split only."""
+    from rlf_envs.data.code import DATA_DIR
+    from rlf_envs.envs.code import CodeEnv
+
+    return env_tokenizer_text(CodeEnv(split="train"), DATA_DIR / "sft_demos.jsonl")
+
+
+WORLDS = {"sql": (sql_tokenizer_text, SQL_TOKENIZER_FILE), "code": (code_tokenizer_text, CODE_TOKENIZER_FILE)}
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Regenerate the shipped tokenizers: `python -m rlf_train.model [--world quickstart|sql]`."""
+    """Regenerate the shipped tokenizers: `python -m rlf_train.model [--world quickstart|sql|code]`."""
     import argparse
 
     ap = argparse.ArgumentParser(description=main.__doc__)
-    ap.add_argument("--world", choices=("default", "quickstart", "sql"), default="default")
+    ap.add_argument("--world", choices=("default", "quickstart", *WORLDS), default="default")
     args = ap.parse_args(argv)
-    if args.world == "sql":
-        tok = train_tokenizer(sql_tokenizer_text(), 3072)
-        tok.save(str(SQL_TOKENIZER_FILE))  # type: ignore[attr-defined]
-        print(f"wrote {SQL_TOKENIZER_FILE} (vocab {tok.get_vocab_size()})")  # type: ignore[attr-defined]
+    if args.world in WORLDS:
+        text_of, out = WORLDS[args.world]
+        tok = train_tokenizer(text_of(), 3072)
+        tok.save(str(out))  # type: ignore[attr-defined]
+        print(f"wrote {out} (vocab {tok.get_vocab_size()})")  # type: ignore[attr-defined]
         return
     if args.world == "quickstart":
         tok = train_tokenizer(quickstart_tokenizer_text(), 3072)

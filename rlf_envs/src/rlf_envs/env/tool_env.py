@@ -259,6 +259,7 @@ class ToolEnv(gym.Env[Any, Any]):
 
     def _prepare_episode(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Task, str]:
         """Seed, pick the task and render its prompt (ToolVectorEnv encodes a batch of prompts at once)."""
+        self._end_episode()  # the previous episode's resources, finished or not
         super().reset(seed=seed)
         task = self._pick_task(options)
         return task, self.format.render_prompt(task, self.toolbox.specs, self.system_prompt)
@@ -475,6 +476,7 @@ class ToolEnv(gym.Env[Any, Any]):
             for t, value in zip(traj.turns, score.per_turn, strict=False):
                 t.reward += value
         info.update(trajectory=traj, score=score, end_reason=traj.end.value)
+        self._end_episode()
         return obs, reward + score.value, terminated, truncated, info
 
     # -- misc ---------------------------------------------------------------------------------------
@@ -483,8 +485,13 @@ class ToolEnv(gym.Env[Any, Any]):
             return None
         return self._traj.text
 
+    def _end_episode(self) -> None:
+        """Hook: release the episode's own resources (e.g. rlf/Code-v0's work dir). Called once the episode is
+        scored, at the next reset (also when the episode never finished) and on close; must be idempotent."""
+
     def close(self) -> None:
         """Envs share their toolbox (servers stay up for other envs); see `rlf_envs.close_all()`."""
         self._done = True
+        self._end_episode()
 
 

@@ -2,7 +2,9 @@
 
 Files persist between calls of one episode (a fresh work dir per episode, removed when the episode ends
 or the tool is closed); processes do not (each call's whole process tree is killed when it returns).
-The work dir is per-episode state, so give each env its own instance (see README, "Per-episode state").
+The work dir is per-episode state, so give each env its own instance (see README, "Per-episode state"), or
+let the env own it: an env that binds a `SandboxDir` under `WORKDIR_ARG` to each call (as rlf/Code-v0 does)
+shares one instance across all its copies, and the tool then runs in that dir and keeps none of its own.
 """
 
 from __future__ import annotations
@@ -14,9 +16,13 @@ from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxResult, run_pytho
 from rlf_envs.sandbox.runner import GRACE_S
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
 
+WORKDIR_ARG = "__workdir__"  # an env binds the episode's SandboxDir here; JSON cannot produce one
+
 
 class PythonInterpreter(Tool):
     """`python(code, stdin="")` -> the program's stdout, stderr and exit status, as text for the policy."""
+
+    validates_arguments = True  # checked in `call` (the schema cannot describe the env-bound work dir)
 
     def __init__(
         self,
@@ -74,13 +80,22 @@ class PythonInterpreter(Tool):
 
     async def call(self, arguments: dict[str, Any]) -> str:
         code, stdin = arguments.get("code"), arguments.get("stdin", "")
+        bound = arguments.get(WORKDIR_ARG)
+        extra = sorted(set(arguments) - {"code", "stdin", WORKDIR_ARG})
+        if extra or (WORKDIR_ARG in arguments and not isinstance(bound, SandboxDir)):
+            raise InvalidArguments(f"{self.name}: unknown argument(s) {', '.join(extra or [WORKDIR_ARG])}; "
+                                   "it takes `code` and optionally `stdin`")
         if not isinstance(code, str) or not isinstance(stdin, str):
             raise InvalidArguments(f"{self.name}: `code` (and `stdin` if given) must be strings")
         if len(code) > self.max_code_chars:
             raise InvalidArguments(f"{self.name}: code is {len(code)} characters; the limit is {self.max_code_chars}")
-        if self._dir is None:
-            self._dir = SandboxDir(self.limits.drop_privileges)
-        result = await run_python(code, stdin, self.limits, self._dir, python=self.python)
+        if isinstance(bound, SandboxDir):
+            workdir = bound
+        else:
+            if self._dir is None:
+                self._dir = SandboxDir(self.limits.drop_privileges)
+            workdir = self._dir
+        result = await run_python(code, stdin, self.limits, workdir, python=self.python)
         if result.error is not None:
             raise ToolError(f"{self.name}: the sandbox failed: {result.error}")
         return self.render(result)
