@@ -227,3 +227,21 @@ async def test_a_sandbox_that_cannot_start_says_how_to_fix_it() -> None:
     r = await run_python("print(1)", "", FAST, python="/nonexistent/python")
     assert r.error is not None and "/nonexistent/python" in r.error and "set `python`" in r.error
     assert r.exit_code is None and not r.ok
+
+
+@pytest.mark.asyncio
+async def test_an_interpreter_inside_tmp_is_still_reachable() -> None:
+    """A virtualenv under /tmp (a CI checkout in /tmp, tox's env in it) stays visible to the code although
+    /tmp itself is a fresh tmpfs: the interpreter's own directories are bound back, read-only."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="rlf_venv_") as d:
+        os.chmod(d, 0o755)  # as a checkout would be: readable by the sandbox's uid
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", d], check=True, timeout=120)
+        python = os.path.join(d, "bin", "python")
+        r = await run_python("import sys; print(sys.prefix)\nopen(sys.prefix + '/x', 'w')", python=python)
+        assert r.stdout.splitlines()[0] == d, (r.error, r.stderr)
+        assert "Read-only file system" in r.stderr or "Permission denied" in r.stderr  # bound back read-only
+        assert not os.path.exists(os.path.join(d, "x"))

@@ -118,10 +118,20 @@ def _make_private_mounts(job: dict[str, Any], g: Guards, workdir: str) -> None:
         if top is not None and job["drop_uid"]:
             hidden.setdefault(top, []).append(p)
             keep_fds[p] = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+    # the interpreter's own directories under a private dir (e.g. a virtualenv in /tmp) are bound back,
+    # read-only, at their own paths, so the fresh tmpfs does not hide the interpreter
+    in_private = [p for p in job["python_dirs"] if any(p == d or p.startswith(d + "/") for d in PRIVATE_DIRS)
+                  and not any(p in ds for ds in hidden.values())]
+    for p in in_private:
+        keep_fds.setdefault(p, os.open(p, os.O_RDONLY | os.O_DIRECTORY))
     size = f"size={max(16, job['limits']['file_mb'] * 4)}m"
     for d in PRIVATE_DIRS:
         if os.path.isdir(d):
             _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+    for p in in_private:
+        os.makedirs(p, mode=0o755, exist_ok=True)
+        _mount(f"/proc/self/fd/{keep_fds[p]}", p, None, MS_BIND | MS_REC)
+        _mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
     for top, dirs in hidden.items():
         _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
         for p in dirs:

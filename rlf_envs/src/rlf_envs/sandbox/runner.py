@@ -72,7 +72,10 @@ class SandboxDir:
 
 
 def _python_dirs(python: str) -> list[str]:
-    dirs = {os.path.dirname(os.path.dirname(os.path.realpath(python)))}
+    """The directories the interpreter needs: its installation (symlinks resolved) and, for a virtualenv,
+    the env's own root (where its `bin/python` link and `pyvenv.cfg` live)."""
+    dirs = {os.path.dirname(os.path.dirname(os.path.realpath(python))),
+            os.path.dirname(os.path.dirname(os.path.abspath(python)))}
     if os.path.realpath(python) == os.path.realpath(sys.executable):
         dirs |= {sys.prefix, sys.base_prefix}
     return sorted(d for d in dirs if os.path.isdir(d))
