@@ -186,6 +186,14 @@ def test_failures_inside_an_episode_never_escape_execute(setup: dict[str, Any], 
     assert len(r["rollout_log_probs"]) == len(r["observation_tokens"])
     experience(r, 512)  # still a valid sample for OpenRLHF
 
+    # a failing engine is not the env's fault: OpenRLHF sees it (no silent reward-0 samples)
+    class DeadEngine:
+        async def generate(self, *a: Any, **k: Any) -> Any:
+            raise RuntimeError("engine died")
+
+    with pytest.raises(RuntimeError, match="engine died"):
+        run(ex.execute(row["prompt"], row["label"], params(), 512, tok, DeadEngine()))
+
 
 def test_many_episodes_with_a_slow_retriever_never_block_the_actor_loop(setup: dict[str, Any], tmp_path: Path) -> None:
     """64 concurrent `execute` calls on one loop (as `generate_responses` gathers them) against a retrieval

@@ -126,28 +126,29 @@ async def run_episode(
     length_stops = 0
     last_finish = None
     error = False
-    try:
-        while not env.done:
-            room = max_length - len(context)
-            if room <= 0:  # only when the prompt alone fills max_length
-                break
-            request = turn_params(sampling_params, min(settings.max_new_tokens_per_turn, room), stop)
-            out = (await engine.generate(context, request)).outputs[0]
-            action = [int(t) for t in out.token_ids]
-            last_finish = out.finish_reason
-            length_stops += last_finish == "length"
-            if logprobs is not None:
-                logprobs.extend(_action_logprobs(out, action))
+    while not env.done:
+        room = max_length - len(context)
+        if room <= 0:  # only when the prompt alone fills max_length
+            break
+        request = turn_params(sampling_params, min(settings.max_new_tokens_per_turn, room), stop)
+        out = (await engine.generate(context, request)).outputs[0]  # an engine failure is OpenRLHF's to see
+        action = [int(t) for t in out.token_ids]
+        last_finish = out.finish_reason
+        length_stops += last_finish == "length"
+        if logprobs is not None:
+            logprobs.extend(_action_logprobs(out, action))
+        try:
             obs, _, _, _, _ = await env.astep(action)
-            context.extend(action)
-            if not env.done:
-                new = _ids(obs)
-                context.extend(new)
-                if logprobs is not None:
-                    logprobs.extend([0.0] * len(new))
-    except Exception:  # a bug or a broken env: this sample gets reward 0, training goes on
-        log.exception("rlf episode failed; the sample gets reward 0")
-        error = True
+        except Exception:  # a bug in an env (rlf's own never raise here): this sample gets reward 0
+            log.exception("rlf env step failed; the sample gets reward 0")
+            error = True
+            break
+        context.extend(action)
+        if not env.done:
+            new = _ids(obs)
+            context.extend(new)
+            if logprobs is not None:
+                logprobs.extend([0.0] * len(new))
     traj = env.trajectory
     ids = list(traj.token_ids or [])
     if not error and ids != context:
