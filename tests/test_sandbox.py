@@ -230,15 +230,21 @@ async def test_a_sandbox_that_cannot_start_says_how_to_fix_it() -> None:
 
 
 @pytest.mark.asyncio
-async def test_an_interpreter_inside_tmp_is_still_reachable() -> None:
+@pytest.mark.parametrize("private_parent", [False, True])
+async def test_an_interpreter_inside_tmp_is_still_reachable(private_parent: bool) -> None:
     """A virtualenv under /tmp (a CI checkout in /tmp, tox's env in it) stays visible to the code although
-    /tmp itself is a fresh tmpfs: the interpreter's own directories are bound back, read-only."""
+    /tmp itself is a fresh tmpfs: the interpreter's own directories are bound back, read-only; also when a
+    parent other uids cannot enter (tox makes `.tox` 0700) hides it."""
     import subprocess
     import sys
     import tempfile
 
-    with tempfile.TemporaryDirectory(dir="/tmp", prefix="rlf_venv_") as d:
-        os.chmod(d, 0o755)  # as a checkout would be: readable by the sandbox's uid
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="rlf_venv_") as top:
+        os.chmod(top, 0o755)  # as a checkout would be: readable by the sandbox's uid
+        d = os.path.join(top, ".tox", "env") if private_parent else top
+        if private_parent:
+            os.makedirs(os.path.dirname(d), mode=0o700)
+            os.chmod(os.path.dirname(d), 0o700)
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", d], check=True, timeout=120)
         python = os.path.join(d, "bin", "python")
         r = await run_python("import sys; print(sys.prefix)\nopen(sys.prefix + '/x', 'w')", python=python)

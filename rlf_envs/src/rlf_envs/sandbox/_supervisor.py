@@ -133,6 +133,7 @@ def _make_private_mounts(job: dict[str, Any], g: Guards, workdir: str) -> None:
         _mount(f"/proc/self/fd/{keep_fds[p]}", p, None, MS_BIND | MS_REC)
         _mount(None, p, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
     for top, dirs in hidden.items():
+        os.makedirs(top, mode=0o755, exist_ok=True)  # gone if it was under a fresh private dir (/tmp/x/.tox)
         _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
         for p in dirs:
             os.makedirs(p, mode=0o755, exist_ok=True)
