@@ -664,6 +664,9 @@ def _run_tests(ch: Channel, tests: list[str], results: list[bool], errors: list[
 
 def main() -> None:
     job = json.loads(sys.stdin.buffer.read())
+    # read before the private mounts: a checkout under /tmp is not visible inside them
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")) as f:
+        worker_src = f.read()
     sys.set_int_max_str_digits(MAX_INT_DIGITS)  # big answers decode; a 8 MB digit string does not stall us
     out_fd = os.dup(1)  # the result channel: only we hold it (the worker gets fresh pipes, close_fds)
     os.dup2(2, 1)  # anything the tests print goes to our stderr, never to the result channel
@@ -695,8 +698,6 @@ def main() -> None:
         else:
             req_r, req_w = os.pipe()
             rep_r, rep_w = os.pipe()
-            with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")) as f:
-                worker_src = f.read()
             devnull = os.open(os.devnull, os.O_RDONLY)
             w = Worker(job, [job["python"], "-I", "-c", worker_src, str(req_r), str(rep_w), job["script"]],
                        pid_ns, uid, nproc, devnull, (req_r, rep_w), workdir)
