@@ -192,6 +192,10 @@ class RlfAgentExecutor(AgentExecutorBase):
         """An env as the rollout actor steps it (token mode, the run's budgets, the stage's split and kwargs)."""
         with self._build_lock:
             env = make_env(self.cfg, self._tokenizer, stage)
+        return self._fit(env, max_length)
+
+    def _fit(self, env: ToolEnv, max_length: int) -> ToolEnv:
+        """The env's total budget for OpenRLHF's `max_length` (it never hands OpenRLHF a longer sequence)."""
         env.max_total_tokens = min(self.cfg.rollout.max_total_tokens, max_length)
         return env
 
@@ -201,9 +205,7 @@ class RlfAgentExecutor(AgentExecutorBase):
                 self._tokenizer = hf_tokenizer  # the actor's tokenizer; every call sends the same one
             free = self._free[stage]
             if free:
-                env = free.pop()
-                env.max_total_tokens = min(self.cfg.rollout.max_total_tokens, max_length)
-                return env
+                return self._fit(free.pop(), max_length)
         # building an env may load an index: off the actor's event loop
         return await asyncio.to_thread(self.new_env, stage, max_length)
 
