@@ -1,0 +1,1 @@
+"""Synthetic wiki-18-shaped corpora for scale tests (see `generate`)."""
