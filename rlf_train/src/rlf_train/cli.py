@@ -79,10 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     summary = trainer.run()
     last = summary["evals"][-1] if summary["evals"] else {}
     first = summary["evals"][0] if summary["evals"] else {}
-    print(f"done in {summary['seconds']:.0f}s; held-out success greedy {first.get('success_greedy', float('nan')):.3f}"
-          f" -> {last.get('success_greedy', float('nan')):.3f}, T={cfg.eval.temperature} "
-          f"{first.get('success_sampled', float('nan')):.3f} -> {last.get('success_sampled', float('nan')):.3f}; "
-          f"see {summary['run_dir']}")
+    parts = [f"{label} {first[key]:.3f} -> {last[key]:.3f}"
+             for label, key in (("greedy", "success_greedy"), (f"T={cfg.eval.temperature}", "success_sampled"))
+             if key in first and key in last]
+    result = f"held-out success {', '.join(parts)}; " if parts else ""
+    print(f"done in {summary['seconds']:.0f}s; {result}see {summary['run_dir']}")
     return 0
 
 
