@@ -53,3 +53,11 @@ def test_cli_writes_a_corpus_rlf_reads_and_queries(tmp_path) -> None:
         title = docs[int(q["passage_id"]) - 1].contents.split("\n")[0].strip('"').lower()
         assert q["question"].endswith(f"of {title}?")
     assert not (tmp_path / "wiki.jsonl.partial").exists()
+
+
+def test_parallel_generation_writes_the_same_file(tmp_path) -> None:
+    one, two = tmp_path / "one.jsonl", tmp_path / "two.jsonl"
+    common = ["--passages", "25000", "--vocab", "5000", "--quiet"]
+    assert main([*common, "--out", str(one)]) == 0
+    assert main([*common, "--out", str(two), "--workers", "2"]) == 0
+    assert one.read_bytes() == two.read_bytes()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
 import time
 from collections.abc import Iterator
@@ -160,20 +161,48 @@ class WikiGenerator:
         return out
 
 
-def write_corpus(path: Path, count: int, shape: WikiShape | None = None, show_progress: bool = True) -> float:
-    """Write `count` passages to `path` (JSONL, atomically via a .partial file); returns seconds taken."""
-    gen = WikiGenerator(shape)
+_WORKER: WikiGenerator | None = None
+
+
+def _init_worker(shape: WikiShape) -> None:
+    global _WORKER
+    _WORKER = WikiGenerator(shape)
+
+
+def _render(span: tuple[int, int]) -> tuple[int, str]:
+    assert _WORKER is not None
+    batch = _WORKER.passages(*span)
+    return len(batch), "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in batch)
+
+
+def write_corpus(
+    path: Path, count: int, shape: WikiShape | None = None, show_progress: bool = True, workers: int = 1
+) -> float:
+    """Write `count` passages to `path` (JSONL, atomically via a .partial file) with `workers` processes
+    (the output does not depend on it); returns seconds taken."""
+    shape = shape or WikiShape()
     tmp = path.with_name(path.name + ".partial")
+    spans = [(start, min(count, start + 10_000)) for start in range(0, count, 10_000)]
     t0 = time.perf_counter()
     done = 0
-    with tmp.open("w", encoding="utf-8") as f:
-        for start in range(0, count, 10_000):
-            batch = gen.passages(start, min(count, start + 10_000))
-            f.write("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in batch))
-            done += len(batch)
-            if show_progress:
-                rate = done / max(time.perf_counter() - t0, 1e-9)
-                print(f"\rgenerated {done:,}/{count:,} passages ({rate:,.0f}/s)", end="", file=sys.stderr, flush=True)
+    pool = multiprocessing.get_context("spawn").Pool(workers, _init_worker, (shape,)) if workers > 1 else None
+    try:
+        if pool is None:
+            _init_worker(shape)
+        chunks = pool.imap(_render, spans) if pool is not None else map(_render, spans)
+        with tmp.open("w", encoding="utf-8") as f:
+            for n, text in chunks:
+                f.write(text)
+                done += n
+                if show_progress:
+                    rate = done / max(time.perf_counter() - t0, 1e-9)
+                    print(
+                        f"\rgenerated {done:,}/{count:,} passages ({rate:,.0f}/s)", end="", file=sys.stderr, flush=True
+                    )
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
     if show_progress:
         print(file=sys.stderr)
     tmp.replace(path)
@@ -188,12 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queries-out", type=Path, help="where the queries go (default: OUT with .queries.jsonl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=WikiShape.vocab)
+    p.add_argument("--workers", type=int, default=1, help="processes generating in parallel (same output)")
     p.add_argument("--quiet", action="store_true")
     a = p.parse_args(argv)
     if a.passages < 1:
         p.error("--passages must be >= 1")
     shape = WikiShape(vocab=a.vocab, seed=a.seed)
-    seconds = write_corpus(a.out, a.passages, shape, show_progress=not a.quiet)
+    seconds = write_corpus(a.out, a.passages, shape, show_progress=not a.quiet, workers=max(1, a.workers))
     size = a.out.stat().st_size
     print(f"wrote {a.passages:,} passages to {a.out} ({size / 2**20:,.1f} MiB) in {seconds:.1f}s", file=sys.stderr)
     if a.queries:
