@@ -151,9 +151,15 @@ def test_a_search_past_its_deadline_drops_out_without_breaking_its_batch(fake: F
         assert fake.release is not None and fake.arrived is not None
         backend = HTTPBackend(fake.url)
         try:
-            tasks = [asyncio.create_task(backend.search([f"e{i}"], 2)) for i in range(8)]
-            tasks[3] = asyncio.create_task(asyncio.wait_for(backend.search(["e3"], 2), 0.05))  # its own deadline
-            tasks[5].cancel()  # or its caller gave up
+
+            async def search(i: int) -> Any:
+                if i != 3:
+                    return await backend.search([f"e{i}"], 2)
+                async with asyncio.timeout(0.05):  # this one has a short deadline of its own
+                    return await backend.search([f"e{i}"], 2)
+
+            tasks = [asyncio.create_task(search(i)) for i in range(8)]
+            tasks[5].cancel()  # and this one's caller gives up before the batch goes out
             await fake.arrived.wait()  # the batch is at the server, which holds it
             await asyncio.wait([tasks[3]])  # until that search's deadline fired
             fake.release.set()
@@ -217,6 +223,7 @@ def test_server_down_fails_the_batch_as_crashed(fake: FakeRetriever) -> None:
     down = HTTPBackend(url.rsplit(":", 1)[0] + ":9")  # nothing listens on port 9 (discard) on loopback
     found = run(_search_all(down, [(f"e{i}", 3) for i in range(8)]))
     assert all(isinstance(r, ToolCrashed) and "cannot reach the retrieval server" in str(r) for r in found), found
+    assert down.requests == 1  # the batch's one request failed, and no search tried on its own
 
 
 def test_closing_fails_the_searches_of_a_batch_in_flight_and_later_ones(fake: FakeRetriever) -> None:
