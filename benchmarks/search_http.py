@@ -9,7 +9,8 @@ retrieval server (BM25 over the shipped corpus, a subprocess on loopback). Env s
 Part B: the same envs against a Search-R1-style retriever on loopback (a subprocess) that takes `--latency-ms` per
 request whatever its batch size, like a GPU retriever. Two servers: one answering requests concurrently (the
 kindest to one-request-per-search) and one answering one request at a time (a single GPU). Reported: the turn
-time and its ratio to the retriever's latency (goal: coalesced within 1.2x).
+time and its ratio to the retriever's latency (goal: coalesced within 1.2x), next to the same envs and turns with
+an in-process tool of that latency (no HTTP: what the env itself costs per turn on this machine).
 
 Each mode runs `--turns` timed turns per round, rounds alternate the modes (so load on a shared box hits both),
 and the median turn over all rounds is reported; envs are reset (untimed) every 3 turns.
@@ -36,12 +37,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "rlf_envs" / "src")]
 
 import rlf_envs  # noqa: E402
-from rlf_envs.env import ToolVectorEnv  # noqa: E402
+from rlf_envs.env import ToolEnv, ToolVectorEnv  # noqa: E402
 from rlf_envs.envs.search import SearchEnv, search_tasks  # noqa: E402
+from rlf_envs.tools import FunctionTool  # noqa: E402
 from servers.retrieval.process import ServerProcess  # noqa: E402
 
 CORPUS = ROOT / "rlf_envs" / "src" / "rlf_envs" / "data" / "search" / "corpus.jsonl"
 MODES = {"coalesced": True, "one request per search": False}
+REFERENCE = "no HTTP: in-process tool"
 TURNS_PER_EPISODE = 3
 
 
@@ -108,21 +111,27 @@ def fixed_latency_server(latency_s: float, serial: bool) -> Iterator[str]:
 class Run:
     """`envs` Search-v0 envs over HTTP with coalescing on or off; `turns()` times turns of one search per env."""
 
-    def __init__(self, url: str, envs: int, coalesce: bool, fmt: str) -> None:
+    def __init__(self, url: str | None, envs: int, coalesce: bool, fmt: str, latency_s: float = 0.0) -> None:
         self.entities = [t.meta["entity"] for t in search_tasks("train")]
-        self.venv = ToolVectorEnv(
-            env_fns=[
-                lambda: SearchEnv(
-                    retriever=url, coalesce=coalesce, format=fmt, max_turns=TURNS_PER_EPISODE + 1,
-                    max_total_tokens=1 << 20, caller={"timeout_s": 60, "max_retries": 0},
-                )
-                for _ in range(envs)
-            ]
+        limits: dict[str, Any] = dict(
+            format=fmt, max_turns=TURNS_PER_EPISODE + 1, max_total_tokens=1 << 20,
+            caller={"timeout_s": 60, "max_retries": 0},
         )
-        self.backend: Any = self.venv.envs[0].search_tool.backend
+        if url is None:  # the reference: the same envs and turns with an in-process tool of the same latency
+            tool = in_process_search(latency_s)
+            fns = [lambda: ToolEnv(tools=[tool], tasks=search_tasks("train"), **limits) for _ in range(envs)]
+        else:
+            fns = [lambda: SearchEnv(retriever=url, coalesce=coalesce, **limits) for _ in range(envs)]
+        self.venv = ToolVectorEnv(env_fns=fns)
+        self.tool: Any = self.venv.envs[0].toolbox.tools["search"]
         self.n = envs
         self.fmt = fmt
         self.offset = 0
+
+    @property
+    def requests(self) -> int:
+        backend = getattr(self.tool, "backend", None)
+        return backend.requests if backend is not None else 0
 
     def action(self, entity: str) -> str:
         if self.fmt == "search_r1":
@@ -150,17 +159,31 @@ class Run:
         from rlf_envs import runtime
 
         self.venv.close()
-        runtime.run(self.venv.envs[0].search_tool.aclose())
+        runtime.run(self.tool.aclose())
 
 
-def compare(url: str, envs: int, turns: int, rounds: int, fmt: str) -> dict[str, dict[str, float]]:
-    """Median turn per mode, rounds alternating the modes; requests per turn from the backend's counter."""
+def in_process_search(latency_s: float) -> FunctionTool:
+    async def search(query: str, topk: int = 3) -> str:
+        """Search (a stand-in taking the retriever's latency, without HTTP)."""
+        await asyncio.sleep(latency_s)
+        return "\n".join(f'Doc {i + 1}(Title: "{query}") A passage about {query}.' for i in range(topk))
+
+    return FunctionTool(search)
+
+
+def compare(
+    url: str, envs: int, turns: int, rounds: int, fmt: str, reference_latency_s: float | None = None
+) -> dict[str, dict[str, float]]:
+    """Median turn per mode, rounds alternating the modes; requests per turn from the backend's counter. With
+    `reference_latency_s`, also the same turns with an in-process tool of that latency (no HTTP at all)."""
     runs = {name: Run(url, envs, coalesce, fmt) for name, coalesce in MODES.items()}
-    times: dict[str, list[float]] = {name: [] for name in MODES}
+    if reference_latency_s is not None:
+        runs[REFERENCE] = Run(None, envs, False, fmt, reference_latency_s)
+    times: dict[str, list[float]] = {name: [] for name in runs}
     try:
         for r in runs.values():
             r.turns(2)  # warm-up: connections, caches
-        requests0 = {name: r.backend.requests for name, r in runs.items()}
+        requests0 = {name: r.requests for name, r in runs.items()}
         for _ in range(rounds):
             for name, r in runs.items():
                 times[name] += r.turns(turns)
@@ -171,7 +194,7 @@ def compare(url: str, envs: int, turns: int, rounds: int, fmt: str) -> dict[str,
                 "turn_s_median": med,
                 "turn_s_p90": statistics.quantiles(times[name], n=10)[-1],
                 "steps_per_s": envs / med,
-                "requests_per_turn": (r.backend.requests - requests0[name]) / len(times[name]),
+                "requests_per_turn": (r.requests - requests0[name]) / len(times[name]),
             }
         return out
     finally:
@@ -218,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         for serial in (False, True):
             kind = "one request at a time" if serial else "concurrent requests"
             with fixed_latency_server(latency, serial) as url:
-                b = compare(url, args.envs, args.turns, args.rounds, args.format)
+                b = compare(url, args.envs, args.turns, args.rounds, args.format, None if serial else latency)
             for r in b.values():
                 r["vs_latency"] = r["turn_s_median"] / latency
             report["fixed_latency"][kind] = b
