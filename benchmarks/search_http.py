@@ -1,6 +1,7 @@
 """Search over HTTP: one /retrieve request per batch of searches (coalesced) vs one request per search.
 
-    python benchmarks/search_http.py [--envs 64] [--turns 15] [--rounds 3] [--latency-ms 50] [--json out/search_http.json]
+    python benchmarks/search_http.py [--envs 64] [--turns 15] [--rounds 3] [--latency-ms 50]
+                                     [--format search_r1|qwen3] [--parts AB] [--json out/search_http.json]
 
 Part A: `--envs` rlf/Search-v0 envs (search_r1 format, text mode) in one ToolVectorEnv, each turn every env
 searches a different entity (no query repeats within a turn, so de-duplication does not help), against rlf's

@@ -55,9 +55,8 @@ class FakeRetriever:
             if "MALFORMED" in q:
                 result.append([{"document": {"id": "x"}}])
             else:
-                result.append(
-                    [{"document": {"id": f"{q}-{i}", "contents": f'"{q}"\ndoc {i}'}, "score": 10.0 - i} for i in range(topk)]
-                )
+                docs = [{"id": f"{q}-{i}", "contents": f'"{q}"\ndoc {i}'} for i in range(topk)]
+                result.append([{"document": d, "score": 10.0 - i} for i, d in enumerate(docs)])
         if self.mode == "wrong_length":
             result = result[:-1]
         return web.json_response({"result": result})
@@ -258,10 +257,9 @@ def test_searches_left_on_a_stopped_loop_do_not_block_the_next_loop(fake: FakeRe
     try:
 
         async def strand() -> None:
-            for i in range(4):
-                asyncio.create_task(backend.search([f"e{i}"], 2))
+            stranded = [asyncio.create_task(backend.search([f"e{i}"], 2)) for i in range(4)]
             await asyncio.sleep(0)  # they are waiting in the batcher now; the loop stops before its task runs
-            assert backend.batcher is not None and len(backend.batcher._pending) == 4
+            assert backend.batcher is not None and len(backend.batcher._pending) == len(stranded)
 
         private.run_until_complete(strand())
     finally:

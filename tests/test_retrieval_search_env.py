@@ -179,7 +179,8 @@ def test_a_query_over_the_servers_limit_fails_alone(server: ServerProcess) -> No
     asks[9] = (asks[9][0], 8)  # over this server's --max-topk 5
     coalesced, n = _search_many(server.url, asks)
     single, _ = _search_many(server.url, asks, coalesce=False)
-    assert coalesced[6] == single[6] == "ToolError: search rejected: queries.0: 5000 characters exceeds the limit of 4096"
+    too_long = "ToolError: search rejected: queries.0: 5000 characters exceeds the limit of 4096"
+    assert coalesced[6] == single[6] == too_long
     assert coalesced[9] == single[9] == "ToolError: search rejected: topk: must be between 1 and 5, got 8"
     assert coalesced == single and sum(r.startswith("Doc 1(Title: ") for r in coalesced) == 14
     assert n < len(asks)  # split until each bad query stood alone, not one request per search

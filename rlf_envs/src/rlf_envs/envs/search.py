@@ -135,10 +135,12 @@ class HTTPBackend:
             outcome = await self._request(queries, topk)
         except _SplitBatch as e:
             raise e.error from None
+        hits: list[list[Any]] = []
         for r in outcome:
             if isinstance(r, Exception):
                 raise r
-        return outcome
+            hits.append(r)
+        return hits
 
     async def asearch_batch(self, queries: list[str], topks: list[int]) -> list[list[Any] | Exception]:
         """One request per `max_batch` distinct queries (the batcher's `RemoteRetriever` side)."""
@@ -203,9 +205,8 @@ class HTTPBackend:
         out: list[list[Any] | Exception] = []
         for hs in result:
             try:
-                out.append(
-                    [Hit(Document(str(h["document"]["id"]), str(h["document"]["contents"])), float(h["score"])) for h in hs]
-                )
+                out.append([Hit(Document(str(h["document"]["id"]), str(h["document"]["contents"])), float(h["score"]))
+                            for h in hs])
             except (TypeError, KeyError, ValueError):
                 out.append(unexpected)
         return out
