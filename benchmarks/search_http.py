@@ -5,7 +5,8 @@
 
 Part A: `--envs` rlf/Search-v0 envs (search_r1 format, text mode) in one ToolVectorEnv, each turn every env
 searches a different entity (no query repeats within a turn, so de-duplication does not help), against rlf's
-retrieval server (BM25 over the shipped corpus, a subprocess on loopback). Env steps/s = envs / turn time.
+retrieval server (BM25 over the shipped corpus, a subprocess on loopback). Env steps/s = envs / turn time. For
+reference, the same turns searching the same index in-process (no HTTP: the ceiling).
 
 Part B: the same envs against a Search-R1-style retriever on loopback (a subprocess) that takes `--latency-ms` per
 request whatever its batch size, like a GPU retriever. Two servers: one answering requests concurrently (the
@@ -47,6 +48,7 @@ from servers.retrieval.process import ServerProcess  # noqa: E402
 CORPUS = ROOT / "rlf_envs" / "src" / "rlf_envs" / "data" / "search" / "corpus.jsonl"
 MODES = {"coalesced": True, "one request per search": False}
 REFERENCE = "no HTTP: in-process tool"
+REFERENCE_INDEX = "no HTTP: in-process BM25"
 TURNS_PER_EPISODE = 3
 
 
@@ -113,13 +115,17 @@ def fixed_latency_server(latency_s: float, serial: bool) -> Iterator[str]:
 class Run:
     """`envs` Search-v0 envs over HTTP with coalescing on or off; `turns()` times turns of one search per env."""
 
-    def __init__(self, url: str | None, envs: int, coalesce: bool, fmt: str, latency_s: float = 0.0) -> None:
+    def __init__(
+        self, url: str | None, envs: int, coalesce: bool, fmt: str, latency_s: float = 0.0, index: Path | None = None
+    ) -> None:
         self.entities = [t.meta["entity"] for t in search_tasks("train")]
         limits: dict[str, Any] = dict(
             format=fmt, max_turns=TURNS_PER_EPISODE + 1, max_total_tokens=1 << 20,
             caller={"timeout_s": 60, "max_retries": 0},
         )
-        if url is None:  # the reference: the same envs and turns with an in-process tool of the same latency
+        if index is not None:  # the reference: the same index searched in-process
+            fns = [lambda: SearchEnv(retriever="inprocess", index_dir=index, **limits) for _ in range(envs)]
+        elif url is None:  # the reference: the same envs and turns with an in-process tool of the same latency
             tool = in_process_search(latency_s)
             fns = [lambda: ToolEnv(tools=[tool], tasks=search_tasks("train"), **limits) for _ in range(envs)]
         else:
@@ -132,8 +138,7 @@ class Run:
 
     @property
     def requests(self) -> int:
-        backend = getattr(self.tool, "backend", None)
-        return backend.requests if backend is not None else 0
+        return getattr(getattr(self.tool, "backend", None), "requests", 0)  # HTTP requests sent (0 in-process)
 
     def action(self, entity: str) -> str:
         if self.fmt == "search_r1":
@@ -174,13 +179,16 @@ def in_process_search(latency_s: float) -> FunctionTool:
 
 
 def compare(
-    url: str, envs: int, turns: int, rounds: int, fmt: str, reference_latency_s: float | None = None
+    url: str, envs: int, turns: int, rounds: int, fmt: str, reference_latency_s: float | None = None,
+    reference_index: Path | None = None,
 ) -> dict[str, dict[str, float]]:
     """Median turn per mode, rounds alternating the modes; requests per turn from the backend's counter. With
     `reference_latency_s`, also the same turns with an in-process tool of that latency (no HTTP at all)."""
     runs = {name: Run(url, envs, coalesce, fmt) for name, coalesce in MODES.items()}
     if reference_latency_s is not None:
         runs[REFERENCE] = Run(None, envs, False, fmt, reference_latency_s)
+    if reference_index is not None:
+        runs[REFERENCE_INDEX] = Run(None, envs, False, fmt, index=reference_index)
     times: dict[str, list[float]] = {name: [] for name in runs}
     try:
         for r in runs.values():
@@ -228,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             build_index(CORPUS, Path(tmp) / "bm25", kind="bm25", show_progress=False)
             with ServerProcess(Path(tmp) / "bm25", start_timeout_s=120) as srv:
-                a = compare(srv.url, args.envs, args.turns, args.rounds, args.format)
+                index = Path(tmp) / "bm25"
+                a = compare(srv.url, args.envs, args.turns, args.rounds, args.format, reference_index=index)
         ratio = a["coalesced"]["steps_per_s"] / a["one request per search"]["steps_per_s"]
         report["bm25_server"] = {**a, "speedup": ratio}
         print(f"\nA. {args.envs} Search-v0 envs ({args.format}) -> rlf retrieval server (BM25, shipped corpus)")
