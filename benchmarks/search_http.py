@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-ms", type=float, default=50.0, help="part B: the retriever's latency per request")
     ap.add_argument("--format", default="search_r1", choices=["search_r1", "qwen3"])
     ap.add_argument("--parts", default="AB", help="A, B or AB")
+    ap.add_argument("--server-args", default="", help='part A: extra `serve` flags, e.g. "--max-wait-ms 0"')
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--serve-fixed-latency", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--serial", action="store_true", help=argparse.SUPPRESS)
@@ -235,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
 
         with tempfile.TemporaryDirectory() as tmp:
             build_index(CORPUS, Path(tmp) / "bm25", kind="bm25", show_progress=False)
-            with ServerProcess(Path(tmp) / "bm25", start_timeout_s=120) as srv:
+            with ServerProcess(Path(tmp) / "bm25", args.server_args.split(), start_timeout_s=120) as srv:
                 index = Path(tmp) / "bm25"
                 a = compare(srv.url, args.envs, args.turns, args.rounds, args.format, reference_index=index)
         ratio = a["coalesced"]["steps_per_s"] / a["one request per search"]["steps_per_s"]
-        report["bm25_server"] = {**a, "speedup": ratio}
+        report["bm25_server"] = {**a, "speedup": ratio, "server_args": args.server_args}
         print(f"\nA. {args.envs} Search-v0 envs ({args.format}) -> rlf retrieval server (BM25, shipped corpus)")
         print(f"{'mode':<24} {'turn (median)':>14} {'p90':>9} {'env steps/s':>12} {'requests/turn':>14}")
         for name, r in a.items():
