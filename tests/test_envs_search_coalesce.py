@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.envs, pytest.mark.timeout(300)]
 @dataclass
 class FakeRetriever:
     """A Search-R1 `/retrieve` on loopback. A query containing BAD makes the whole request a 400 naming it (as rlf's
-    and Search-R1's servers answer a request with one invalid query); MALFORMED gets a malformed result list."""
+    and Search-R1's servers answer a request with one invalid query); MALFORMED gets a malformed result list; HUGE
+    documents of 20 kB, LONG of 2 kB."""
 
     url: str = ""
     requests: list[tuple[list[str], int]] = field(default_factory=list)
@@ -55,7 +56,8 @@ class FakeRetriever:
             if "MALFORMED" in q:
                 result.append([{"document": {"id": "x"}}])
             else:
-                docs = [{"id": f"{q}-{i}", "contents": f'"{q}"\ndoc {i}'} for i in range(topk)]
+                text = "x" * 20_000 if "HUGE" in q else "y" * 2_000 if "LONG" in q else ""
+                docs = [{"id": f"{q}-{i}", "contents": f'"{q}"\ndoc {i}{text}'} for i in range(topk)]
                 result.append([{"document": d, "score": 10.0 - i} for i, d in enumerate(docs)])
         if self.mode == "wrong_length":
             result = result[:-1]
@@ -141,6 +143,21 @@ def test_a_rejected_query_fails_alone(fake: FakeRetriever) -> None:
     fake.requests.clear()
     single = run(_search_all(HTTPBackend(fake.url, coalesce=False), asks))
     assert str(single[5]) == str(found[5]) and str(single[11]) == str(found[11])
+
+
+def test_a_large_reply_is_read_whole_and_an_oversized_one_fails_only_its_query(fake: FakeRetriever) -> None:
+    # 64 x 3 documents of 2 kB: a 400 kB reply arrives in many chunks and is read whole
+    found = run(_search_all(HTTPBackend(fake.url), [(f"LONG {i}", 3) for i in range(64)]))
+    assert found == [[f"LONG {i}-{j}" for j in range(3)] for i in range(64)]
+    # a cap of 5 kB per query: the batch's reply (one query's 60 kB in it) is over its 40 kB, so it is split
+    # until that query stands alone, over its own cap, as it would be with one request per search
+    fake.requests.clear()
+    asks = [(f"e{i}", 3) for i in range(8)]
+    asks[2] = ("HUGE one", 3)
+    found = run(_search_all(HTTPBackend(fake.url, max_response_bytes=5_000), asks))
+    assert isinstance(found[2], ToolError) and "sent an unexpected response" in str(found[2])
+    assert all(r == [f"e{i}-{j}" for j in range(3)] for i, r in enumerate(found) if i != 2)
+    assert 1 < len(fake.requests) < 8
 
 
 def test_a_search_past_its_deadline_drops_out_without_breaking_its_batch(fake: FakeRetriever) -> None:
