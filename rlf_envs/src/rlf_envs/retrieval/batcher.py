@@ -79,7 +79,8 @@ class MicroBatcher:
 
     Results are identical to calling `retriever.search_batch(queries, topk)` directly, provided the
     retriever's top-k is prefix-consistent (rlf's DenseIndex and BM25Index are): a batch is searched
-    once with its largest topk and each request's lists are truncated to its own topk.
+    once with its largest topk and each request's lists are truncated to its own topk. A `RemoteRetriever`
+    gets `asearch_batch` calls instead, each batch as its own task on the loop.
     """
 
     def __init__(
