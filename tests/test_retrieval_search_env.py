@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import gymnasium as gym
 import pytest
@@ -140,6 +142,48 @@ def test_server_down_is_an_error_observation_not_a_crash(tmp_path: Path) -> None
     obs, reward, term, trunc, info = env.step("<search>Trosto</search>")
     assert "unavailable" in obs and "cannot reach the retrieval server" in obs
     assert info["tool_errors"] == 1 and not term and not trunc
+
+
+def _search_many(url: str, asks: list[tuple[str, int]], **kw: Any) -> tuple[list[Any], int]:
+    """All searches at once through one HTTP backend: each its rendered hits or its error text; and the requests."""
+    from rlf_envs import runtime
+    from rlf_envs.envs.search import HTTPBackend, _render
+
+    async def go() -> tuple[list[Any], int]:
+        backend = HTTPBackend(url, **kw)
+        try:
+            found = await asyncio.gather(*(backend.search([q], k) for q, k in asks), return_exceptions=True)
+        finally:
+            await backend.aclose()
+        return [f"{type(r).__name__}: {r}" if isinstance(r, BaseException) else _render(r[0]) for r in found], (
+            backend.requests
+        )
+
+    return runtime.run(go(), timeout=120)
+
+
+def test_coalesced_searches_match_one_request_per_search(server: ServerProcess) -> None:
+    # rlf's BM25 top-k lists are prefix-consistent: a repeated query searched once with the largest topk and cut
+    # to each caller's topk gives what each would have got alone
+    tasks = search_tasks("test")
+    asks = [(t.meta["entity"], 1 + i % 5) for i, t in enumerate(tasks[:24])] * 2 + [("Trosto", 5), ("Trosto", 1)]
+    coalesced, n_coalesced = _search_many(server.url, asks)
+    single, n_single = _search_many(server.url, asks, coalesce=False)
+    assert coalesced == single and all(r.startswith("Doc 1(Title: ") for r in coalesced)
+    assert n_coalesced == 1 and n_single == len(asks)
+
+
+def test_a_query_over_the_servers_limit_fails_alone(server: ServerProcess) -> None:
+    asks = [(t.meta["entity"], 3) for t in search_tasks("test")[:16]]
+    asks[6] = ("x" * 5000, 3)  # over the server's max_query_chars (4096): the whole request would be a 400
+    asks[9] = (asks[9][0], 8)  # over this server's --max-topk 5
+    coalesced, n = _search_many(server.url, asks)
+    single, _ = _search_many(server.url, asks, coalesce=False)
+    too_long = "ToolError: search rejected: queries.0: 5000 characters exceeds the limit of 4096"
+    assert coalesced[6] == single[6] == too_long
+    assert coalesced[9] == single[9] == "ToolError: search rejected: topk: must be between 1 and 5, got 8"
+    assert coalesced == single and sum(r.startswith("Doc 1(Title: ") for r in coalesced) == 14
+    assert n < len(asks)  # split until each bad query stood alone, not one request per search
 
 
 def test_bad_env_arguments(server: ServerProcess, tmp_path: Path) -> None:

@@ -74,29 +74,109 @@ class InProcessBackend:
         self.index.close()
 
 
-class HTTPBackend:
-    """A Search-R1-compatible retrieval server (`POST {url}/retrieve`), via rlf's shared aiohttp session."""
+#: the most distinct queries one coalesced /retrieve request carries (rlf's server accepts 512)
+MAX_BATCH = 512
+#: a coalesced request's reply may be `max_response_bytes` per query, up to this in all (a larger one is split)
+MAX_BATCH_RESPONSE_BYTES = 64 << 20
+#: statuses with which a server may refuse a whole request for one bad query (rlf: 400; FastAPI, as in
+#: Search-R1's server: 422; a proxy: 413): such a batch is split until the bad query stands alone
+_SPLIT_STATUSES = frozenset({400, 413, 422})
 
-    def __init__(self, url: str, timeout_s: float = 10.0, max_response_bytes: int = 8 << 20) -> None:
+
+class _SplitBatch(Exception):
+    """A batch refused (or answered too large) as a whole; `error` is what a query alone gets for it."""
+
+    def __init__(self, error: ToolError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class HTTPBackend:
+    """A Search-R1-compatible retrieval server (`POST {url}/retrieve`), via rlf's shared aiohttp session.
+
+    With `coalesce` (the default) the searches in flight on rlf's loop go out as one request per batch of at most
+    `max_batch` distinct queries, sent as soon as the loop has nothing more to add (`MicroBatcher` with
+    `flush_when_idle`). Identical queries are searched once, with the largest topk asked of them, and each
+    caller gets its own topk's prefix: this assumes the server's top-k lists are prefix-consistent (top-3 is
+    the start of top-5), as rlf's BM25 and faiss indexes are. Each caller keeps its own deadline (a cancelled
+    caller just drops out); a request keeps `timeout_s`. A batch the server refuses as a whole (HTTP 400/413/422)
+    or answers with more than its byte cap is split in halves until the bad query stands alone, so only that
+    one gets the error; a malformed result fails only its query. `coalesce=False`: one request per search."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 10.0,
+        max_response_bytes: int = 8 << 20,
+        coalesce: bool = True,
+        max_batch: int = 256,
+    ) -> None:
+        from rlf_envs.retrieval.batcher import MicroBatcher
+
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"retriever must be 'inprocess' or an http(s):// URL, got {url!r}")
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or not 1 <= max_batch <= MAX_BATCH:
+            raise ValueError(f"max_batch must be an integer between 1 and {MAX_BATCH} queries, got {max_batch!r}")
         url = url.rstrip("/")
         self.url = url if url.endswith("/retrieve") else url + "/retrieve"
         self.timeout_s = timeout_s
         self.max_response_bytes = max_response_bytes
+        self.max_batch = max_batch
+        self.requests = 0  # HTTP requests sent (for tests and benchmarks)
+        self.batcher: MicroBatcher | None = None
+        if coalesce:
+            self.batcher = MicroBatcher(self, max_batch=max_batch, max_wait_s=0.005, flush_when_idle=True)
+            runtime.register_closer(self)  # stop the batcher task on rlf's loop at interpreter exit
 
     async def search(self, queries: list[str], topk: int) -> list[list[Any]]:
+        if self.batcher is not None:
+            return await self.batcher.search(queries, topk)
+        try:
+            outcome = await self._request(queries, topk)
+        except _SplitBatch as e:
+            raise e.error from None
+        hits: list[list[Any]] = []
+        for r in outcome:
+            if isinstance(r, Exception):
+                raise r
+            hits.append(r)
+        return hits
+
+    async def asearch_batch(self, queries: list[str], topks: list[int]) -> list[list[Any] | Exception]:
+        """One request per `max_batch` distinct queries (the batcher's `RemoteRetriever` side)."""
+        n = self.max_batch
+        parts = [self._search_splitting(queries[i : i + n], topks[i : i + n]) for i in range(0, len(queries), n)]
+        return [r for part in await asyncio.gather(*parts) for r in part]
+
+    async def _search_splitting(self, queries: list[str], topks: list[int]) -> list[list[Any] | Exception]:
+        try:
+            return await self._request(queries, max(topks))
+        except _SplitBatch as e:
+            if len(queries) == 1:
+                return [e.error]
+        mid = len(queries) // 2
+        first, second = await asyncio.gather(
+            self._search_splitting(queries[:mid], topks[:mid]), self._search_splitting(queries[mid:], topks[mid:])
+        )
+        return first + second
+
+    async def _request(self, queries: list[str], topk: int) -> list[list[Any] | Exception]:
+        """One POST: each query's hits or its own error. Connection errors and 5xx raise ToolCrashed, the request's
+        deadline TimeoutError, a reply that is not a result list per query ToolError (all for every query); a
+        whole-request refusal raises _SplitBatch (its error is what a query alone gets)."""
         from rlf_envs.retrieval.types import Document, Hit
-        from rlf_envs.tools.http import http_session
+        from rlf_envs.tools.http import http_session, read_capped
 
         session = await http_session()
         payload = {"queries": queries, "topk": topk, "return_scores": True}
+        cap = min(self.max_response_bytes * len(queries), max(self.max_response_bytes, MAX_BATCH_RESPONSE_BYTES))
+        self.requests += 1
         try:
             async with (
                 asyncio.timeout(self.timeout_s),
                 session.post(self.url, json=payload) as resp,
             ):
-                body = await resp.content.read(self.max_response_bytes + 1)
+                body = await read_capped(resp, cap)
                 status = resp.status
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             raise ToolCrashed(f"cannot reach the retrieval server at {self.url}: {type(e).__name__}") from None
@@ -106,26 +186,36 @@ class HTTPBackend:
             ) from None
         if status >= 500:
             raise ToolCrashed(f"retrieval server answered HTTP {status}")
+        unexpected = ToolError(f"the retrieval server at {self.url} sent an unexpected response")
         try:
-            data = json.loads(body) if len(body) <= self.max_response_bytes else None
+            data = json.loads(body) if len(body) <= cap else None
         except (json.JSONDecodeError, UnicodeDecodeError):
             data = None
         if status >= 400:
             why = data.get("error") if isinstance(data, dict) else body[:300].decode("utf-8", "replace")
-            raise ToolError(f"search rejected: {why}")
-        try:
-            result = data["result"]  # type: ignore[index]
-            if len(result) != len(queries):
-                raise ValueError("one result list per query expected")
-            return [
-                [Hit(Document(str(h["document"]["id"]), str(h["document"]["contents"])), float(h["score"])) for h in hs]
-                for hs in result
-            ]
-        except (TypeError, KeyError, ValueError):
-            raise ToolError(f"the retrieval server at {self.url} sent an unexpected response") from None
+            rejected = ToolError(f"search rejected: {why}")
+            if status in _SPLIT_STATUSES:
+                raise _SplitBatch(rejected)
+            raise rejected
+        if len(body) > cap:
+            raise _SplitBatch(unexpected)
+        result = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(result, list) or len(result) != len(queries):  # one result list per query expected
+            raise unexpected
+        out: list[list[Any] | Exception] = []
+        for hs in result:
+            try:
+                out.append([Hit(Document(str(h["document"]["id"]), str(h["document"]["contents"])), float(h["score"]))
+                            for h in hs])
+            except (TypeError, KeyError, ValueError):
+                out.append(unexpected)
+        return out
 
     async def aclose(self) -> None:
-        """The session is rlf's shared one (closed by rlf_envs.close_all)."""
+        """Stops the batcher; the session is rlf's shared one (closed by rlf_envs.close_all)."""
+        if self.batcher is not None:
+            runtime.unregister_closer(self)
+            await self.batcher.aclose()
 
 
 # -- the tool ---------------------------------------------------------------------------------------
@@ -190,20 +280,25 @@ def search_tool(
     topk: int = DEFAULT_TOPK,
     max_topk: int = MAX_TOPK,
     request_timeout_s: float = 10.0,
+    coalesce: bool = True,
+    max_batch: int = 256,
 ) -> SearchTool:
-    """The process-wide search tool for this configuration (envs share it, so an index is loaded once)."""
+    """The process-wide search tool for this configuration (envs share it, so an index is loaded once and the
+    searches of all envs can share HTTP requests)."""
     if retriever == "inprocess":
         path = Path(index_dir) if index_dir is not None else default_index_dir()
         key: tuple[Any, ...] = ("inprocess", str(path.resolve()), topk, max_topk)
     else:
         if index_dir is not None:
             raise ValueError("index_dir applies only to retriever='inprocess' (the server loads its own index)")
-        key = ("http", retriever, topk, max_topk, request_timeout_s)
+        key = ("http", retriever, topk, max_topk, request_timeout_s, bool(coalesce), max_batch)
     with _TOOLS_LOCK:
         tool = _TOOLS.get(key)
         if tool is None:
             backend: SearchBackend = (
-                InProcessBackend(key[1]) if retriever == "inprocess" else HTTPBackend(retriever, request_timeout_s)
+                InProcessBackend(key[1])
+                if retriever == "inprocess"
+                else HTTPBackend(retriever, request_timeout_s, coalesce=coalesce, max_batch=max_batch)
             )
             tool = _TOOLS[key] = SearchTool(backend, topk, max_topk)
         return tool
@@ -266,7 +361,13 @@ class SearchEnv(ToolEnv):
         topk: documents per search when the policy does not say (Search-R1 uses 3).
         format: "search_r1" (`<search>`/`<information>`/`<answer>` tags) or "qwen3" (tool calls).
         max_topk: the largest topk the policy may ask for.
-        request_timeout_s: deadline of one HTTP search.
+        request_timeout_s: deadline of one HTTP request to the retrieval server.
+        coalesce: (HTTP) gather the searches in flight across all envs of the process into one `/retrieve`
+            request per batch (Search-R1's API takes a list of queries), sent as soon as rlf's loop has no more
+            to add; identical queries are searched once with the largest topk asked (assumes the server's
+            top-k lists are prefix-consistent, as rlf's are). Each search keeps its own deadline and its own
+            error: a query the server refuses is split out of its batch. False: one request per search.
+        max_batch: (HTTP, coalescing) the most distinct queries in one request, 1 to 512 (rlf's server limit).
         world: "default" (the shipped data) or "quickstart" (a larger generated world for training tiny
             policies: 3,200 people, 9,000 train / 200 test questions, test people unseen in train; built
             once into rlf's cache dir). Chooses the questions and, in-process, the default index.
@@ -283,6 +384,8 @@ class SearchEnv(ToolEnv):
         max_topk: int = MAX_TOPK,
         request_timeout_s: float = 10.0,
         world: str = "default",
+        coalesce: bool = True,
+        max_batch: int = 256,
         **kwargs: Any,
     ) -> None:
         from rlf_envs.data.search.generate import WORLDS
@@ -293,7 +396,7 @@ class SearchEnv(ToolEnv):
             index_dir = default_index_dir(world)
         if format not in ("search_r1", "qwen3", "hermes") and not hasattr(format, "parse"):
             raise ValueError(f"format must be 'search_r1' or 'qwen3', got {format!r}")
-        self.search_tool = search_tool(retriever, index_dir, topk, max_topk, request_timeout_s)
+        self.search_tool = search_tool(retriever, index_dir, topk, max_topk, request_timeout_s, coalesce, max_batch)
         extra_tools = list(kwargs.pop("tools", ()))
         if kwargs.get("tasks") is None:
             kwargs["tasks"] = search_tasks(split, world)

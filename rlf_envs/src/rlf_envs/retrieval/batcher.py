@@ -14,6 +14,10 @@ out `max_wait_s`; a server, whose requests trickle in from sockets, keeps the ti
 index: about a millisecond for 64 queries) is searched on the loop itself; two thread hops and a core
 whose caches are cold cost about as much. Anything slower (a dense encoder) goes to the worker thread,
 so that the loop keeps serving.
+
+A `RemoteRetriever` (a retrieval server, e.g. the Search env's HTTP backend) is searched on the loop instead:
+each batch is its own task, so the next batch does not wait for the previous reply, and every query gets its
+own hits or its own error (one bad query does not fail the others of its batch).
 """
 
 from __future__ import annotations
@@ -23,12 +27,22 @@ import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 from rlf_envs.retrieval.types import Hit, Retriever
 
 
 class BatcherClosed(RuntimeError):
     """The batcher was closed while a request waited."""
+
+
+@runtime_checkable
+class RemoteRetriever(Protocol):
+    """A retriever answered on the event loop (a server). `asearch_batch` gets distinct queries and, for each, the
+    largest topk a caller asked of it; it returns one entry per query: its hits (best first, at least that
+    topk's prefix), or the exception that query alone fails with. Raising fails every query of the batch."""
+
+    async def asearch_batch(self, queries: list[str], topks: list[int]) -> list[list[Hit] | Exception]: ...
 
 
 @dataclass(slots=True)
@@ -48,6 +62,13 @@ class BatcherStats:
     unique_queries: int = 0  # queries actually searched (after de-duplication within each batch)
     search_seconds: float = 0.0
 
+    def record(self, requests: int, queries: int, unique: int) -> None:
+        self.batches += 1
+        self.requests += requests
+        self.queries += queries
+        self.unique_queries += unique
+        self.max_batch_queries = max(self.max_batch_queries, queries)
+
     @property
     def mean_batch_queries(self) -> float:
         return self.queries / self.batches if self.batches else 0.0
@@ -58,12 +79,13 @@ class MicroBatcher:
 
     Results are identical to calling `retriever.search_batch(queries, topk)` directly, provided the
     retriever's top-k is prefix-consistent (rlf's DenseIndex and BM25Index are): a batch is searched
-    once with its largest topk and each request's lists are truncated to its own topk.
+    once with its largest topk and each request's lists are truncated to its own topk. A `RemoteRetriever`
+    gets `asearch_batch` calls instead, each batch as its own task on the loop.
     """
 
     def __init__(
         self,
-        retriever: Retriever,
+        retriever: Retriever | RemoteRetriever,
         max_batch: int = 256,
         max_wait_s: float = 0.002,
         flush_when_idle: bool = False,
@@ -74,6 +96,8 @@ class MicroBatcher:
         if max_wait_s < 0:
             raise ValueError("max_wait_s must be >= 0")
         self.retriever = retriever
+        self._remote = retriever if isinstance(retriever, RemoteRetriever) else None
+        self._remote_batches: dict[asyncio.Task[None], list[_Pending]] = {}  # remote batches in flight
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
         self.flush_when_idle = flush_when_idle
@@ -95,6 +119,7 @@ class MicroBatcher:
         if self._task is None or self._task.done() or self._loop is not loop:
             # first use, or used from a new event loop: whatever waited on an old loop is gone with it
             self._pending.clear()
+            self._remote_batches.clear()
             self._loop = loop
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(), name="rlf-retrieval-batcher")
@@ -139,6 +164,14 @@ class MicroBatcher:
             batch = self._take_batch()
             if not batch:
                 continue
+            if self._remote is not None:  # on the loop, as its own task: the next batch need not wait for it
+                task = loop.create_task(self._search_remote(self._remote, batch), name="rlf-retrieval-batch")
+                self._remote_batches[task] = batch
+                task.add_done_callback(lambda t: self._remote_batches.pop(t, None))
+                if self._pending:  # more than max_batch were waiting: the rest go out next
+                    self._wake.set()
+                continue
+            assert not isinstance(self.retriever, RemoteRetriever)
             queries = [q for p in batch for q in p.queries]
             topk = max(p.topk for p in batch)
             unique = list(dict.fromkeys(queries))  # first-seen order
@@ -165,11 +198,7 @@ class MicroBatcher:
                 self.stats.search_seconds += took
                 per = took / len(unique)
                 self._per_query_s = per if self._per_query_s is None else 0.8 * self._per_query_s + 0.2 * per
-            self.stats.batches += 1
-            self.stats.requests += len(batch)
-            self.stats.queries += len(queries)
-            self.stats.unique_queries += len(unique)
-            self.stats.max_batch_queries = max(self.stats.max_batch_queries, len(queries))
+            self.stats.record(len(batch), len(queries), len(unique))
             pos = 0
             for p in batch:
                 part = results[pos : pos + len(p.queries)]
@@ -178,6 +207,31 @@ class MicroBatcher:
                     p.future.set_result([hits[: p.topk] for hits in part])
             if self._pending:
                 self._wake.set()
+
+    async def _search_remote(self, remote: RemoteRetriever, batch: list[_Pending]) -> None:
+        topks: dict[str, int] = {}  # each distinct query, first-seen order, with the largest topk asked of it
+        for p in batch:
+            for q in p.queries:
+                topks[q] = max(topks.get(q, 0), p.topk)
+        unique = list(topks)
+        t0 = time.monotonic()
+        try:
+            found = await remote.asearch_batch(unique, list(topks.values()))
+            by_query: dict[str, list[Hit] | Exception] = dict(zip(unique, found, strict=True))
+        except Exception as e:
+            by_query = dict.fromkeys(unique, e)
+        finally:
+            self.stats.search_seconds += time.monotonic() - t0
+        self.stats.record(len(batch), sum(len(p.queries) for p in batch), len(unique))
+        for p in batch:
+            if p.future.done():  # the caller gave up meanwhile
+                continue
+            part = [by_query[q] for q in p.queries]
+            error = next((r for r in part if isinstance(r, Exception)), None)
+            if error is not None:
+                p.future.set_exception(error)
+            else:
+                p.future.set_result([hits[: p.topk] for hits in part])  # type: ignore[index]
 
     async def _gather_more(self) -> None:
         """Let more requests join the batch: until `max_batch` queries, `max_wait_s` after the oldest
@@ -198,14 +252,21 @@ class MicroBatcher:
             self._wake.clear()
 
     async def aclose(self) -> None:
-        """Stop the batcher: waiting callers get BatcherClosed, a running search is allowed to finish."""
+        """Stop the batcher: waiting callers get BatcherClosed, a running search is allowed to finish (a remote
+        batch's request is cancelled)."""
         self._closed = True
         stranded = [*self._inflight, *self._pending]  # captured first: cancelling the runner clears _inflight
+        remote, self._remote_batches = self._remote_batches, {}
+        stranded += [p for batch in remote.values() for p in batch]
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for t in remote:
+            t.cancel()
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(t for t in remote if t.get_loop() is loop), return_exceptions=True)
         for p in [*stranded, *self._pending]:
             if not p.future.done():
                 p.future.set_exception(BatcherClosed("the retrieval batcher was closed"))

@@ -30,6 +30,20 @@ async def http_session() -> aiohttp.ClientSession:
     return _session
 
 
+async def read_capped(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The response body, or its first `max_bytes + 1` bytes when it is longer (so `len(body) > max_bytes` says
+    it was too large); `resp.content.read(n)` alone returns whatever has arrived so far, not n bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= max_bytes:
+        chunk = await resp.content.read(max_bytes + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 class HTTPTool(Tool):
     """POST (or GET) the call's arguments as JSON to `url`; the response body is the tool output.
 
@@ -74,7 +88,7 @@ class HTTPTool(Tool):
             kw["json"] = arguments
         try:
             async with session.request(self.method, self.url, **kw) as resp:
-                body = await resp.content.read(self.max_response_bytes + 1)
+                body = await read_capped(resp, self.max_response_bytes)
                 status = resp.status
                 ctype = resp.headers.get("Content-Type", "")
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
