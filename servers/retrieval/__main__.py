@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rlf_envs.retrieval import RetrievalError, build_index
 from rlf_envs.retrieval._deps import set_threads
+from rlf_envs.runtime import new_event_loop
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 if a body takes longer")
     s.add_argument("--max-batch", type=int, default=512, help="max queries per micro-batch")
     s.add_argument("--max-wait-ms", type=float, default=2.0, help="max wait for a micro-batch to fill")
+    s.add_argument("--inline-below-ms", type=float, default=5.0,
+                   help="search a micro-batch on the event loop, not the worker thread, when recent batches say it "
+                        "takes less than this (BM25); 0: always on the worker thread")
     s.add_argument("--device", default=None, help="encoder device (default: cuda if available, else cpu)")
     s.add_argument("--threads", type=int, default=0, help="CPU threads for encoder + faiss (0: library default)")
     gpu = s.add_mutually_exclusive_group()
@@ -106,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be > 0")
         limits = Limits(args.max_queries, args.max_topk, args.max_body_bytes, args.max_query_chars,
                         args.header_timeout_s, args.body_timeout_s)
-        asyncio.run(
-            serve(
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop: a cheaper loop per request
+            runner.run(serve(
                 args.index,
                 args.host,
                 args.port,
@@ -116,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_wait_s=args.max_wait_ms / 1000,
                 device=args.device,
                 use_gpu=args.use_gpu,
-            )
-        )
+                inline_below_s=args.inline_below_ms / 1000,
+            ))
         return 0
     except RetrievalError as e:
         print(f"error: {e}", file=sys.stderr)
