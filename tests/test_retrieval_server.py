@@ -14,9 +14,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlf_envs.retrieval import BM25Index, load_index
-from servers.retrieval.app import Limits, RetrieveRequest, parse_request
+from rlf_envs.retrieval.types import Document, Hit
+from servers.retrieval.app import Limits, RetrieveRequest, encode_result, parse_request, well_typed_request
 from servers.retrieval.process import ROOT, ServerProcess
 
 pytestmark = [pytest.mark.retrieval, pytest.mark.timeout(600)]  # a hang guard, generous for a loaded machine
@@ -175,6 +178,66 @@ async def test_server_survives_bad_input(server: ServerProcess, http: aiohttp.Cl
 def test_parse_request_unit() -> None:
     limits = Limits(max_queries=2, max_topk=5)
     assert parse_request(b'{"queries": ["a"], "extra": 1}', limits) == RetrieveRequest(queries=["a"])
+
+
+# JSON values of the types a client may put in each field, right or wrong
+_JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30), st.floats(allow_nan=False),
+    st.text(max_size=5),
+)
+_JSON = st.recursive(_JSON_SCALARS, lambda inner: st.lists(inner, max_size=3), max_leaves=6)
+_FIELD = st.one_of(_JSON, st.lists(st.text(max_size=5), max_size=3), st.lists(st.one_of(st.text(), _JSON), max_size=3))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["queries", "topk", "return_scores", "extra"]), _FIELD, max_size=4
+    )
+)
+def test_well_typed_fast_path_agrees_with_pydantic(raw: dict) -> None:
+    """Requests skip pydantic only when its strict validation would accept them, with the same values."""
+    fast = well_typed_request(raw)
+    try:
+        strict = RetrieveRequest.model_validate(raw)
+    except ValueError:
+        assert fast is None, raw
+        return
+    if fast is not None:
+        assert fast == strict and fast.model_dump() == strict.model_dump(), raw
+
+
+def test_encode_result_is_search_r1_json() -> None:
+    """The orjson body decodes to exactly what the stdlib encoder produced: Search-R1's shape, every character
+    (quotes, newlines, control characters, non-ASCII, surrogate-free astral) and every float score kept."""
+    docs = [Document("1", '"T\u00e9"\nline\twith "quotes" \x01 \u2028 \U0001f600'), Document("x y", "")]
+    results = [[Hit(docs[0], 12.345678901234567), Hit(docs[1], -0.0)], [], [Hit(docs[1], 1e-7)]]
+    with_scores = json.loads(encode_result(results, return_scores=True))
+    assert with_scores == {"result": [[h.to_dict() for h in hits] for hits in results]}
+    assert with_scores["result"][0][0]["score"] == 12.345678901234567
+    assert json.loads(encode_result(results, return_scores=False)) == {
+        "result": [[{"id": h.document.id, "contents": h.document.contents} for h in hits] for hits in results]
+    }
+
+
+@pytest.mark.asyncio
+async def test_oversize_chunked_body_in_one_packet(server: ServerProcess) -> None:
+    """A chunked body (no Content-Length) that arrives whole with its head is still held to the body limit."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"queries": ["Trosto"], "pad": "x" * 5000}).encode()
+    raw = (b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(body):x}".encode() + b"\r\n" + body + b"\r\n0\r\n\r\n")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(raw)
+        await writer.drain()
+        async with asyncio.timeout(20):
+            reply = await reader.read()
+    finally:
+        writer.close()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply[:300]
+    assert "more than the limit of 4096 bytes" in json.loads(payload)["error"]
 
 
 # -- concurrency -------------------------------------------------------------------------------------

@@ -52,9 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 if a body takes longer")
     s.add_argument("--max-batch", type=int, default=512, help="max queries per micro-batch")
     s.add_argument("--max-wait-ms", type=float, default=2.0, help="max wait for a micro-batch to fill")
-    s.add_argument("--inline-below-ms", type=float, default=5.0,
+    s.add_argument("--inline-below-ms", type=float, default=None,
                    help="search a micro-batch on the event loop, not the worker thread, when recent batches say it "
-                        "takes less than this (BM25); 0: always on the worker thread")
+                        "takes less than this; 0: always on the worker thread (default: 50 for BM25, whose search "
+                        "holds the GIL so that a thread only adds hops, 0 for dense)")
     s.add_argument("--device", default=None, help="encoder device (default: cuda if available, else cpu)")
     s.add_argument("--threads", type=int, default=0, help="CPU threads for encoder + faiss (0: library default)")
     gpu = s.add_mutually_exclusive_group()
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("max_queries", "max_topk", "max_body_bytes", "max_query_chars", "max_batch"):
             if getattr(args, name) < 1:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.inline_below_ms is not None and not args.inline_below_ms >= 0:
+            raise RetrievalError("--inline-below-ms must be >= 0")
         for name in ("header_timeout_s", "body_timeout_s"):
             if not getattr(args, name) > 0:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be > 0")
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_wait_s=args.max_wait_ms / 1000,
                 device=args.device,
                 use_gpu=args.use_gpu,
-                inline_below_s=args.inline_below_ms / 1000,
+                inline_below_s=None if args.inline_below_ms is None else args.inline_below_ms / 1000,
             ))
         return 0
     except RetrievalError as e:

@@ -58,6 +58,11 @@ class BadRequest(Exception):
         self.status = status
 
 
+#: micro-batches expected to take less than this are searched on the event loop. BM25's search is Python and
+#: small numpy calls that hold the GIL: a worker thread would add two thread hops per batch and no parallelism.
+#: Dense search (torch, faiss) releases the GIL, so the loop keeps parsing requests while a batch is encoded.
+INLINE_BELOW_S: dict[str, float] = {"bm25": 0.05, "dense": 0.0}
+
 BATCHER = web.AppKey("batcher", MicroBatcher)
 RETRIEVER = web.AppKey("retriever", Retriever)  # type: ignore[type-abstract]
 LIMITS = web.AppKey("limits", Limits)
@@ -203,7 +208,7 @@ def make_app(
     max_batch: int = 512,
     max_wait_s: float = 0.002,
     info: dict[str, Any] | None = None,
-    inline_below_s: float = 0.005,
+    inline_below_s: float = 0.0,
 ) -> web.Application:
     """The server app over any Retriever. The batcher is closed on app cleanup."""
     limits = limits or Limits()
@@ -277,13 +282,15 @@ async def serve(
     device: str | None = None,
     use_gpu: bool | None = None,
     shutdown_timeout_s: float = 5.0,
-    inline_below_s: float = 0.005,
+    inline_below_s: float | None = None,
 ) -> None:
     """Load the index, listen, and run until SIGTERM/SIGINT; then stop accepting, drain and exit."""
     retriever = await asyncio.to_thread(load_index, index_dir, device=device, use_gpu=use_gpu)
     manifest = retriever.manifest
     info = {"kind": manifest.kind, "model": manifest.model, "faiss": manifest.faiss}
     limits = limits or Limits()
+    if inline_below_s is None:
+        inline_below_s = INLINE_BELOW_S.get(manifest.kind, 0.0)
     app = make_app(retriever, limits, max_batch=max_batch, max_wait_s=max_wait_s, info=info,
                    inline_below_s=inline_below_s)
     runner = make_runner(app, limits, shutdown_timeout_s)
