@@ -70,6 +70,9 @@ class Row:
     client_cores: float | None = None  # CPU-seconds per second of the load generator (this process)
     server_cores: float | None = None  # CPU-seconds per second of the server process, all threads
     client_us_per_request: float | None = None
+    #: CPU microseconds per query: of the in-process search loop, or of the server process (all threads). CPU
+    #: time, unlike QPS, barely moves when other processes load the box
+    cpu_us_per_query: float | None = None
 
 
 def _questions() -> list[str]:
@@ -92,7 +95,7 @@ def inprocess(kind: str, index_dir: Path, questions: list[str], batch: int, topk
         index.search_batch(questions[:batch], topk)  # warm-up (model, caches)
         lat: list[float] = []
         n, pos = 0, 0
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             qs = [questions[(pos + i) % len(questions)] for i in range(batch)]
             pos += batch
@@ -100,10 +103,12 @@ def inprocess(kind: str, index_dir: Path, questions: list[str], batch: int, topk
             index.search_batch(qs, topk)
             lat.append(time.perf_counter() - s)
             n += batch
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     finally:
         index.close()
-    return Row(kind, "in-process", batch, batch, n, dt, n / dt, _pct(lat, 50), _pct(lat, 99))
+    row = Row(kind, "in-process", batch, batch, n, dt, n / dt, _pct(lat, 50), _pct(lat, 99))
+    row.cpu_us_per_query = cpu / n * 1e6
+    return row
 
 
 async def _server_level(
@@ -174,6 +179,7 @@ def server_level(
     row.server_cores = ((t1.user - t0.user) + (t1.system - t0.system)) / dt
     row.client_cores = client_cpu / dt
     row.client_us_per_request = client_cpu / max(1, len(lat) + errors) * 1e6
+    row.cpu_us_per_query = row.server_cores * dt / max(1, n) * 1e6
     print(f"  {kind} {mode} {clients} clients: {after['unique_queries'] - before['unique_queries']} of {nq} "
           "queries searched after de-duplication", file=sys.stderr)
     return row
@@ -196,7 +202,7 @@ def _print_table(rows: list[Row], seconds: float, topk: int) -> None:
     print(f"\nretrieval benchmark (topk={topk}, {os.cpu_count()} CPUs, {seconds:g}s per level)")
     head = (
         f"{'kind':<6}{'mode':<11}{'clients':>8}{'q/req':>6}{'QPS':>10}{'p50 ms':>9}{'p99 ms':>9}{'p99/p50':>9}"
-        f"{'batch':>7}{'vs in-proc':>12}{'srv cores':>10}{'cli cores':>10}{'cli us/req':>11}{'errors':>7}"
+        f"{'batch':>7}{'vs in-proc':>12}{'cpu us/q':>9}{'srv cores':>10}{'cli cores':>10}{'cli us/req':>11}{'errors':>7}"
     )
     print(head)
     print("-" * len(head))
@@ -207,9 +213,10 @@ def _print_table(rows: list[Row], seconds: float, topk: int) -> None:
         srv = f"{r.server_cores:.2f}" if r.server_cores is not None else "-"
         cli = f"{r.client_cores:.2f}" if r.client_cores is not None else "-"
         cus = f"{r.client_us_per_request:.0f}" if r.client_us_per_request is not None else "-"
+        cpq = f"{r.cpu_us_per_query:.0f}" if r.cpu_us_per_query is not None else "-"
         print(
             f"{r.kind:<6}{r.mode:<11}{r.clients:>8}{r.per_request:>6}{r.qps:>10.1f}{r.p50_ms:>9.2f}{r.p99_ms:>9.2f}"
-            f"{tail:>9}{mb:>7}{ratio:>12}{srv:>10}{cli:>10}{cus:>11}{r.errors:>7}"
+            f"{tail:>9}{mb:>7}{ratio:>12}{cpq:>9}{srv:>10}{cli:>10}{cus:>11}{r.errors:>7}"
         )
 
 
