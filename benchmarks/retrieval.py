@@ -111,10 +111,30 @@ def inprocess(kind: str, index_dir: Path, questions: list[str], batch: int, topk
     return row
 
 
+@dataclass
+class _Level:
+    lat: list[float]
+    errors: int
+    seconds: float
+    client_cpu_s: float
+    server_cpu_s: float
+    health_before: dict[str, float]
+    health_after: dict[str, float]
+
+
+def _cpu_s(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in procs:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
 async def _server_level(
-    url: str, questions: list[str], clients: int, per_request: int, topk: int, seconds: float
-) -> tuple[list[float], int, float, float]:
-    """(request latencies, errors, wall seconds, client CPU seconds) of `clients` closed-loop clients."""
+    url: str, questions: list[str], clients: int, per_request: int, topk: int, seconds: float,
+    server: list[psutil.Process] | None = None,
+) -> _Level:
+    """`clients` closed-loop clients for `seconds`, after a warm-up round that is not counted (nor is its CPU)."""
     lat: list[float] = []
     errors = 0
     counter = 0
@@ -136,6 +156,9 @@ async def _server_level(
 
         # warm-up: open the connections, let the server's encoder settle
         await asyncio.gather(*(one(body()) for _ in range(clients)))
+        async with s.get(url + "/health") as r:
+            before = dict(await r.json())
+        s0 = _cpu_s(server or [])
         stop_at = time.perf_counter() + seconds
 
         async def client() -> None:
@@ -155,7 +178,10 @@ async def _server_level(
         c0, t0 = time.process_time(), time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return lat, errors, dt, cpu
+        s1 = _cpu_s(server or [])
+        async with s.get(url + "/health") as r:
+            after = dict(await r.json())
+    return _Level(lat, errors, dt, cpu, s1 - s0, before, after)
 
 
 def server_level(
@@ -163,31 +189,26 @@ def server_level(
     topk: int, seconds: float,
 ) -> Row:
     assert srv.proc is not None
-    proc = psutil.Process(srv.proc.pid)
-    before = asyncio.run(_health(srv.url))
-    t0 = proc.cpu_times()
-    lat, errors, dt, client_cpu = asyncio.run(_server_level(srv.url, questions, clients, per_request, topk, seconds))
-    t1 = proc.cpu_times()
-    after = asyncio.run(_health(srv.url))
+    parent = psutil.Process(srv.proc.pid)
+    procs = [parent, *parent.children()]  # the workers of `serve --workers N`
+    level = asyncio.run(_server_level(srv.url, questions, clients, per_request, topk, seconds, procs))
+    lat, errors, dt, client_cpu = level.lat, level.errors, level.seconds, level.client_cpu_s
+    before, after = level.health_before, level.health_after
     n = len(lat) * per_request
     row = Row(kind, mode, clients, per_request, n, dt, n / dt, _pct(lat, 50), _pct(lat, 99), errors)
     row.p99_over_p50 = row.p99_ms / row.p50_ms if row.p50_ms else None
     nb = after["batches"] - before["batches"]
     nq = after["queries"] - before["queries"]
-    row.mean_server_batch = nq / nb if nb else None
-    # the server's CPU includes the warm-up requests; over a few seconds of load that is noise
-    row.server_cores = ((t1.user - t0.user) + (t1.system - t0.system)) / dt
+    # with several workers /health answers for one of them: no batch statistics then
+    row.mean_server_batch = nq / nb if nb and len(procs) == 1 else None
+    row.server_cores = level.server_cpu_s / dt
     row.client_cores = client_cpu / dt
     row.client_us_per_request = client_cpu / max(1, len(lat) + errors) * 1e6
     row.cpu_us_per_query = row.server_cores * dt / max(1, n) * 1e6
-    print(f"  {kind} {mode} {clients} clients: {after['unique_queries'] - before['unique_queries']} of {nq} "
-          "queries searched after de-duplication", file=sys.stderr)
+    if len(procs) == 1:
+        print(f"  {kind} {mode} {clients} clients: {after['unique_queries'] - before['unique_queries']} of {nq} "
+              "queries searched after de-duplication", file=sys.stderr)
     return row
-
-
-async def _health(url: str) -> dict[str, float]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s, s.get(url + "/health") as r:
-        return dict(await r.json())
 
 
 def _cpus(spec: str) -> set[int]:
@@ -202,7 +223,8 @@ def _print_table(rows: list[Row], seconds: float, topk: int) -> None:
     print(f"\nretrieval benchmark (topk={topk}, {os.cpu_count()} CPUs, {seconds:g}s per level)")
     head = (
         f"{'kind':<6}{'mode':<11}{'clients':>8}{'q/req':>6}{'QPS':>10}{'p50 ms':>9}{'p99 ms':>9}{'p99/p50':>9}"
-        f"{'batch':>7}{'vs in-proc':>12}{'cpu us/q':>9}{'srv cores':>10}{'cli cores':>10}{'cli us/req':>11}{'errors':>7}"
+        f"{'batch':>7}{'vs in-proc':>12}{'cpu us/q':>9}{'srv cores':>10}{'cli cores':>10}{'cli us/req':>11}"
+        f"{'errors':>7}"
     )
     print(head)
     print("-" * len(head))

@@ -303,6 +303,51 @@ def test_clean_shutdown_on_signal(index_dir: Path, sig: int) -> None:
     assert not any("Traceback" in line for line in srv.stderr_tail), "".join(srv.stderr_tail)
 
 
+async def _spread_requests(url: str, n: int) -> tuple[set[int], list[list[dict]]]:
+    """`n` requests, each on a new connection: the worker pids that answered /health, and the results."""
+    pids: set[int] = set()
+    results: list[list[dict]] = []
+    connector = aiohttp.TCPConnector(force_close=True)  # a new connection (source port) each time
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as s:
+        for i in range(n):
+            async with s.get(url + "/health") as r:
+                pids.add((await r.json())["pid"])
+            body = {"queries": [f"Trosto {i}"], "topk": 2, "return_scores": True}
+            async with s.post(url + "/retrieve", json=body) as r:
+                assert r.status == 200
+                results.append((await r.json())["result"][0])
+    return pids, results
+
+
+def test_workers_share_one_port_and_stop_with_the_parent(index_dir: Path, local: BM25Index) -> None:
+    """`--workers 2`: two processes answer on one port (SO_REUSEPORT) with the same results as in-process
+    search; SIGTERM stops both; a parent killed outright takes its workers with it (their stdin closes)."""
+    import psutil
+
+    with ServerProcess(index_dir, ["--workers", "2"]) as srv:
+        assert srv.proc is not None
+        workers = psutil.Process(srv.proc.pid).children()
+        assert len(workers) == 2
+        pids, results = asyncio.run(_spread_requests(srv.url, 40))
+        assert pids == {w.pid for w in workers}  # both answered (40 connections all on one: p = 2^-39)
+        for i, got in enumerate(results):
+            want = local.search_batch([f"Trosto {i}"], 2)[0]
+            assert got == [h.to_dict() for h in want]
+    assert srv.returncode == 0, "".join(srv.stderr_tail)
+    for w in workers:
+        assert not w.is_running() or w.status() == psutil.STATUS_ZOMBIE
+
+    srv = ServerProcess(index_dir, ["--workers", "2"]).start()
+    try:
+        assert srv.proc is not None
+        workers = psutil.Process(srv.proc.pid).children()
+        srv.stop(signal.SIGKILL)
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        assert not [w for w in alive if w.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "rlf_envs" / "src"), env.get("PYTHONPATH", "")])

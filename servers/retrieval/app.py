@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -272,6 +274,14 @@ def make_runner(app: web.Application, limits: Limits, shutdown_timeout_s: float 
     )
 
 
+def _set_on_eof(stream: Any, loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        while stream.read(4096):
+            pass
+    with contextlib.suppress(RuntimeError):  # the loop is already closed: the server stopped anyway
+        loop.call_soon_threadsafe(event.set)
+
+
 async def serve(
     index_dir: str | Path,
     host: str = "127.0.0.1",
@@ -283,11 +293,16 @@ async def serve(
     use_gpu: bool | None = None,
     shutdown_timeout_s: float = 5.0,
     inline_below_s: float | None = None,
+    reuse_port: bool = False,
+    stop_on_stdin_eof: bool = False,
 ) -> None:
-    """Load the index, listen, and run until SIGTERM/SIGINT; then stop accepting, drain and exit."""
+    """Load the index, listen, and run until SIGTERM/SIGINT; then stop accepting, drain and exit.
+
+    `reuse_port`: bind with SO_REUSEPORT, beside the other workers of `serve --workers N` (the kernel spreads
+    connections over them). `stop_on_stdin_eof`: also stop when stdin closes (a worker whose parent died)."""
     retriever = await asyncio.to_thread(load_index, index_dir, device=device, use_gpu=use_gpu)
     manifest = retriever.manifest
-    info = {"kind": manifest.kind, "model": manifest.model, "faiss": manifest.faiss}
+    info = {"kind": manifest.kind, "model": manifest.model, "faiss": manifest.faiss, "pid": os.getpid()}
     limits = limits or Limits()
     if inline_below_s is None:
         inline_below_s = INLINE_BELOW_S.get(manifest.kind, 0.0)
@@ -298,9 +313,11 @@ async def serve(
     stop = asyncio.Event()
     try:
         await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        if stop_on_stdin_eof:
+            threading.Thread(target=_set_on_eof, args=(sys.stdin.buffer, loop, stop), daemon=True).start()
         bound = runner.addresses[0]
         print(
             f"rlf retrieval server listening on http://{host}:{bound[1]} ({manifest.kind}, {len(retriever)} docs)",
