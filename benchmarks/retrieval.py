@@ -130,6 +130,15 @@ def _cpu_s(procs: list[psutil.Process]) -> float:
     return total
 
 
+def _pool(a: Row, b: Row) -> Row:
+    """Two in-process measurements as one (queries and seconds added; latency percentiles of the slower)."""
+    n, dt = a.queries + b.queries, a.seconds + b.seconds
+    row = Row(a.kind, a.mode, a.clients, a.per_request, n, dt, n / dt, max(a.p50_ms, b.p50_ms), max(a.p99_ms, b.p99_ms))
+    if a.cpu_us_per_query is not None and b.cpu_us_per_query is not None:
+        row.cpu_us_per_query = (a.cpu_us_per_query * a.queries + b.cpu_us_per_query * b.queries) / n
+    return row
+
+
 async def _server_level(
     url: str, questions: list[str], clients: int, per_request: int, topk: int, seconds: float,
     server: list[psutil.Process] | None = None,
@@ -231,7 +240,9 @@ def _print_table(rows: list[Row], seconds: float, topk: int) -> None:
     for r in rows:
         ratio = f"{r.server_over_inprocess:.2f}" if r.server_over_inprocess is not None else "1.00 (base)"
         tail = f"{r.p99_over_p50:.2f}" if r.p99_over_p50 is not None else "-"
-        mb = f"{r.mean_server_batch:.1f}" if r.mean_server_batch is not None else str(r.clients)
+        mb = f"{r.mean_server_batch:.1f}" if r.mean_server_batch is not None else "-"
+        if r.mode == "in-process":
+            mb = str(r.clients)
         srv = f"{r.server_cores:.2f}" if r.server_cores is not None else "-"
         cli = f"{r.client_cores:.2f}" if r.client_cores is not None else "-"
         cus = f"{r.client_us_per_request:.0f}" if r.client_us_per_request is not None else "-"
@@ -287,17 +298,27 @@ def main(argv: list[str] | None = None) -> int:
                         "--threads", str(args.threads), *args.server_args.split()]
             for mode in modes:
                 qpr = 1 if mode == "single" else args.per_request
+                # the ceiling is measured before and after the server levels (half the time each) and the two
+                # pooled: on a shared box the load drifts, and one measurement before would bias the ratio
+                batch = min(args.max_batch, max(levels) * qpr)
                 _pin(server_cpus)
-                base = inprocess(kind, index_dir, questions, min(args.max_batch, max(levels) * qpr), args.topk,
-                                 args.seconds)
-                rows.append(base)
+                first = inprocess(kind, index_dir, questions, batch, args.topk, args.seconds / 2)
+                level_rows = []
                 with ServerProcess(index_dir, srv_args, start_timeout_s=120) as srv:  # inherits server_cpus
                     _pin(client_cpus)
                     for clients in levels:
-                        row = server_level(srv, kind, mode, questions, clients, qpr, args.topk, args.seconds)
-                        row.server_over_inprocess = row.qps / base.qps
-                        rows.append(row)
+                        level_rows.append(server_level(srv, kind, mode, questions, clients, qpr, args.topk,
+                                                       args.seconds))
+                _pin(server_cpus)
+                second = inprocess(kind, index_dir, questions, batch, args.topk, args.seconds / 2)
                 _pin(all_cpus if server_cpus is not None else None)
+                base = _pool(first, second)
+                print(f"  {kind} {mode} in-process: {first.qps:.1f} QPS before the server levels, {second.qps:.1f} "
+                      "after", file=sys.stderr)
+                rows.append(base)
+                for row in level_rows:
+                    row.server_over_inprocess = row.qps / base.qps
+                    rows.append(row)
     _print_table(rows, args.seconds, args.topk)
     verdicts = []
     top = max(levels)
