@@ -240,6 +240,26 @@ async def test_batcher_respects_max_batch(bm25: BM25Index) -> None:
 
 
 @pytest.mark.asyncio
+async def test_batcher_sends_a_full_batch_without_waiting(bm25: BM25Index) -> None:
+    """The runner is not woken per request, but a batch that reaches max_batch goes before max_wait_s."""
+    counting = _CountingRetriever(bm25)
+    batcher = MicroBatcher(counting, max_batch=8, max_wait_s=120.0)
+    titles = _titles()[:8]
+
+    async def ask(i: int) -> list[list[Hit]]:
+        for _ in range(3 * i):  # one by one, after the runner began to wait for more
+            await asyncio.sleep(0)
+        return await batcher.search([titles[i]], 1)
+
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(ask(i) for i in range(8))), 60.0)
+    finally:
+        await batcher.aclose()
+    assert counting.calls == [(8, 1)]
+    assert results == [bm25.search_batch([t], 1) for t in titles]
+
+
+@pytest.mark.asyncio
 async def test_batcher_searches_identical_queries_once(bm25: BM25Index) -> None:
     """A GRPO group's samples often issue the same query: one search per distinct query in a batch."""
     counting = _CountingRetriever(bm25)

@@ -14,9 +14,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rlf_envs.retrieval import BM25Index, load_index
-from servers.retrieval.app import Limits, RetrieveRequest, parse_request
+from rlf_envs.retrieval.types import Document, Hit
+from servers.retrieval.app import Limits, RetrieveRequest, encode_result, parse_request, well_typed_request
 from servers.retrieval.process import ROOT, ServerProcess
 
 pytestmark = [pytest.mark.retrieval, pytest.mark.timeout(600)]  # a hang guard, generous for a loaded machine
@@ -177,6 +180,66 @@ def test_parse_request_unit() -> None:
     assert parse_request(b'{"queries": ["a"], "extra": 1}', limits) == RetrieveRequest(queries=["a"])
 
 
+# JSON values of the types a client may put in each field, right or wrong
+_JSON_SCALARS = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(10**30), max_value=10**30), st.floats(allow_nan=False),
+    st.text(max_size=5),
+)
+_JSON = st.recursive(_JSON_SCALARS, lambda inner: st.lists(inner, max_size=3), max_leaves=6)
+_FIELD = st.one_of(_JSON, st.lists(st.text(max_size=5), max_size=3), st.lists(st.one_of(st.text(), _JSON), max_size=3))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["queries", "topk", "return_scores", "extra"]), _FIELD, max_size=4
+    )
+)
+def test_well_typed_fast_path_agrees_with_pydantic(raw: dict) -> None:
+    """Requests skip pydantic only when its strict validation would accept them, with the same values."""
+    fast = well_typed_request(raw)
+    try:
+        strict = RetrieveRequest.model_validate(raw)
+    except ValueError:
+        assert fast is None, raw
+        return
+    if fast is not None:
+        assert fast == strict and fast.model_dump() == strict.model_dump(), raw
+
+
+def test_encode_result_is_search_r1_json() -> None:
+    """The orjson body decodes to exactly what the stdlib encoder produced: Search-R1's shape, every character
+    (quotes, newlines, control characters, non-ASCII, surrogate-free astral) and every float score kept."""
+    docs = [Document("1", '"T\u00e9"\nline\twith "quotes" \x01 \u2028 \U0001f600'), Document("x y", "")]
+    results = [[Hit(docs[0], 12.345678901234567), Hit(docs[1], -0.0)], [], [Hit(docs[1], 1e-7)]]
+    with_scores = json.loads(encode_result(results, return_scores=True))
+    assert with_scores == {"result": [[h.to_dict() for h in hits] for hits in results]}
+    assert with_scores["result"][0][0]["score"] == 12.345678901234567
+    assert json.loads(encode_result(results, return_scores=False)) == {
+        "result": [[{"id": h.document.id, "contents": h.document.contents} for h in hits] for hits in results]
+    }
+
+
+@pytest.mark.asyncio
+async def test_oversize_chunked_body_in_one_packet(server: ServerProcess) -> None:
+    """A chunked body (no Content-Length) that arrives whole with its head is still held to the body limit."""
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"queries": ["Trosto"], "pad": "x" * 5000}).encode()
+    raw = (b"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+           b"Transfer-Encoding: chunked\r\n\r\n" + f"{len(body):x}".encode() + b"\r\n" + body + b"\r\n0\r\n\r\n")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(raw)
+        await writer.drain()
+        async with asyncio.timeout(20):
+            reply = await reader.read()
+    finally:
+        writer.close()
+    head, _, payload = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply[:300]
+    assert "more than the limit of 4096 bytes" in json.loads(payload)["error"]
+
+
 # -- concurrency -------------------------------------------------------------------------------------
 
 
@@ -238,6 +301,51 @@ def test_clean_shutdown_on_signal(index_dir: Path, sig: int) -> None:
     assert code == 0, "".join(srv.stderr_tail)
     assert any("shutting down" in line for line in srv.stderr_tail)
     assert not any("Traceback" in line for line in srv.stderr_tail), "".join(srv.stderr_tail)
+
+
+async def _spread_requests(url: str, n: int) -> tuple[set[int], list[list[dict]]]:
+    """`n` requests, each on a new connection: the worker pids that answered /health, and the results."""
+    pids: set[int] = set()
+    results: list[list[dict]] = []
+    connector = aiohttp.TCPConnector(force_close=True)  # a new connection (source port) each time
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as s:
+        for i in range(n):
+            async with s.get(url + "/health") as r:
+                pids.add((await r.json())["pid"])
+            body = {"queries": [f"Trosto {i}"], "topk": 2, "return_scores": True}
+            async with s.post(url + "/retrieve", json=body) as r:
+                assert r.status == 200
+                results.append((await r.json())["result"][0])
+    return pids, results
+
+
+def test_workers_share_one_port_and_stop_with_the_parent(index_dir: Path, local: BM25Index) -> None:
+    """`--workers 2`: two processes answer on one port (SO_REUSEPORT) with the same results as in-process
+    search; SIGTERM stops both; a parent killed outright takes its workers with it (their stdin closes)."""
+    import psutil
+
+    with ServerProcess(index_dir, ["--workers", "2"]) as srv:
+        assert srv.proc is not None
+        workers = psutil.Process(srv.proc.pid).children()
+        assert len(workers) == 2
+        pids, results = asyncio.run(_spread_requests(srv.url, 40))
+        assert pids == {w.pid for w in workers}  # both answered (40 connections all on one: p = 2^-39)
+        for i, got in enumerate(results):
+            want = local.search_batch([f"Trosto {i}"], 2)[0]
+            assert got == [h.to_dict() for h in want]
+    assert srv.returncode == 0, "".join(srv.stderr_tail)
+    for w in workers:
+        assert not w.is_running() or w.status() == psutil.STATUS_ZOMBIE
+
+    srv = ServerProcess(index_dir, ["--workers", "2"]).start()
+    try:
+        assert srv.proc is not None
+        workers = psutil.Process(srv.proc.pid).children()
+        srv.stop(signal.SIGKILL)
+        _, alive = psutil.wait_procs(workers, timeout=60)
+        assert not [w for w in alive if w.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        srv.stop(signal.SIGKILL)
 
 
 def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rlf_envs.retrieval import RetrievalError, build_index
 from rlf_envs.retrieval._deps import set_threads
+from rlf_envs.runtime import new_event_loop
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +52,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 if a body takes longer")
     s.add_argument("--max-batch", type=int, default=512, help="max queries per micro-batch")
     s.add_argument("--max-wait-ms", type=float, default=2.0, help="max wait for a micro-batch to fill")
+    s.add_argument("--inline-below-ms", type=float, default=None,
+                   help="search a micro-batch on the event loop, not the worker thread, when recent batches say it "
+                        "takes less than this; 0: always on the worker thread (default: 50 for BM25, whose search "
+                        "holds the GIL so that a thread only adds hops, 0 for dense)")
+    s.add_argument("--workers", type=int, default=1,
+                   help="server processes on the port (SO_REUSEPORT), each with its own loop, batcher and index; "
+                        "for BM25, whose search holds the GIL (one process uses one core)")
+    s.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)  # set for each of --workers N
     s.add_argument("--device", default=None, help="encoder device (default: cuda if available, else cpu)")
     s.add_argument("--threads", type=int, default=0, help="CPU threads for encoder + faiss (0: library default)")
     gpu = s.add_mutually_exclusive_group()
@@ -72,6 +81,7 @@ def configure_logging(verbose: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     configure_logging(args.verbose)
     try:
@@ -98,16 +108,24 @@ def main(argv: list[str] | None = None) -> int:
 
         set_threads(args.threads)
 
-        for name in ("max_queries", "max_topk", "max_body_bytes", "max_query_chars", "max_batch"):
+        for name in ("max_queries", "max_topk", "max_body_bytes", "max_query_chars", "max_batch", "workers"):
             if getattr(args, name) < 1:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be >= 1")
+        if args.inline_below_ms is not None and not args.inline_below_ms >= 0:
+            raise RetrievalError("--inline-below-ms must be >= 0")
         for name in ("header_timeout_s", "body_timeout_s"):
             if not getattr(args, name) > 0:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be > 0")
         limits = Limits(args.max_queries, args.max_topk, args.max_body_bytes, args.max_query_chars,
                         args.header_timeout_s, args.body_timeout_s)
-        asyncio.run(
-            serve(
+        if args.workers > 1:
+            from .workers import run_workers
+
+            package = __spec__.parent if __spec__ is not None else "servers.retrieval"
+            return run_workers(package, argv, args.workers, args.host, args.port, start_timeout_s=600.0,
+                               stop_timeout_s=8.0)
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:  # uvloop: a cheaper loop per request
+            runner.run(serve(
                 args.index,
                 args.host,
                 args.port,
@@ -116,8 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                 max_wait_s=args.max_wait_ms / 1000,
                 device=args.device,
                 use_gpu=args.use_gpu,
-            )
-        )
+                inline_below_s=None if args.inline_below_ms is None else args.inline_below_ms / 1000,
+                reuse_port=args.reuse_port,
+                stop_on_stdin_eof=args.reuse_port,  # a worker of `--workers N`: stdin is the parent's pipe
+            ))
         return 0
     except RetrievalError as e:
         print(f"error: {e}", file=sys.stderr)

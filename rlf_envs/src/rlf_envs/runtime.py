@@ -25,7 +25,7 @@ _thread: threading.Thread | None = None
 _closers: list[Any] = []
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def new_event_loop() -> asyncio.AbstractEventLoop:
     """uvloop when installed (a default dependency on POSIX; RLF_UVLOOP=0 opts out), else asyncio's loop."""
     if os.environ.get("RLF_UVLOOP", "1") != "0":
         try:
@@ -44,7 +44,7 @@ def get_loop() -> asyncio.AbstractEventLoop:
         return _loop
     with _lock:
         if _loop is None or _loop.is_closed():
-            loop = _new_loop()
+            loop = new_event_loop()
             ready = threading.Event()
 
             def _run() -> None:

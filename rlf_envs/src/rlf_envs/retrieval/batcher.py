@@ -105,6 +105,7 @@ class MicroBatcher:
         self._per_query_s: float | None = None  # moving average of search time per query (None: none yet)
         self.stats = BatcherStats()
         self._pending: list[_Pending] = []
+        self._queued = 0  # queries in _pending
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -120,6 +121,7 @@ class MicroBatcher:
             # first use, or used from a new event loop: whatever waited on an old loop is gone with it
             self._pending.clear()
             self._remote_batches.clear()
+            self._queued = 0
             self._loop = loop
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._run(), name="rlf-retrieval-batcher")
@@ -135,17 +137,20 @@ class MicroBatcher:
         wake = self._ensure_started()
         fut: asyncio.Future[list[list[Hit]]] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(list(queries), topk, fut))
-        wake.set()
+        self._queued += len(queries)
+        if len(self._pending) == 1 or self._queued >= self.max_batch:
+            wake.set()  # the runner waits for a first request, or for a full batch: not woken per request
         return await fut
 
     def _queued_queries(self) -> int:
-        return sum(len(p.queries) for p in self._pending)
+        return self._queued
 
     def _take_batch(self) -> list[_Pending]:
         batch: list[_Pending] = []
         n = 0
         while self._pending and (not batch or n + len(self._pending[0].queries) <= self.max_batch):
             p = self._pending.pop(0)
+            self._queued -= len(p.queries)
             if p.future.done():  # the caller gave up (cancelled / deadline)
                 continue
             batch.append(p)
@@ -271,5 +276,6 @@ class MicroBatcher:
             if not p.future.done():
                 p.future.set_exception(BatcherClosed("the retrieval batcher was closed"))
         self._pending.clear()
+        self._queued = 0
         self._inflight = []
         await asyncio.get_running_loop().run_in_executor(None, self._executor.shutdown, True)
