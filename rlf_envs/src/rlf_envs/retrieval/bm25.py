@@ -1,20 +1,23 @@
-"""BM25 over a corpus, backed by `bm25s` (sparse precomputed scores; lowercase, English stopwords)."""
+"""BM25 over a corpus, in `bm25s`' index format (sparse precomputed scores; lowercase, English stopwords).
+
+The index is built by `bm25_build.build_bm25` (streaming, bounded memory, resumable) and served
+memory-mapped: the postings stay in the page cache, not in the server's private memory.
+"""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterator
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rlf_envs.retrieval._deps import require
+from rlf_envs.retrieval.bm25_build import BM25_DIR, VOCAB_NAME, build_bm25, english_stopwords, split_words
 from rlf_envs.retrieval.corpus import DocStore
-from rlf_envs.retrieval.types import Document, Hit, IndexManifest, RetrievalError
+from rlf_envs.retrieval.types import Hit, IndexManifest, RetrievalError
 
-BM25_DIR = "bm25"
-_SPLIT = re.compile(r"(?u)\b\w\w+\b")  # bm25s' default splitter
+__all__ = ["BM25_DIR", "BM25Index", "build_bm25", "stable_topk"]
 
 
 def stable_topk(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -47,11 +50,12 @@ class BM25Index:
         if self.manifest.kind != "bm25":
             raise RetrievalError(f"{self.directory} holds a {self.manifest.kind} index, not bm25")
         self.docs = DocStore(self.directory)
-        self._bm25: Any = bm25s.BM25.load(str(self.directory / BM25_DIR), load_vocab=True, mmap=False)
-        self._vocab: dict[str, int] = dict(self._bm25.vocab_dict)
-        from bm25s.stopwords import STOPWORDS_EN
-
-        self._stopwords = frozenset(STOPWORDS_EN)
+        bm25_dir = self.directory / BM25_DIR
+        # postings memory-mapped; the vocabulary is read here once (bm25s' load_vocab would also build a
+        # set of every term id, which nothing uses)
+        self._bm25: Any = bm25s.BM25.load(str(bm25_dir), load_vocab=False, mmap=True)
+        self._vocab: dict[str, int] = json.loads((bm25_dir / VOCAB_NAME).read_text(encoding="utf-8"))
+        self._stopwords = frozenset(english_stopwords())
         if len(self.docs) != self.manifest.count:
             raise RetrievalError(
                 f"{self.directory}: manifest says {self.manifest.count} docs, store has {len(self.docs)}"
@@ -61,7 +65,7 @@ class BM25Index:
         return len(self.docs)
 
     def _query_ids(self, query: str) -> list[int]:
-        return [self._vocab[w] for w in _SPLIT.findall(query.lower()) if w in self._vocab and w not in self._stopwords]
+        return [self._vocab[w] for w in split_words(query) if w in self._vocab and w not in self._stopwords]
 
     def scores(self, query: str) -> np.ndarray:
         """BM25 score of every document for `query` (zeros when no query word is in the vocabulary)."""
@@ -119,15 +123,3 @@ class BM25Index:
 
     def close(self) -> None:
         self.docs.close()
-
-
-def build_bm25(docs: Iterator[Document] | list[Document], out: Path, show_progress: bool = True) -> None:
-    """Tokenise and index `docs`, saving the bm25s index under `out/bm25`."""
-    bm25s = require("bm25s")
-    texts = [d.contents for d in docs]
-    if not texts:
-        raise RetrievalError("the corpus is empty")
-    tokens = bm25s.tokenize(texts, stopwords="en", show_progress=show_progress)
-    model = bm25s.BM25()
-    model.index(tokens, show_progress=show_progress)
-    model.save(str(out / BM25_DIR), show_progress=False)
