@@ -43,7 +43,9 @@ def stable_topk(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 class BM25Index:
     """A BM25 retriever over an index directory built by `build_index(kind="bm25")`."""
 
-    def __init__(self, directory: str | Path, manifest: IndexManifest | None = None) -> None:
+    def __init__(self, directory: str | Path, manifest: IndexManifest | None = None, *, mmap: bool = True) -> None:
+        """`mmap=True` (default) maps the postings (score matrix) from disk, so they cost page cache, shared
+        and reclaimable, rather than this process's memory; `mmap=False` reads them into memory."""
         bm25s = require("bm25s")
         self.directory = Path(directory)
         self.manifest = manifest or IndexManifest.read(self.directory)
@@ -51,9 +53,9 @@ class BM25Index:
             raise RetrievalError(f"{self.directory} holds a {self.manifest.kind} index, not bm25")
         self.docs = DocStore(self.directory)
         bm25_dir = self.directory / BM25_DIR
-        # postings memory-mapped; the vocabulary is read here once (bm25s' load_vocab would also build a
-        # set of every term id, which nothing uses)
-        self._bm25: Any = bm25s.BM25.load(str(bm25_dir), load_vocab=False, mmap=True)
+        # the vocabulary is read here once (bm25s' load_vocab would also build a set of every term id, which
+        # nothing uses)
+        self._bm25: Any = bm25s.BM25.load(str(bm25_dir), load_vocab=False, mmap=mmap)
         self._vocab: dict[str, int] = json.loads((bm25_dir / VOCAB_NAME).read_text(encoding="utf-8"))
         self._stopwords = frozenset(english_stopwords())
         if len(self.docs) != self.manifest.count:
