@@ -68,7 +68,9 @@ def test_streaming_build_writes_bm25s_index_bit_for_bit(tmp_path: Path, chunk_do
     """Chunked tokenisation + term-block merge give exactly bm25s' arrays, vocabulary and parameters, for
     chunks of one doc to one chunk, and blocks of one posting (every term overflows) to one block."""
     texts = EDGE_DOCS + [d.contents for d in iter_corpus(CORPUS)][:150]
-    stats = build_bm25(_docs(texts), tmp_path, show_progress=False, chunk_docs=chunk_docs, merge_postings=merge_postings)
+    stats = build_bm25(
+        _docs(texts), tmp_path, show_progress=False, chunk_docs=chunk_docs, merge_postings=merge_postings
+    )
     _reference(texts, tmp_path / "ref")
     _assert_same_index(tmp_path / "bm25", tmp_path / "ref")
     assert stats.docs == len(texts) and stats.chunks_tokenised == -(-len(texts) // chunk_docs)
@@ -127,6 +129,8 @@ def test_served_index_is_memory_mapped(bm25_index_dir: Path) -> None:
         assert isinstance(index, BM25Index)
         for name in ("data", "indices", "indptr"):
             assert isinstance(index._bm25.scores[name], np.memmap), name
+        for view, name in zip(index._postings, ("data", "indptr", "indices"), strict=True):
+            assert np.shares_memory(view, index._bm25.scores[name]), name  # the search path reads the map
         ram = BM25Index(bm25_index_dir, mmap=False)
         assert not isinstance(ram._bm25.scores["data"], np.memmap)
         queries = ["capital", "Where was the painter born?", "river of the north"]

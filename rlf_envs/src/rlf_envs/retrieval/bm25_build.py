@@ -363,7 +363,7 @@ def _merge(
     data_f = _open_npy(out / DATA_NAME, np.dtype(np.float32), nnz)
     idx_f = _open_npy(out / INDICES_NAME, np.dtype(np.int32), nnz)
     try:
-        for t0, t1 in zip(bounds[:-1], bounds[1:], strict=True):
+        for t0, t1 in itertools.pairwise(bounds):
             base = int(indptr[t0])
             size = int(indptr[t1]) - base
             data = np.empty(size, dtype=np.float32)
