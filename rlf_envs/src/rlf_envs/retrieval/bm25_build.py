@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from array import array
 from collections.abc import Iterable, Iterator, Sized
 from dataclasses import asdict, dataclass
@@ -91,6 +92,8 @@ class BM25BuildStats:
     chunks_tokenised: int
     chunks_reused: int
     merge_blocks: int
+    tokenise_seconds: float
+    merge_seconds: float
 
 
 class _Vocabulary(dict[str, int]):
@@ -452,11 +455,13 @@ def build_bm25(
     own_work = work_dir is None
     work = Path(tempfile.mkdtemp(prefix=".bm25-work-", dir=out)) if work_dir is None else Path(work_dir)
     try:
+        t0 = time.perf_counter()
         vocab = _Vocabulary(english_stopwords())
         infos, reused = _tokenise_all(docs, work, vocab, chunk_docs, params, total, show_progress)
         if not infos:
             raise RetrievalError("the corpus is empty")
         n_terms = vocab.n_terms
+        t1 = time.perf_counter()
         del vocab  # the merge needs only O(vocab) arrays, not the dict
         target = out / BM25_DIR
         target.mkdir(parents=True, exist_ok=True)
@@ -474,6 +479,8 @@ def build_bm25(
             chunks_tokenised=len(infos) - reused,
             chunks_reused=reused,
             merge_blocks=blocks,
+            tokenise_seconds=t1 - t0,
+            merge_seconds=time.perf_counter() - t1,
         )
     finally:
         if own_work:
