@@ -215,11 +215,11 @@ def _load(d: Path, name: str, a: int | None = None, b: int | None = None) -> np.
         del mm
 
 
-def _progress(total: int | None, desc: str, enabled: bool) -> Any:
+def _progress(total: int | None, desc: str, enabled: bool, unit: str = "doc") -> Any:
     """A tqdm bar when tqdm is installed and `enabled`; otherwise a silent stand-in."""
     if enabled:
         with contextlib.suppress(ImportError):
-            return importlib.import_module("tqdm").tqdm(total=total, desc=desc, unit="doc")
+            return importlib.import_module("tqdm").tqdm(total=total, desc=desc, unit=unit)
 
     class _Silent:
         def update(self, n: int = 1) -> None:
@@ -362,7 +362,7 @@ def _merge(
         t0 = bounds[-1]
         t1 = int(np.searchsorted(indptr, indptr[t0] + merge_postings, side="right")) - 1
         bounds.append(min(max(t1, t0 + 1), n_terms))
-    bar = _progress(len(bounds) - 1, "BM25 merge", show_progress)
+    bar = _progress(len(bounds) - 1, "BM25 merge", show_progress, unit="block")
     data_f = _open_npy(out / DATA_NAME, np.dtype(np.float32), nnz)
     idx_f = _open_npy(out / INDICES_NAME, np.dtype(np.int32), nnz)
     try:
