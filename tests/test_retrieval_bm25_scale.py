@@ -296,6 +296,6 @@ def test_build_memory_does_not_grow_with_the_corpus(tmp_path: Path) -> None:
     large = _build_growth_mib(corpora[4 * n], tmp_path / "large", chunk_docs=250)
     whole = _build_growth_mib(corpora[4 * n], tmp_path / "whole", chunk_docs=4 * n)
     report = f"growth: N={small:.1f} MiB, 4N={large:.1f} MiB, 4N in one chunk={whole:.1f} MiB"
-    print(report)
     assert whole - large > 25, report  # holding 10,000 passages' tokens is visible
-    assert large - small < 6, report  # streaming: 7,500 more passages cost (almost) nothing
+    assert large - small < 3, report  # streaming: 7,500 more passages cost nothing (holding just their
+    # Documents would add ~6 MiB; measured differences of a correct build: -0.3..0 MiB)
