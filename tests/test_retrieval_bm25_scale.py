@@ -123,6 +123,26 @@ def test_index_built_by_rlf_searches_like_one_built_by_plain_bm25s(tmp_path: Pat
         b.close()
 
 
+def test_fewer_hits_than_k_match_a_full_ranking(bm25_index_dir: Path) -> None:
+    """Rare and unknown words (fewer than k docs score, or none): the top-k is the scoring docs, then
+    the lowest-index zero-score docs, exactly as ranking every document's score; also for k > N."""
+    from rlf_envs.retrieval.bm25 import stable_topk
+
+    index = load_index(bm25_index_dir)
+    assert isinstance(index, BM25Index)
+    try:
+        titles = [index.docs[i].title for i in range(0, len(index), 7)]
+        queries = [*titles, "zzqx unknownword", "", "the of and", f"{titles[0]} {titles[1]} qqq"]
+        for k in (3, 10, 40, len(index), len(index) + 50):
+            for q in queries:
+                idx, vals = stable_topk(index.scores(q), k)
+                got, scores = index._topk(q, k)
+                assert got.tolist() == idx.tolist() and scores.tolist() == vals.tolist(), (q, k)
+                assert scores.dtype == vals.dtype
+    finally:
+        index.close()
+
+
 def test_served_index_is_memory_mapped(bm25_index_dir: Path) -> None:
     index = load_index(bm25_index_dir)
     try:

@@ -104,9 +104,14 @@ class BM25Index:
 
     def _topk(self, query: str, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Same indices, values and tie order as `stable_topk(self.scores(query), k)`, ranking only the
-        docs that contain a query word whenever they fill the top-k with positive scores."""
+        docs that contain a query word. When fewer than k docs score (rare or unknown words: a policy
+        can send those at will), the rest of the top-k are the lowest-index docs scoring exactly 0, as in
+        the full ranking, without sorting all N of them (30 ms per query at 1M passages)."""
         ids = self._query_ids(query)
-        posted = self._posted_scores(ids) if ids else None
+        if ids:
+            posted = self._posted_scores(ids)
+        else:  # no known word: every doc scores 0
+            posted = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.dtype(self._bm25.dtype))
         if posted is not None:
             docs, vals = posted
             keep = vals != 0
@@ -115,6 +120,12 @@ class BM25Index:
                 sub, top = stable_topk(vals, k)  # ties by position = by doc index (docs ascend)
                 if top[-1] > 0:
                     return docs[sub], top
+            elif not bool((vals < 0).any()):  # every doc not in `docs` scores exactly 0, below them
+                k = min(k, len(self.docs))
+                order = np.lexsort((docs, -vals))
+                zeros = np.setdiff1d(np.arange(k), docs)[: k - len(docs)]
+                zero_vals = np.zeros(len(zeros), dtype=vals.dtype)
+                return np.concatenate([docs[order], zeros]), np.concatenate([vals[order], zero_vals])
         return stable_topk(self._dense_scores(ids), k)
 
     def search_batch(self, queries: list[str], topk: int) -> list[list[Hit]]:
