@@ -64,7 +64,7 @@ def build_index(
         store = DocStore(tmp)
         try:
             if kind == "bm25":
-                build_bm25(list(store), tmp, show_progress=show_progress)
+                build_bm25(store, tmp, show_progress=show_progress)
                 manifest = IndexManifest(kind="bm25", count=count, corpus=str(corpus))
             else:
                 qp = query_prefix if query_prefix is not None else (E5_QUERY_PREFIX if e5 else "")
