@@ -121,8 +121,13 @@ class BM25Index:
         self.docs.close()
 
 
-def build_bm25(docs: Iterator[Document] | list[Document], out: Path, show_progress: bool = True) -> None:
-    """Tokenise and index `docs`, saving the bm25s index under `out/bm25`."""
+def build_bm25(
+    docs: Iterator[Document] | list[Document], out: Path, *, work_dir: Path | None = None, show_progress: bool = True
+) -> None:
+    """Tokenise and index `docs`, saving the bm25s index under `out/bm25`.
+
+    `work_dir` is the build's private scratch directory for resumable intermediate files (it survives a
+    crash and is deleted after the build); this in-memory build does not use it."""
     bm25s = require("bm25s")
     texts = [d.contents for d in docs]
     if not texts:
