@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--recall-sample", type=int, default=200, help="dense: queries recall is averaged over")
     b.add_argument("--recall-queries", type=Path, default=None,
                    help='dense: JSONL of {"question": ...} to measure recall on (default: passages\' text)')
+    b.add_argument("--embeddings", type=Path, default=None,
+                   help="dense: reuse the embeddings.npy a --keep-embeddings build of this corpus + model left")
     b.add_argument("--threads", type=int, default=0, help="CPU threads for encoder + faiss (0: library default)")
     b.add_argument("--keep-embeddings", action="store_true", help="keep embeddings.npy in the index dir")
     b.add_argument("--overwrite", action="store_true",
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                 recall_k=args.recall_k,
                 recall_sample=args.recall_sample,
                 recall_queries=args.recall_queries,
+                embeddings=args.embeddings,
                 keep_embeddings=args.keep_embeddings,
                 overwrite=args.overwrite,
                 restart=args.restart,

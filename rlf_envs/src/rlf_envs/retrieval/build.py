@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -77,6 +78,7 @@ class BuildParams:
     recall_k: int = 10
     recall_sample: int = 200
     recall_queries: str | None = None  # a JSONL of {"question"} lines; None: a sample of passages
+    embeddings: str | None = None  # a .npy [count, dims] from an earlier build (--keep-embeddings): not re-encoded
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +185,7 @@ def build_index(
     recall_k: int = 10,
     recall_sample: int = 200,
     recall_queries: str | Path | None = None,
+    embeddings: str | Path | None = None,
     keep_embeddings: bool = False,
     overwrite: bool = False,
     restart: bool = False,
@@ -192,7 +195,9 @@ def build_index(
 
     `e5=True` sets the "query: " / "passage: " prefixes e5 models expect. Dense builds measure the
     recall@`recall_k` of the chosen faiss kind against exact search on `recall_sample` queries (lines of
-    the `recall_queries` JSONL, or passages' text) and record it in the manifest.
+    the `recall_queries` JSONL, or passages' text) and record it in the manifest. `embeddings` reuses the
+    passage vectors an earlier build of the same corpus and model kept (`keep_embeddings=True`), e.g. to
+    build several faiss kinds from one encoding pass.
     """
     if kind not in ("dense", "bm25"):
         raise RetrievalError(f"kind must be 'dense' or 'bm25', got {kind!r}")
@@ -210,6 +215,7 @@ def build_index(
             kind, model, faiss_kind, qp, pp, nlist, nprobe, hnsw_m, ef_construction, ef_search, pq_m, pq_nbits,
             device, fp16, batch_size, embed_chunk, recall_k, recall_sample,
             None if recall_queries is None else str(Path(recall_queries).resolve()),
+            None if embeddings is None else str(Path(embeddings).resolve()),
         )
     else:
         params = BuildParams(kind)
@@ -223,7 +229,7 @@ def build_index(
         try:
             manifest = _run_stages(state, work, corpus, show_progress)
             index_dir = work / "index"
-            if keep_embeddings and kind == "dense":
+            if keep_embeddings and kind == "dense" and embeddings is None:
                 os.replace(work / EMBEDDINGS_NAME, index_dir / EMBEDDINGS_NAME)
             manifest.write(index_dir)
             _swap_into_place(index_dir, out)
@@ -304,9 +310,16 @@ def _dense_stages(state: BuildState, work: Path, store: DocStore, corpus: Path, 
         p.model, device=p.device, query_prefix=p.query_prefix, passage_prefix=p.passage_prefix,
         batch_size=p.batch_size, fp16=p.fp16,
     )
-    emb_path = work / EMBEDDINGS_NAME
+    emb_path = work / EMBEDDINGS_NAME if p.embeddings is None else Path(p.embeddings)
     n = state.count
-    if "embed" not in state.done:
+    if p.embeddings is not None:
+        shape = np.load(emb_path, mmap_mode="r").shape if emb_path.is_file() else None
+        if shape != (n, encoder.dims):
+            raise RetrievalError(
+                f"--embeddings {emb_path} has shape {shape}, the corpus and model need {(n, encoder.dims)}: pass the "
+                "embeddings.npy a --keep-embeddings build of this corpus with this model left"
+            )
+    elif "embed" not in state.done:
         if state.embedded and emb_path.is_file():
             emb = np.load(emb_path, mmap_mode="r+")
             if emb.shape != (n, encoder.dims):
@@ -316,8 +329,11 @@ def _dense_stages(state: BuildState, work: Path, store: DocStore, corpus: Path, 
             state.embedded = 0
             emb = np.lib.format.open_memmap(emb_path, mode="w+", dtype=np.float32, shape=(n, encoder.dims))
 
+        spent, t0 = float(state.results.get("embed_s", 0.0)), time.perf_counter()
+
         def checkpoint(done: int) -> None:
             state.embedded = done
+            state.results["embed_s"] = spent + time.perf_counter() - t0  # summed over resumed runs
             state.save(work)
 
         texts = (d.contents for d in store.iter_from(state.embedded))
@@ -361,6 +377,8 @@ def _dense_stages(state: BuildState, work: Path, store: DocStore, corpus: Path, 
         state.results["recall"] = recall_at_k(index, emb, queries, p.recall_k)
         state.results["recall_queries"] = len(queries)
         _finish(state, work, "recall")
+    if "embed_s" in state.results:
+        manifest.extra["embed_seconds"] = f"{state.results['embed_s']:.1f}"
     manifest.recall = state.results["recall"]
     manifest.recall_k = p.recall_k
     manifest.recall_queries = state.results["recall_queries"]
