@@ -43,12 +43,15 @@ def _mapped(path: Path) -> bool:
     return str(path.resolve()) in Path("/proc/self/maps").read_text()
 
 
+_REAL_ENCODE = Encoder.encode_passages
+
+
 class _CountingEncoder:
     """Counts the passages the real encoder embeds (a spy on Encoder.encode_passages)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, fail_after: int | None = None) -> None:
         self.passages = 0
-        real = Encoder.encode_passages
+        real = _REAL_ENCODE
 
         def counting(encoder: Encoder, passages: list[str]) -> np.ndarray:
             if fail_after is not None and self.passages >= fail_after:
@@ -120,10 +123,10 @@ def test_build_resumes_after_sigkill_mid_embedding(
     spy.passages = 0
     qfile = tmp_path / "q.jsonl"
     qfile.write_text("".join(json.dumps({"question": f"what is the capital of {q}?"}) + "\n" for q in queries[:40]))
-    m = build_index(corpus, tmp_path / "pq", kind="dense", faiss_kind="ivfpq", nlist=4, pq_m=8, nprobe=1,
+    m = build_index(corpus, tmp_path / "pq", kind="dense", faiss_kind="ivfpq", nlist=4, pq_m=8, pq_nbits=4, nprobe=1,
                     embeddings=ref_dir / "embeddings.npy", recall_queries=qfile, show_progress=False)
     assert spy.passages == 0
-    assert (m.faiss, m.nlist, m.pq_m, m.pq_nbits, m.recall_queries) == ("ivfpq", 4, 8, 8, 40)
+    assert (m.faiss, m.nlist, m.pq_m, m.pq_nbits, m.recall_queries) == ("ivfpq", 4, 8, 4, 40)
     assert m.recall is not None and 0.0 < m.recall < 1.0  # 8 bytes per vector, 1 of 4 lists: lossy
     with pytest.raises(RetrievalError, match="has shape"):
         build_index(_corpus(tmp_path, 20), tmp_path / "bad", kind="dense", embeddings=ref_dir / "embeddings.npy",
@@ -174,6 +177,8 @@ def test_compressed_kinds_recall_against_exact_search(tmp_path: Path) -> None:
     hnswsq = build_faiss(emb, "hnswsq", hnsw_m=16)
     hnswsq.hnsw.efSearch = 256
     assert recall_at_k(hnswsq, emb, queries, 10) >= 0.9
+    with pytest.raises(RetrievalError, match="needs at least 256 passages"):
+        build_faiss(emb[:200], "ivfpq", nlist=16, pq_m=8)
     with pytest.raises(RetrievalError, match="must divide"):
         build_faiss(emb, "ivfpq", nlist=16, pq_m=7)
     # every kind reads back memory-mapped and answers exactly as the in-memory index

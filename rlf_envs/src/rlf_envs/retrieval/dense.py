@@ -165,6 +165,11 @@ def build_faiss(
                 raise RetrievalError(f"--pq-m {m} must divide the embedding size {d}")
             if not 1 <= pq_nbits <= 16:
                 raise RetrievalError(f"--pq-nbits must be in 1..16, got {pq_nbits}")
+            if n < 2**pq_nbits:
+                raise RetrievalError(
+                    f"ivfpq with pq_nbits={pq_nbits} needs at least {2**pq_nbits} passages to train, the corpus has "
+                    f"{n}: lower --pq-nbits or use flat"
+                )
             index = faiss.IndexIVFPQ(quantizer, d, nlist, m, pq_nbits, metric)
     else:
         raise RetrievalError(f"unknown faiss index type {kind!r}; choose flat, ivf, ivfpq, hnsw or hnswsq")
