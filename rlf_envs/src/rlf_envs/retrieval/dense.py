@@ -314,20 +314,21 @@ def embed_corpus(
 
 
 def exact_topk(embeddings: np.ndarray, queries: np.ndarray, k: int, chunk: int = 65536) -> np.ndarray:
-    """Ids [q, k] of the k largest inner products per query, scanning `embeddings` (a memmap) chunk by chunk."""
+    """Ids [q, k] of the k largest inner products per query, best first, scanning `embeddings` (a memmap)
+    chunk by chunk: memory is one chunk of vectors and scores, never the whole matrix."""
     n = embeddings.shape[0]
     k = min(k, n)
-    best_s = np.full((len(queries), 0), -np.inf, dtype=np.float32)
-    best_i = np.zeros((len(queries), 0), dtype=np.int64)
+    best_s = np.empty((len(queries), 0), dtype=np.float32)
+    best_i = np.empty((len(queries), 0), dtype=np.int64)
     for start in range(0, n, chunk):
-        block = np.asarray(embeddings[start : start + chunk], dtype=np.float32)
-        s = queries @ block.T
-        ids = np.broadcast_to(np.arange(start, start + len(block)), s.shape)
-        cand_s = np.concatenate([best_s, s], axis=1)
-        cand_i = np.concatenate([best_i, ids], axis=1)
-        keep = np.argsort(-cand_s, axis=1, kind="stable")[:, :k]
-        best_s = np.take_along_axis(cand_s, keep, axis=1)
-        best_i = np.take_along_axis(cand_i, keep, axis=1)
+        s = queries @ np.asarray(embeddings[start : start + chunk], dtype=np.float32).T
+        kk = min(k, s.shape[1])
+        part = np.argpartition(-s, kk - 1, axis=1)[:, :kk]  # this chunk's k best, unordered
+        best_s = np.concatenate([best_s, np.take_along_axis(s, part, axis=1)], axis=1)
+        best_i = np.concatenate([best_i, part + start], axis=1)
+        keep = np.argsort(-best_s, axis=1, kind="stable")[:, :k]
+        best_s = np.take_along_axis(best_s, keep, axis=1)
+        best_i = np.take_along_axis(best_i, keep, axis=1)
     return best_i
 
 
