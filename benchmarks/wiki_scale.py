@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "rlf_envs" / "src"), str(ROOT / "benchmarks")]
 
-from retrieval import _server_level  # noqa: E402  (benchmarks/retrieval.py: the 64-client load generator)
+import retrieval as load_gen  # noqa: E402  (benchmarks/retrieval.py: the closed-loop client load generator)
 
 from rlf_envs.retrieval.types import IndexManifest  # noqa: E402
 from servers.retrieval.process import ServerProcess  # noqa: E402
@@ -129,7 +129,10 @@ def serve_and_load(args: argparse.Namespace, index: Path, questions: list[str], 
     with ServerProcess(index, flags, start_timeout_s=args.build_timeout_s) as srv:
         assert srv.proc is not None
         r.serve_load_s = time.perf_counter() - t0
-        row = asyncio.run(_server_level(srv.url, questions, args.clients, args.topk, args.seconds))
+        if hasattr(load_gen, "server_level"):  # benchmarks/retrieval.py on main (single-query mode, 1 per request)
+            row = load_gen.server_level(srv, r.name, "single", questions, args.clients, 1, args.topk, args.seconds)
+        else:  # this branch's older benchmarks/retrieval.py; drop once merged
+            row = asyncio.run(load_gen._server_level(srv.url, questions, args.clients, args.topk, args.seconds))
         mem = _proc_mem(srv.proc.pid)
     r.qps, r.p50_ms, r.p99_ms, r.errors = row.qps, row.p50_ms, row.p99_ms, row.errors
     r.serve_rss_mib, r.serve_rss_anon_mib = mem.get("VmRSS", 0.0), mem.get("RssAnon", 0.0)
