@@ -12,6 +12,7 @@ from pathlib import Path
 from rlf_envs.retrieval import RetrievalError, build_index
 from rlf_envs.retrieval._deps import set_threads
 from rlf_envs.runtime import new_event_loop
+from rlf_envs.retrieval.types import FAISS_KINDS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,14 +31,31 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--kind", choices=("dense", "bm25"), default="dense")
     b.add_argument("--model", default=None, help="local sentence-transformers dir (default: bundled MiniLM)")
     b.add_argument("--e5", action="store_true", help='e5 models: prefix "query: " / "passage: "')
-    b.add_argument("--faiss", choices=("flat", "ivf", "hnsw"), default="flat", help="faiss index type (dense)")
-    b.add_argument("--nlist", type=int, default=None, help="ivf: number of lists (default 4*sqrt(n))")
-    b.add_argument("--nprobe", type=int, default=32, help="ivf: lists probed per query")
-    b.add_argument("--ef-search", type=int, default=128, help="hnsw: efSearch")
+    b.add_argument("--faiss", choices=FAISS_KINDS, default="flat",
+                   help="faiss index (dense): flat (exact), ivf, ivfpq (compressed), hnsw, hnswsq (8-bit HNSW)")
+    b.add_argument("--nlist", type=int, default=None, help="ivf/ivfpq: number of lists (default 4*sqrt(n))")
+    b.add_argument("--nprobe", type=int, default=32, help="ivf/ivfpq: lists probed per query")
+    b.add_argument("--pq-m", type=int, default=None, help="ivfpq: bytes per vector (default dims/8; divides dims)")
+    b.add_argument("--pq-nbits", type=int, default=8, help="ivfpq: bits per sub-quantizer code")
+    b.add_argument("--hnsw-m", type=int, default=32, help="hnsw/hnswsq: graph links per node")
+    b.add_argument("--ef-construction", type=int, default=200, help="hnsw/hnswsq: efConstruction")
+    b.add_argument("--ef-search", type=int, default=128, help="hnsw/hnswsq: efSearch")
     b.add_argument("--batch-size", type=int, default=128, help="encoder batch size")
     b.add_argument("--device", default=None, help="encoder device (default: cuda if available, else cpu)")
+    b.add_argument("--fp16", action="store_true", help="encode passages in fp16 (CUDA only)")
+    b.add_argument("--embed-chunk", type=int, default=16384,
+                   help="passages per encoder call; progress is saved after each (a re-run resumes there)")
+    b.add_argument("--recall-k", type=int, default=10, help="dense: measure recall@k of the index vs exact search")
+    b.add_argument("--recall-sample", type=int, default=200, help="dense: queries recall is averaged over")
+    b.add_argument("--recall-queries", type=Path, default=None,
+                   help='dense: JSONL of {"question": ...} to measure recall on (default: passages\' text)')
+    b.add_argument("--embeddings", type=Path, default=None,
+                   help="dense: reuse the embeddings.npy a --keep-embeddings build of this corpus + model left")
+    b.add_argument("--threads", type=int, default=0, help="CPU threads for encoder + faiss (0: library default)")
     b.add_argument("--keep-embeddings", action="store_true", help="keep embeddings.npy in the index dir")
-    b.add_argument("--overwrite", action="store_true", help="replace an existing index directory")
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace an existing index directory (and an interrupted build with other options)")
+    b.add_argument("--restart", action="store_true", help="discard an interrupted build of --out instead of resuming")
 
     s = sub.add_parser("serve", parents=[verbose], help="serve an index over HTTP (Search-R1's /retrieve API)")
     s.add_argument("--index", type=Path, required=True)
@@ -86,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(args.verbose)
     try:
         if args.command == "build":
+            set_threads(args.threads)
             m = build_index(
                 args.corpus,
                 args.out,
@@ -95,14 +114,27 @@ def main(argv: list[str] | None = None) -> int:
                 e5=args.e5,
                 nlist=args.nlist,
                 nprobe=args.nprobe,
+                pq_m=args.pq_m,
+                pq_nbits=args.pq_nbits,
+                hnsw_m=args.hnsw_m,
+                ef_construction=args.ef_construction,
                 ef_search=args.ef_search,
                 device=args.device,
+                fp16=args.fp16,
                 batch_size=args.batch_size,
+                embed_chunk=args.embed_chunk,
+                recall_k=args.recall_k,
+                recall_sample=args.recall_sample,
+                recall_queries=args.recall_queries,
+                embeddings=args.embeddings,
                 keep_embeddings=args.keep_embeddings,
                 overwrite=args.overwrite,
+                restart=args.restart,
                 show_progress=args.verbose,
             )
             print(f"built {m.kind} index of {m.count} documents in {args.out}")
+            if m.recall is not None:
+                print(f"recall@{m.recall_k} of {m.faiss} vs exact search: {m.recall:.4f} ({m.recall_queries} queries)")
             return 0
         from .app import Limits, serve
 

