@@ -16,7 +16,6 @@ Nothing is downloaded: the model is the bundled MiniLM or a local `--model` dire
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -129,10 +128,7 @@ def serve_and_load(args: argparse.Namespace, index: Path, questions: list[str], 
     with ServerProcess(index, flags, start_timeout_s=args.build_timeout_s) as srv:
         assert srv.proc is not None
         r.serve_load_s = time.perf_counter() - t0
-        if hasattr(load_gen, "server_level"):  # benchmarks/retrieval.py on main (single-query mode, 1 per request)
-            row = load_gen.server_level(srv, r.name, "single", questions, args.clients, 1, args.topk, args.seconds)
-        else:  # this branch's older benchmarks/retrieval.py; drop once merged
-            row = asyncio.run(load_gen._server_level(srv.url, questions, args.clients, args.topk, args.seconds))
+        row = load_gen.server_level(srv, r.name, "single", questions, args.clients, 1, args.topk, args.seconds)
         mem = _proc_mem(srv.proc.pid)
     r.qps, r.p50_ms, r.p99_ms, r.errors = row.qps, row.p50_ms, row.p99_ms, row.errors
     r.serve_rss_mib, r.serve_rss_anon_mib = mem.get("VmRSS", 0.0), mem.get("RssAnon", 0.0)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rlf_envs.retrieval import RetrievalError, build_index
 from rlf_envs.retrieval._deps import set_threads
-from rlf_envs.runtime import new_event_loop
 from rlf_envs.retrieval.types import FAISS_KINDS
+from rlf_envs.runtime import new_event_loop
 
 
 def _parser() -> argparse.ArgumentParser:
