@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/rlf-wiki-scale"))
     ap.add_argument("--corpus", type=Path, default=None, help="default: WORKDIR/wiki-N.jsonl, generated if absent")
     ap.add_argument("--kinds", nargs="+", choices=("bm25", "dense"), default=["bm25", "dense"])
-    ap.add_argument("--faiss", nargs="+", choices=("flat", "ivf", "ivfpq", "hnsw", "hnswsq"),
+    ap.add_argument("--faiss", nargs="+", choices=("flat", "ivf", "ivfpq", "ivfsq", "hnsw", "hnswsq"),
                     default=["ivfpq", "hnsw", "flat"], help="dense kinds; the first one does the encoding pass")
     ap.add_argument("--pq-m", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="encoder device for the build (cuda: fp16 unless --no-fp16)")

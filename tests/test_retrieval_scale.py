@@ -112,6 +112,7 @@ def test_build_resumes_after_sigkill_mid_embedding(
     try:
         assert isinstance(got, DenseIndex) and _mapped(out / "index.faiss")  # served from the page cache
         want_hits, got_hits = ref.search_batch(queries, 5), got.search_batch(queries, 5)
+        ref_dir_hits = want_hits
         for w, g in zip(want_hits, got_hits, strict=True):
             assert [h.document.id for h in g] == [h.document.id for h in w]
             assert [h.score for h in g] == pytest.approx([h.score for h in w], abs=1e-6)
@@ -128,6 +129,18 @@ def test_build_resumes_after_sigkill_mid_embedding(
     assert spy.passages == 0
     assert (m.faiss, m.nlist, m.pq_m, m.pq_nbits, m.recall_queries) == ("ivfpq", 4, 8, 4, 40)
     assert m.recall is not None and 0.0 < m.recall < 1.0  # 8 bytes per vector, 1 of 4 lists: lossy
+    m = build_index(corpus, tmp_path / "sq", kind="dense", faiss_kind="ivfsq", nlist=4, nprobe=4,
+                    embeddings=ref_dir / "embeddings.npy", show_progress=False)
+    assert spy.passages == 0
+    assert (m.faiss, m.nlist, m.nprobe, m.pq_m) == ("ivfsq", 4, 4, None)
+    assert m.recall is not None and m.recall >= 0.9  # 8-bit vectors, every list probed
+    sq = load_index(tmp_path / "sq")
+    try:
+        assert isinstance(sq, DenseIndex) and sq.index.nprobe == 4 and _mapped(tmp_path / "sq" / "index.faiss")
+        assert [h.document.id for h in sq.search_batch(queries[:1], 3)[0]][:1] == [
+            h.document.id for h in ref_dir_hits[0]][:1]
+    finally:
+        sq.close()
     with pytest.raises(RetrievalError, match="has shape"):
         build_index(_corpus(tmp_path, 20), tmp_path / "bad", kind="dense", embeddings=ref_dir / "embeddings.npy",
                     show_progress=False)
@@ -174,6 +187,10 @@ def test_compressed_kinds_recall_against_exact_search(tmp_path: Path) -> None:
     ivfpq.nprobe = 16
     assert ivfpq.code_size == 8
     assert 0.05 < recall_at_k(ivfpq, emb, queries, 10) < 0.95  # 8 bytes for 64 floats: lossy, not useless
+    ivfsq = build_faiss(emb, "ivfsq", nlist=16)
+    ivfsq.nprobe = 16
+    assert ivfsq.code_size == 64  # one byte per dimension
+    assert recall_at_k(ivfsq, emb, queries, 10) >= 0.9
     hnswsq = build_faiss(emb, "hnswsq", hnsw_m=16)
     hnswsq.hnsw.efSearch = 256
     assert recall_at_k(hnswsq, emb, queries, 10) >= 0.9
@@ -182,12 +199,12 @@ def test_compressed_kinds_recall_against_exact_search(tmp_path: Path) -> None:
     with pytest.raises(RetrievalError, match="must divide"):
         build_faiss(emb, "ivfpq", nlist=16, pq_m=7)
     # every kind reads back memory-mapped and answers exactly as the in-memory index
-    for name, index in (("flat", flat), ("ivfpq", ivfpq), ("hnswsq", hnswsq)):
+    for name, index in (("flat", flat), ("ivfpq", ivfpq), ("ivfsq", ivfsq), ("hnswsq", hnswsq)):
         path = tmp_path / f"{name}.faiss"
         faiss.write_index(index, str(path))
         mapped = read_faiss(path)
         assert _mapped(path), name
-        if name == "ivfpq":
+        if name in ("ivfpq", "ivfsq"):
             mapped.nprobe = 16
         if name == "hnswsq":
             mapped.hnsw.efSearch = 256

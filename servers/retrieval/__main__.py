@@ -32,9 +32,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=None, help="local sentence-transformers dir (default: bundled MiniLM)")
     b.add_argument("--e5", action="store_true", help='e5 models: prefix "query: " / "passage: "')
     b.add_argument("--faiss", choices=FAISS_KINDS, default="flat",
-                   help="faiss index (dense): flat (exact), ivf, ivfpq (compressed), hnsw, hnswsq (8-bit HNSW)")
-    b.add_argument("--nlist", type=int, default=None, help="ivf/ivfpq: number of lists (default 4*sqrt(n))")
-    b.add_argument("--nprobe", type=int, default=32, help="ivf/ivfpq: lists probed per query")
+                   help="faiss index (dense): flat (exact), ivf, ivfpq (smallest), ivfsq (IVF over 8-bit vectors), "
+                   "hnsw, hnswsq (8-bit HNSW)")
+    b.add_argument("--nlist", type=int, default=None, help="ivf/ivfpq/ivfsq: number of lists (default 4*sqrt(n))")
+    b.add_argument("--nprobe", type=int, default=32, help="ivf/ivfpq/ivfsq: lists probed per query")
     b.add_argument("--pq-m", type=int, default=None, help="ivfpq: bytes per vector (default dims/8; divides dims)")
     b.add_argument("--pq-nbits", type=int, default=8, help="ivfpq: bits per sub-quantizer code")
     b.add_argument("--hnsw-m", type=int, default=32, help="hnsw/hnswsq: graph links per node")

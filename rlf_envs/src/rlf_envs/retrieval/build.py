@@ -44,7 +44,7 @@ from rlf_envs.retrieval.dense import (
     recall_at_k,
     set_search_params,
 )
-from rlf_envs.retrieval.types import FaissKind, IndexKind, IndexManifest, RetrievalError
+from rlf_envs.retrieval.types import IVF_KINDS, FaissKind, IndexKind, IndexManifest, RetrievalError
 
 log = logging.getLogger("rlf.retrieval.build")
 
@@ -343,7 +343,7 @@ def _dense_stages(state: BuildState, work: Path, store: DocStore, corpus: Path, 
     emb = np.load(emb_path, mmap_mode="r")
     faiss = require("faiss")
     index_path = work / "index" / FAISS_NAME
-    nlist = (p.nlist or default_nlist(n)) if p.faiss_kind in ("ivf", "ivfpq") else None
+    nlist = (p.nlist or default_nlist(n)) if p.faiss_kind in IVF_KINDS else None
     pq_m = (p.pq_m or default_pq_m(encoder.dims)) if p.faiss_kind == "ivfpq" else None
     manifest = IndexManifest(
         kind="dense",

@@ -11,8 +11,9 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
 IndexKind = Literal["dense", "bm25"]
-FaissKind = Literal["flat", "ivf", "ivfpq", "hnsw", "hnswsq"]
-FAISS_KINDS: tuple[FaissKind, ...] = ("flat", "ivf", "ivfpq", "hnsw", "hnswsq")
+FaissKind = Literal["flat", "ivf", "ivfpq", "ivfsq", "hnsw", "hnswsq"]
+FAISS_KINDS: tuple[FaissKind, ...] = ("flat", "ivf", "ivfpq", "ivfsq", "hnsw", "hnswsq")
+IVF_KINDS: tuple[FaissKind, ...] = ("ivf", "ivfpq", "ivfsq")  # kinds with nlist / nprobe
 
 
 class RetrievalError(Exception):
