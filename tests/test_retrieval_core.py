@@ -260,6 +260,29 @@ async def test_batcher_sends_a_full_batch_without_waiting(bm25: BM25Index) -> No
 
 
 @pytest.mark.asyncio
+async def test_batcher_sends_a_batch_of_send_at_queries_without_waiting(bm25: BM25Index) -> None:
+    """A request that already carries `send_at` queries (a coalescing trainer's) is not held for max_wait_s;
+    a smaller one is, and requests queued behind a sent batch ride along up to max_batch."""
+    counting = _CountingRetriever(bm25)
+    batcher = MicroBatcher(counting, max_batch=512, max_wait_s=120.0, send_at=8)
+    titles = _titles()[:12]
+    try:
+        big = await asyncio.wait_for(batcher.search(titles[:8], 1), 60.0)  # 8 queries: goes at once
+        small = asyncio.ensure_future(batcher.search(titles[8:10], 1))  # 2 queries: waits for more
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not small.done()
+        rest = await asyncio.wait_for(batcher.search(titles[:6], 1), 60.0)  # 2 + 6 = 8: both go
+        assert (await small) == bm25.search_batch(titles[8:10], 1)
+    finally:
+        await batcher.aclose()
+    assert big == bm25.search_batch(titles[:8], 1) and rest == bm25.search_batch(titles[:6], 1)
+    assert counting.calls == [(8, 1), (8, 1)]
+    with pytest.raises(ValueError, match="send_at"):
+        MicroBatcher(counting, send_at=0)
+
+
+@pytest.mark.asyncio
 async def test_batcher_searches_identical_queries_once(bm25: BM25Index) -> None:
     """A GRPO group's samples often issue the same query: one search per distinct query in a batch."""
     counting = _CountingRetriever(bm25)

@@ -14,6 +14,8 @@ from rlf_envs.retrieval._deps import set_threads
 from rlf_envs.retrieval.types import FAISS_KINDS
 from rlf_envs.runtime import new_event_loop
 
+from .app import SEND_AT
+
 
 def _parser() -> argparse.ArgumentParser:
     prog = "python -m servers.retrieval" if __package__ == "servers.retrieval" else "rlf-retrieval"
@@ -71,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--body-timeout-s", type=float, default=30.0, help="answer 408 if a body takes longer")
     s.add_argument("--max-batch", type=int, default=512, help="max queries per micro-batch")
     s.add_argument("--max-wait-ms", type=float, default=2.0, help="max wait for a micro-batch to fill")
+    s.add_argument("--send-at", type=int, default=SEND_AT,
+                   help="a micro-batch of this many queries is searched at once, without the wait (a coalescing "
+                   "trainer's request of 32+ queries does not wait for others)")
     s.add_argument("--inline-below-ms", type=float, default=None,
                    help="search a micro-batch on the event loop, not the worker thread, when recent batches say it "
                         "takes less than this; 0: always on the worker thread (default: 50 for BM25, whose search "
@@ -141,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
         set_threads(args.threads)
 
-        for name in ("max_queries", "max_topk", "max_body_bytes", "max_query_chars", "max_batch", "workers"):
+        for name in ("max_queries", "max_topk", "max_body_bytes", "max_query_chars", "max_batch", "workers", "send_at"):
             if getattr(args, name) < 1:
                 raise RetrievalError(f"--{name.replace('_', '-')} must be >= 1")
         if args.inline_below_ms is not None and not args.inline_below_ms >= 0:
@@ -165,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 limits,
                 max_batch=args.max_batch,
                 max_wait_s=args.max_wait_ms / 1000,
+                send_at=args.send_at,
                 device=args.device,
                 use_gpu=args.use_gpu,
                 inline_below_s=None if args.inline_below_ms is None else args.inline_below_ms / 1000,

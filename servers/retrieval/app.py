@@ -65,6 +65,9 @@ class BadRequest(Exception):
 #: Dense search (torch, faiss) releases the GIL, so the loop keeps parsing requests while a batch is encoded.
 INLINE_BELOW_S: dict[str, float] = {"bm25": 0.05, "dense": 0.0}
 
+#: a micro-batch of this many queries goes without waiting for more (default of `serve --send-at`)
+SEND_AT = 32
+
 BATCHER = web.AppKey("batcher", MicroBatcher)
 RETRIEVER = web.AppKey("retriever", Retriever)  # type: ignore[type-abstract]
 LIMITS = web.AppKey("limits", Limits)
@@ -211,14 +214,18 @@ def make_app(
     max_wait_s: float = 0.002,
     info: dict[str, Any] | None = None,
     inline_below_s: float = 0.0,
+    send_at: int | None = SEND_AT,
 ) -> web.Application:
-    """The server app over any Retriever. The batcher is closed on app cleanup."""
+    """The server app over any Retriever. The batcher is closed on app cleanup. A micro-batch of `send_at` queries
+    or more is searched without waiting `max_wait_s` for more (a coalescing client's request goes at once)."""
     limits = limits or Limits()
     # body reading is bounded by our own limit (to answer 400 JSON, not aiohttp's 413 page)
     app = web.Application(middlewares=[_json_errors], client_max_size=limits.max_body_bytes + 1)
     app[RETRIEVER] = retriever
     app[LIMITS] = limits
-    app[BATCHER] = MicroBatcher(retriever, max_batch=max_batch, max_wait_s=max_wait_s, inline_below_s=inline_below_s)
+    app[BATCHER] = MicroBatcher(
+        retriever, max_batch=max_batch, max_wait_s=max_wait_s, inline_below_s=inline_below_s, send_at=send_at
+    )
     app[INFO] = info or {}
     app.router.add_post("/retrieve", _retrieve)
     app.router.add_get("/health", _health)
@@ -293,6 +300,7 @@ async def serve(
     use_gpu: bool | None = None,
     shutdown_timeout_s: float = 5.0,
     inline_below_s: float | None = None,
+    send_at: int | None = SEND_AT,
     reuse_port: bool = False,
     stop_on_stdin_eof: bool = False,
 ) -> None:
@@ -307,7 +315,7 @@ async def serve(
     if inline_below_s is None:
         inline_below_s = INLINE_BELOW_S.get(manifest.kind, 0.0)
     app = make_app(retriever, limits, max_batch=max_batch, max_wait_s=max_wait_s, info=info,
-                   inline_below_s=inline_below_s)
+                   inline_below_s=inline_below_s, send_at=send_at)
     runner = make_runner(app, limits, shutdown_timeout_s)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -90,9 +90,12 @@ class MicroBatcher:
         max_wait_s: float = 0.002,
         flush_when_idle: bool = False,
         inline_below_s: float = 0.0,
+        send_at: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
+        if send_at is not None and send_at < 1:
+            raise ValueError("send_at must be >= 1 (or None: wait until max_batch)")
         if max_wait_s < 0:
             raise ValueError("max_wait_s must be >= 0")
         self.retriever = retriever
@@ -100,6 +103,9 @@ class MicroBatcher:
         self._remote_batches: dict[asyncio.Task[None], list[_Pending]] = {}  # remote batches in flight
         self.max_batch = max_batch
         self.max_wait_s = max_wait_s
+        #: a batch holding this many queries is searched at once, without waiting `max_wait_s` for more (a
+        #: request that already carries a whole batch, from a coalescing trainer, does not wait)
+        self.send_at = max_batch if send_at is None else min(send_at, max_batch)
         self.flush_when_idle = flush_when_idle
         self.inline_below_s = inline_below_s
         self._per_query_s: float | None = None  # moving average of search time per query (None: none yet)
@@ -138,7 +144,7 @@ class MicroBatcher:
         fut: asyncio.Future[list[list[Hit]]] = asyncio.get_running_loop().create_future()
         self._pending.append(_Pending(list(queries), topk, fut))
         self._queued += len(queries)
-        if len(self._pending) == 1 or self._queued >= self.max_batch:
+        if len(self._pending) == 1 or self._queued >= self.send_at:
             wake.set()  # the runner waits for a first request, or for a full batch: not woken per request
         return await fut
 
@@ -240,9 +246,10 @@ class MicroBatcher:
 
     async def _gather_more(self) -> None:
         """Let more requests join the batch: until `max_batch` queries, `max_wait_s` after the oldest
-        request, or (flush_when_idle) the first loop iteration that brings no new request."""
+        request, or (flush_when_idle) the first loop iteration that brings no new request. From `send_at`
+        queries on it does not wait; the batch then takes whatever is queued, up to `max_batch`."""
         assert self._wake is not None
-        while (n := self._queued_queries()) < self.max_batch:
+        while (n := self._queued_queries()) < self.send_at:
             remaining = self._pending[0].arrived + self.max_wait_s - time.monotonic()
             if remaining <= 0:
                 return
