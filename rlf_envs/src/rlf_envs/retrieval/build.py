@@ -44,7 +44,7 @@ from rlf_envs.retrieval.dense import (
     recall_at_k,
     set_search_params,
 )
-from rlf_envs.retrieval.types import IVF_KINDS, FaissKind, IndexKind, IndexManifest, RetrievalError
+from rlf_envs.retrieval.types import HNSW_KINDS, IVF_KINDS, FaissKind, IndexKind, IndexManifest, RetrievalError
 
 log = logging.getLogger("rlf.retrieval.build")
 
@@ -352,9 +352,9 @@ def _dense_stages(state: BuildState, work: Path, store: DocStore, corpus: Path, 
         dims=encoder.dims,
         faiss=p.faiss_kind,
         nprobe=p.nprobe if nlist else None,
-        ef_search=p.ef_search if p.faiss_kind in ("hnsw", "hnswsq") else None,
+        ef_search=p.ef_search if p.faiss_kind in HNSW_KINDS else None,
         nlist=nlist,
-        hnsw_m=p.hnsw_m if p.faiss_kind in ("hnsw", "hnswsq") else None,
+        hnsw_m=p.hnsw_m if p.faiss_kind in HNSW_KINDS else None,
         pq_m=pq_m,
         pq_nbits=p.pq_nbits if pq_m else None,
         query_prefix=p.query_prefix,
@@ -410,7 +410,8 @@ def _recall_queries(p: BuildParams, store: DocStore) -> list[str]:
         return out
     n = len(store)
     rows = np.sort(np.random.default_rng(0).choice(n, size=min(n, p.recall_sample), replace=False))
-    return [" ".join((store[int(i)].text or store[int(i)].contents).split()[:32]) for i in rows]
+    docs = (store[int(i)] for i in rows)
+    return [" ".join((d.text or d.contents).split()[:32]) for d in docs]
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:

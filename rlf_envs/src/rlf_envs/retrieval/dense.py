@@ -22,7 +22,7 @@ import numpy as np
 
 from rlf_envs.retrieval._deps import DEFAULT_MODEL, offline_env, require, resolve_model_dir
 from rlf_envs.retrieval.corpus import DocStore
-from rlf_envs.retrieval.types import IVF_KINDS, FaissKind, Hit, IndexManifest, RetrievalError
+from rlf_envs.retrieval.types import HNSW_KINDS, IVF_KINDS, FaissKind, Hit, IndexManifest, RetrievalError
 
 log = logging.getLogger("rlf.retrieval.dense")
 
@@ -176,7 +176,7 @@ def build_faiss(
             index = faiss.IndexIVFPQ(quantizer, d, nlist, m, pq_nbits, metric)
     else:
         raise RetrievalError(f"unknown faiss index type {kind!r}; choose flat, ivf, ivfpq, ivfsq, hnsw or hnswsq")
-    if kind in ("hnsw", "hnswsq"):
+    if kind in HNSW_KINDS:
         index.hnsw.efConstruction = ef_construction
     if not index.is_trained:
         floor = 10_000 if nlist is None else max(10_000, 64 * nlist)
@@ -192,7 +192,7 @@ def set_search_params(index: Any, manifest: IndexManifest) -> None:
     """Apply the manifest's query-time knobs (nprobe, efSearch) to a loaded CPU index."""
     if manifest.faiss in IVF_KINDS and manifest.nprobe:
         index.nprobe = manifest.nprobe
-    if manifest.faiss in ("hnsw", "hnswsq") and manifest.ef_search:
+    if manifest.faiss in HNSW_KINDS and manifest.ef_search:
         index.hnsw.efSearch = manifest.ef_search
 
 

@@ -14,6 +14,7 @@ IndexKind = Literal["dense", "bm25"]
 FaissKind = Literal["flat", "ivf", "ivfpq", "ivfsq", "hnsw", "hnswsq"]
 FAISS_KINDS: tuple[FaissKind, ...] = ("flat", "ivf", "ivfpq", "ivfsq", "hnsw", "hnswsq")
 IVF_KINDS: tuple[FaissKind, ...] = ("ivf", "ivfpq", "ivfsq")  # kinds with nlist / nprobe
+HNSW_KINDS: tuple[FaissKind, ...] = ("hnsw", "hnswsq")  # kinds with a graph: hnsw_m, efConstruction, efSearch
 
 
 class RetrievalError(Exception):

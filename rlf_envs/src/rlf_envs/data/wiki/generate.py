@@ -24,7 +24,6 @@ import json
 import multiprocessing
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,19 +139,14 @@ class WikiGenerator:
             out.extend(chunk[lo:hi])
         return out
 
-    def iter_passages(self, count: int, chunk: int = 10_000) -> Iterator[dict[str, str]]:
-        for start in range(0, count, chunk):
-            yield from self.passages(start, min(count, start + chunk))
-
     def queries(self, count: int, passages: int) -> list[dict[str, str]]:
         """`count` entity-style questions about random passages among the first `passages`."""
         rng = np.random.default_rng([self.shape.seed, 5])
         picks = np.sort(rng.choice(passages, size=min(count, passages), replace=False))
-        arts, _ = self._article_of(0, passages) if passages <= 200_000 else (None, None)
         out = []
         for qi, p in enumerate(picks):
             p = int(p)
-            a = int(arts[p]) if arts is not None else int(self._article_of(p, p + 1)[0][0])
+            a = int(self._article_of(p, p + 1)[0][0])
             title, topic = self._article_words(a)
             qrng = np.random.default_rng([self.shape.seed, 6, p])
             extra = self.vocab[topic[qrng.choice(len(topic), size=int(qrng.integers(1, 4)), replace=False)]]
