@@ -16,47 +16,30 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
-from tool_calls import make_tool, write_report
+from scripted_env import instant_tool_rate, report, scripted_rate, tool_call
 
-from rlf_envs.env import ToolEnv, ToolVectorEnv
+from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.code import DEFAULT_LIMITS, CodeEnv, code_tasks
 from rlf_envs.sandbox import SandboxDir, run_python
 from rlf_envs.types import Task
-
-
-def _call(name: str, **args: Any) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call><|im_end|>"
 
 
 def tasks() -> list[Task]:
     return [t for t in code_tasks("train") if t.meta["check"] != "tests"]
 
 
-def script(task: Task) -> list[str]:
-    return [_call("python", code=str(task.meta["program"])), f"<answer>{task.ground_truth}</answer><|im_end|>"]
+def script(env: Any) -> list[str]:
+    task = env.trajectory.task
+    return [tool_call("python", code=str(task.meta["program"])), f"<answer>{task.ground_truth}</answer><|im_end|>"]
 
 
-def rate(venv: gym.vector.VectorEnv, seconds: float, scripted: bool = True) -> float:
-    envs = [e.unwrapped for e in venv.envs]  # type: ignore[attr-defined]
-    steps, seed = 0, 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds or steps == 0:
-        venv.reset(seed=seed)
-        seed += 1
-        plans = [script(e.trajectory.task) if scripted else [_call("work", x=1), "<answer>x</answer>"] for e in envs]
-        for k in range(2):
-            _, rewards, *_ = venv.step([p[k] for p in plans])
-            steps += len(envs)
-        if scripted:
-            assert (rewards == 1.0).all(), rewards  # every scripted episode is verified correct
-    venv.close()
-    return steps / (time.perf_counter() - t0)
+def all_verified(rewards: Any) -> None:
+    assert (rewards == 1.0).all(), rewards  # every scripted episode is verified correct
 
 
 def raw_runs_per_s(seconds: float) -> float:
@@ -87,24 +70,15 @@ def main() -> None:
     args = ap.parse_args()
     n, secs = args.envs, args.seconds
     kwargs: dict[str, Any] = {"tasks": tasks(), "max_turns": 4, "max_total_tokens": 1 << 30}
-    ours = rate(ToolVectorEnv([lambda: CodeEnv(**kwargs) for _ in range(n)]), secs)
-    base = rate(gym.vector.SyncVectorEnv([lambda: CodeEnv(**kwargs) for _ in range(n)]), secs)
-
-    instant_tasks = [Task(id=str(i), question=f"q{i}", ground_truth=["x"]) for i in range(8)]
-    work = make_tool(0.0)
-    instant = rate(ToolVectorEnv([lambda: ToolEnv(tools=[work], tasks=instant_tasks, max_turns=4) for _ in range(n)]),
-                   secs, scripted=False)
-    raw = raw_runs_per_s(secs)
-    res = {"envs": n, "code_vector_steps_per_s": ours, "code_sync_vector_steps_per_s": base,
-           "instant_tool_vector_steps_per_s": instant, "raw_sandbox_episode_steps_per_s": raw,
-           "speedup_vs_sync": ours / base, "share_of_instant_tool": ours / instant, "vs_raw_sandbox": ours / raw}
-    print(f"\nrlf/Code-v0 steps/s, {n} envs, scripted 2-step episodes (1 sandboxed python run + verified answer):")
-    print(f"  rlf ToolVectorEnv          {ours:>9,.1f}/s")
-    print(f"  gymnasium SyncVectorEnv    {base:>9,.1f}/s   -> rlf {ours / base:.2f}x")
-    print(f"  Tools-v0, instant tool     {instant:>9,.1f}/s   -> Code-v0 runs at {ours / instant:.4f} of it")
-    print(f"  raw run_python, sequential {raw:>9,.1f}/s   -> Code-v0 runs at {ours / raw:.2f} of it")
-    if args.json:
-        write_report(args.json, {"code_env": res})
+    rates = {
+        "ours": scripted_rate(ToolVectorEnv([lambda: CodeEnv(**kwargs) for _ in range(n)]), secs, script, all_verified),
+        "sync": scripted_rate(gym.vector.SyncVectorEnv([lambda: CodeEnv(**kwargs) for _ in range(n)]), secs, script,
+                              all_verified),
+        "instant": instant_tool_rate(n, secs, steps=2, max_turns=4),
+        "raw": raw_runs_per_s(secs),
+    }
+    report("Code-v0", "code", n, "2-step episodes (1 sandboxed python run + verified answer)", rates,
+           ("sandbox", "raw run_python, sequential"), args.json, rate_digits=1, share_digits=4)
 
 
 if __name__ == "__main__":

@@ -14,43 +14,23 @@ predicted query). Rates are steps/s through:
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
-from tool_calls import make_tool, write_report
+from scripted_env import instant_tool_rate, report, scripted_rate, tool_call
 
-from rlf_envs.env import ToolEnv, ToolVectorEnv
+from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.sql import SqlEnv, sql_tasks
 from rlf_envs.rewards.sql import run_readonly_query
-from rlf_envs.types import Task
 
 
-def _call(name: str, **args: Any) -> str:
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call><|im_end|>"
-
-
-def script(task: Task) -> list[str]:
+def script(env: Any) -> list[str]:
+    task = env.trajectory.task
     table = task.ground_truth.split(" FROM ", 1)[1].split()[0]
-    return [_call("list_tables"), _call("describe_table", table=table), _call("run_query", sql=task.ground_truth),
-            f"<answer>{task.ground_truth}</answer><|im_end|>"]
-
-
-def rate(venv: gym.vector.VectorEnv, seconds: float, scripted: bool = True) -> float:
-    envs = [e.unwrapped for e in venv.envs]  # type: ignore[attr-defined]
-    steps, seed = 0, 0
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds or steps == 0:
-        venv.reset(seed=seed)
-        seed += 1
-        plans = [script(e.trajectory.task) if scripted else [_call("work", x=1)] * 3 + ["<answer>x</answer>"]
-                 for e in envs]
-        for k in range(4):
-            venv.step([p[k] for p in plans])
-            steps += len(envs)
-    return steps / (time.perf_counter() - t0)
+    return [tool_call("list_tables"), tool_call("describe_table", table=table),
+            tool_call("run_query", sql=task.ground_truth), f"<answer>{task.ground_truth}</answer><|im_end|>"]
 
 
 def raw_queries_per_s(seconds: float) -> float:
@@ -77,24 +57,15 @@ def main() -> None:
     args = ap.parse_args()
     n, secs = args.envs, args.seconds
     kwargs: dict[str, Any] = {"split": "train", "max_turns": 8, "max_total_tokens": 1 << 30}
-    ours = rate(ToolVectorEnv([lambda: SqlEnv(**kwargs) for _ in range(n)]), secs)
-    base = rate(gym.vector.SyncVectorEnv([lambda: SqlEnv(**kwargs) for _ in range(n)]), secs)
+    rates = {
+        "ours": scripted_rate(ToolVectorEnv([lambda: SqlEnv(**kwargs) for _ in range(n)]), secs, script),
+        "sync": scripted_rate(gym.vector.SyncVectorEnv([lambda: SqlEnv(**kwargs) for _ in range(n)]), secs, script),
+        "instant": instant_tool_rate(n, secs, steps=4, max_turns=8),
+        "raw": raw_queries_per_s(secs),
+    }
+    report("SQL-v0", "sql", n, "4-step episodes (3 SQL tool calls + verified answer)", rates,
+           ("sqlite", "raw SQLite, same queries"), args.json)
 
-    tasks = [Task(id=str(i), question=f"q{i}", ground_truth=["x"]) for i in range(8)]
-    work = make_tool(0.0)
-    instant = rate(ToolVectorEnv([lambda: ToolEnv(tools=[work], tasks=tasks, max_turns=8) for _ in range(n)]), secs,
-                   scripted=False)
-    raw = raw_queries_per_s(secs)
-    res = {"envs": n, "sql_vector_steps_per_s": ours, "sql_sync_vector_steps_per_s": base,
-           "instant_tool_vector_steps_per_s": instant, "raw_sqlite_episode_steps_per_s": raw,
-           "speedup_vs_sync": ours / base, "share_of_instant_tool": ours / instant, "vs_raw_sqlite": ours / raw}
-    print(f"\nrlf/SQL-v0 steps/s, {n} envs, scripted 4-step episodes (3 SQL tool calls + verified answer):")
-    print(f"  rlf ToolVectorEnv          {ours:>9,.0f}/s")
-    print(f"  gymnasium SyncVectorEnv    {base:>9,.0f}/s   -> rlf {ours / base:.2f}x")
-    print(f"  Tools-v0, instant tool     {instant:>9,.0f}/s   -> SQL-v0 runs at {ours / instant:.2f} of it")
-    print(f"  raw SQLite, same queries   {raw:>9,.0f}/s   -> SQL-v0 runs at {ours / raw:.2f} of it")
-    if args.json:
-        write_report(args.json, {"sql_env": res})
 
 if __name__ == "__main__":
     main()
