@@ -14,7 +14,8 @@ from pathlib import Path
 from types import TracebackType
 
 ROOT = Path(__file__).resolve().parents[2]
-_READY = re.compile(r"listening on (http://\S+)")
+#: the line a server (or `serve --workers N`) prints once it accepts connections; group 1 is its URL
+READY = re.compile(r"listening on (http://\S+)")
 
 
 class ServerProcess:
@@ -67,7 +68,7 @@ class ServerProcess:
     def _read_stdout(self, ready: threading.Event) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            m = _READY.search(line)
+            m = READY.search(line)
             if m and not ready.is_set():
                 self.url = m.group(1)
                 ready.set()

@@ -21,7 +21,7 @@ import threading
 import time
 from types import FrameType
 
-READY = "listening on http://"
+from .process import READY
 
 
 def _reserve(host: str, port: int) -> socket.socket:
@@ -84,7 +84,7 @@ def _wait_ready(proc: subprocess.Popen[str], timeout_s: float, stop: threading.E
     deadline = time.monotonic() + timeout_s
     while reader.is_alive() and not stop.is_set() and time.monotonic() < deadline:
         reader.join(0.1)
-    if lines and READY in lines[0]:
+    if lines and READY.search(lines[0]):
         threading.Thread(target=_drain, args=(proc,), daemon=True).start()  # a full pipe must not block it
         return lines[0]
     if not stop.is_set():
