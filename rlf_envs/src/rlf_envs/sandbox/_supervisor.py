@@ -11,14 +11,18 @@ Do not import rlf_envs here: this file runs with a bare interpreter.
 from __future__ import annotations
 
 import base64
+import atexit  # noqa: F401 - used by forked workers; imported once, in the template
 import builtins
 import ctypes
 import errno
 import json
 import os
+import random  # noqa: F401 - as atexit
 import resource
 import selectors
 import signal
+import socket
+import struct
 import sys
 import time
 import types
@@ -35,6 +39,8 @@ MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 MAX_REPLY_BYTES = 8 << 20
+MAX_JOB_BYTES = 256 << 20
+PYTHON_INT_DIGITS = sys.get_int_max_str_digits()  # the default a fresh interpreter has
 MAX_INT_DIGITS = 100_000
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -298,19 +304,188 @@ class Capture:
         return self.bufs[name].decode("utf-8", errors="replace")
 
 
+class Forked:
+    """The `subprocess.Popen` surface `Worker` uses, for a worker forked (not exec'd) by a pooled supervisor."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def _wait(self, flags: int) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, flags)
+            except ChildProcessError:  # reaped by `_reap`: it is gone, its status with it
+                self.returncode = -signal.SIGKILL
+            else:
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def poll(self) -> int | None:
+        return self._wait(os.WNOHANG)
+
+    def wait(self) -> int | None:
+        return self._wait(0)
+
+
+def _fork_worker(preexec: Any, argv: list[str], stdin_fd: int, pass_fds: tuple[int, ...],
+                 workdir: str) -> tuple[Forked, int, int]:
+    """Fork the worker: the child sets itself up exactly as `subprocess.Popen(..., preexec_fn=preexec)` would
+    (new session, fds 0/1/2 and `pass_fds` only, cwd, the minimal environment), then runs `argv`'s program in
+    its own interpreter copy. Raises OSError (with the child's reason) if the set-up failed."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    st_r, st_w = os.pipe()  # the child's set-up verdict: closed empty = ok, else the error text
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        _worker_child(preexec, argv, stdin_fd, out_w, err_w, st_w, pass_fds, workdir)
+    for fd in (out_w, err_w, st_w):
+        os.close(fd)
+    status = bytearray()
+    while chunk := os.read(st_r, 4096):
+        status += chunk[: 4096 - len(status)]
+    os.close(st_r)
+    proc = Forked(pid)
+    if status:
+        proc.wait()
+        for fd in (out_r, err_r):
+            os.close(fd)
+        raise OSError(errno.EPERM, status.decode(errors="replace"))
+    return proc, out_r, err_r
+
+
+def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_w: int, st_w: int,
+                  pass_fds: tuple[int, ...], workdir: str) -> None:  # pragma: no cover - runs in the child
+    try:
+        os.setsid()
+        os.dup2(stdin_fd, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        lo = 0
+        for keep in sorted({0, 1, 2, st_w, *pass_fds}):  # everything else goes: the result channel, the job
+            if keep > lo:
+                os.closerange(lo, keep)
+            lo = keep + 1
+        os.closerange(lo, 1 << 20)
+        os.chdir(workdir)
+        preexec()
+        os.environ.clear()
+        os.environ.update(_worker_env(workdir))
+        _default_signals()
+        os.close(st_w)
+    except BaseException as e:
+        try:
+            os.write(st_w, f"{type(e).__name__}: {e}".encode(errors="replace")[:2000] or b"set-up failed")
+        finally:
+            os._exit(127)
+    status = 1
+    try:
+        status = _run_main(argv)
+    except BaseException as e:  # our own bug, not the code's: say so on its stderr
+        try:
+            os.write(2, f"sandbox worker failed: {type(e).__name__}: {e}\n".encode(errors="replace"))
+        except BaseException:
+            pass
+    finally:
+        os._exit(status)
+
+
+def _default_signals() -> None:
+    """Signal dispositions and mask as a fresh interpreter has them (nothing of the supervisor's)."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _run_main(argv: list[str]) -> int:  # pragma: no cover - runs in the forked worker
+    """Run `python -I <script> ...` / `python -I -c <src> ...` (argv) in this interpreter: a fresh `__main__`,
+    fresh std streams, then the interpreter's own shutdown (threads joined, atexit, flush). Returns the status."""
+    if argv[2] == "-c":
+        src: str | bytes | None = argv[3]
+        filename, sys.argv = "<string>", ["-c", *argv[4:]]
+    else:
+        src, filename, sys.argv = None, os.path.abspath(argv[2]), argv[2:]
+    sys.set_int_max_str_digits(PYTHON_INT_DIGITS)
+    sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace",  # noqa: SIM115
+                                       closefd=False, buffering=1)
+    random.seed()  # the template's generator state is shared by every fork: draw a fresh one, as python does
+    main = types.ModuleType("__main__")
+    main.__dict__.update({"__builtins__": builtins, "__file__": filename} if src is None else {"__builtins__": builtins})
+    sys.modules["__main__"] = main
+    status = 0
+    try:
+        if src is None:
+            with open(filename, "rb") as f:
+                src = f.read()
+        exec(compile(src, filename, "exec"), main.__dict__)
+    except SystemExit as e:
+        status = _exit_status(e)
+    except BaseException as e:
+        tb = e.__traceback__.tb_next if e.__traceback__ is not None else None  # without our own frame
+        try:
+            sys.excepthook(type(e), e.with_traceback(tb), tb)
+        except BaseException:
+            pass
+        status = 1
+    threading = sys.modules.get("threading")
+    try:
+        if threading is not None:
+            threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            status = status or 120
+    return status
+
+
+def _exit_status(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    try:
+        print(e.code, file=sys.stderr)
+    except BaseException:
+        pass
+    return 1
+
+
 class Worker:
     def __init__(self, job: dict[str, Any], argv: list[str], pid_ns: bool, uid: int | None, nproc: int | None,
                  stdin_fd: int, pass_fds: tuple[int, ...], workdir: str) -> None:
         import subprocess
 
-        self.proc = subprocess.Popen(
-            argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
-            env=_worker_env(workdir), close_fds=True, pass_fds=pass_fds, start_new_session=True,
-            preexec_fn=_worker_preexec(job, pid_ns, uid, nproc),
-        )
-        assert self.proc.stdout and self.proc.stderr
-        self.capture = Capture({"stdout": self.proc.stdout.fileno(), "stderr": self.proc.stderr.fileno()},
-                               job["limits"]["max_output_bytes"])
+        preexec = _worker_preexec(job, pid_ns, uid, nproc)
+        self.proc: subprocess.Popen[bytes] | Forked
+        if job.get("fork_worker"):
+            # pooled: fork this fresh supervisor (a copy of the zygote's clean template plus this run's public
+            # job) instead of starting an interpreter; `argv` is then what the child runs in-process
+            self.proc, out_fd, err_fd = _fork_worker(preexec, argv, stdin_fd, pass_fds, workdir)
+        else:
+            self.proc = subprocess.Popen(
+                argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
+                env=_worker_env(workdir), close_fds=True, pass_fds=pass_fds, start_new_session=True,
+                preexec_fn=preexec,
+            )
+            assert self.proc.stdout and self.proc.stderr
+            out_fd, err_fd = self.proc.stdout.fileno(), self.proc.stderr.fileno()
+        self.capture = Capture({"stdout": out_fd, "stderr": err_fd}, job["limits"]["max_output_bytes"])
         self.pid_ns, self.uid = pid_ns, uid
         self.killed = False
         try:
@@ -662,11 +837,41 @@ def _run_tests(ch: Channel, tests: list[str], results: list[bool], errors: list[
 # ------------------------------------------------------------------------------------------------ main
 
 
-def main() -> None:
-    job = json.loads(sys.stdin.buffer.read())
-    # read before the private mounts: a checkout under /tmp is not visible inside them
+def _read_exact(fd: int, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))  # never more than asked: what follows stays in the kernel's buffer
+        if not chunk:
+            raise EOFError("the job ended early")
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(fd: int) -> dict[str, Any]:
+    """One length-prefixed JSON object of the job (see `runner.frame`)."""
+    (n,) = struct.unpack("!I", _read_exact(fd, 4))
+    if n > MAX_JOB_BYTES:
+        raise ValueError(f"job part of {n} bytes")
+    job = json.loads(_read_exact(fd, n))
+    if not isinstance(job, dict):
+        raise ValueError("job part is not an object")
+    return job
+
+
+def _read_worker_src() -> str:
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")) as f:
-        worker_src = f.read()
+        return f.read()
+
+
+def main(worker_src: str | None = None) -> None:
+    """One run. The job comes in two frames on fd 0: the public part (what the worker may know: limits, work
+    dir, script, stdin) and the private part (the nonce, the tests), read only after the worker exists, so a
+    worker forked from us never holds the private part in its memory, nor any byte of it in a buffer."""
+    job = read_frame(0)
+    if "workdir" in job:
+        os.chdir(job["workdir"])
+    # read before the private mounts: a checkout under /tmp is not visible inside them
+    worker_src = worker_src if worker_src is not None else _read_worker_src()
     sys.set_int_max_str_digits(MAX_INT_DIGITS)  # big answers decode; a 8 MB digit string does not stall us
     out_fd = os.dup(1)  # the result channel: only we hold it (the worker gets fresh pipes, close_fds)
     os.dup2(2, 1)  # anything the tests print goes to our stderr, never to the result channel
@@ -674,7 +879,8 @@ def main() -> None:
     deadline = start + job["limits"]["timeout_s"]
     job["_supervisor_pid"] = os.getpid()
     g = Guards()
-    result: dict[str, Any] = {"nonce": job["nonce"]}
+    result: dict[str, Any] = {}
+    private: dict[str, Any] | None = None
     w: Worker | None = None
     try:
         workdir = os.getcwd()
@@ -683,6 +889,8 @@ def main() -> None:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans (setsid'd grandchildren) reparent to us: we kill them
         g.ok("supervisor", "non-dumpable, child subreaper, holds the only copy of the result channel")
         g.ok("session", "own session and process group; the whole process tree is killed at the end")
+        if job.get("fork_worker"):
+            g.ok("fresh_worker", "forked from a clean template that never ran code (pool); nothing of another run")
         uid, nproc = _choose_identity(job, g)
         mem = job["limits"]["memory_mb"] << 20
         g.ok("rlimits", "address space {memory_mb} MB, CPU {cpu_s} s, file size {file_mb} MB, {max_open_files} "
@@ -693,6 +901,7 @@ def main() -> None:
             os.lseek(stdin_fd, 0, os.SEEK_SET)
             w = Worker(job, [job["python"], "-I", job["script"]], pid_ns, uid, nproc, stdin_fd, (), workdir)
             os.close(stdin_fd)
+            private = read_frame(0)
             result["exit_code"] = _finish(w, deadline)
             result["timed_out"] = result["exit_code"] is None and not w.capture.overflow
         else:
@@ -703,6 +912,7 @@ def main() -> None:
                        pid_ns, uid, nproc, devnull, (req_r, rep_w), workdir)
             for fd in (req_r, rep_w, devnull):
                 os.close(fd)
+            private = read_frame(0)
             resource.setrlimit(resource.RLIMIT_AS, (mem + (256 << 20),) * 2)  # the tests are bounded too
             signal.signal(signal.SIGALRM, _raise_deadline)
             signal.setitimer(signal.ITIMER_REAL, max(0.001, deadline - time.monotonic()))
@@ -710,12 +920,12 @@ def main() -> None:
             errors: list[str] = []
             result["timed_out"] = False
             try:
-                _run_tests(Channel(w, req_w, rep_r, deadline), job["tests"], results, errors)
+                _run_tests(Channel(w, req_w, rep_r, deadline), private["tests"], results, errors)
             except Deadline:
                 result["timed_out"] = True
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-            n = len(job["tests"])
+            n = len(private["tests"])
             result["results"] = (results + [False] * n)[:n]
             result["errors"] = (errors + ["deadline"] * n)[:n]
             w.kill_tree()
@@ -728,6 +938,12 @@ def main() -> None:
         if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.ENOENT):
             result["error"] += f" (can the sandbox's uid execute {job['python']}? set `python` to one it can)"
     finally:
+        if private is None:
+            try:  # the worker never started: the nonce is still needed to report why
+                private = read_frame(0)
+            except Exception:
+                private = {}
+        result["nonce"] = private.get("nonce")
         if w is not None:
             w.kill_tree()
             result["stdout"] = w.capture.text("stdout")
@@ -741,5 +957,117 @@ def _raise_deadline(signum: int, frame: Any) -> None:
     raise Deadline()
 
 
+# ------------------------------------------------------------------------------------------ the zygote
+#
+# `python -I _supervisor.py --zygote SIZE BASE_DIR`, started once per pool by `rlf_envs.sandbox.pool` with a
+# SOCK_SEQPACKET control socket as fd 0. It imports what a run needs, then only forks: it keeps up to SIZE
+# idle supervisors (each a fresh fork of this clean template, blocked reading its job), hands one out per
+# request (its job/result socket, its stderr socket and a pidfd, by SCM_RIGHTS) and forks a replacement
+# after replying, off the hot path. It never reads a job, runs code or holds anything of a run. When the
+# control socket closes (pool closed, or the trainer died, even by SIGKILL) it kills every supervisor it
+# forked (their workers die with them: PDEATHSIG, pid namespace) and removes BASE_DIR (the pool's work dirs).
+
+
+def _spawn_supervisor(worker_src: str) -> tuple[int, int, int, int]:
+    """Fork one idle supervisor; returns (pid, pidfd, job/result socket fd, stderr socket fd), our ends."""
+    job_ours, job_theirs = (s.detach() for s in socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM))
+    err_ours, err_theirs = (s.detach() for s in socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM))
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the supervisor
+        status = 0
+        try:
+            os.setsid()
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies -> we die (and our worker with us)
+            if os.getppid() != parent:
+                os._exit(1)
+            os.dup2(job_theirs, 0)
+            os.dup2(job_theirs, 1)
+            os.dup2(err_theirs, 2)
+            os.closerange(3, 1 << 20)  # the control socket, the other idle supervisors' sockets
+            main(worker_src)
+        except BaseException:
+            status = 1
+            try:
+                import traceback
+
+                traceback.print_exc()
+            except BaseException:
+                pass
+        finally:
+            os._exit(status)
+    os.close(job_theirs)
+    os.close(err_theirs)
+    return pid, os.pidfd_open(pid), job_ours, err_ours
+
+
+def zygote(size: int, base_dir: str) -> None:
+    import shutil
+    import subprocess  # noqa: F401 - the template has what a run imports, so no run pays for it
+    import threading  # noqa: F401
+
+    worker_src = _read_worker_src()
+    ctrl = socket.socket(fileno=os.dup(0))
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.chdir("/")
+    children: set[int] = set()
+    idle: list[tuple[int, int, int, int]] = []
+
+    def reap() -> None:
+        while children:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                return
+            if pid == 0:
+                return
+            children.discard(pid)
+            for entry in [e for e in idle if e[0] == pid]:  # an idle one died (killed from outside)
+                idle.remove(entry)
+                for fd in entry[1:]:
+                    os.close(fd)
+
+    try:
+        while True:
+            reap()
+            while len(idle) < size:
+                entry = _spawn_supervisor(worker_src)
+                children.add(entry[0])
+                idle.append(entry)
+            ready = selectors.DefaultSelector()
+            ready.register(ctrl, selectors.EVENT_READ)
+            got = ready.select(1.0)
+            ready.close()
+            if not got:
+                continue
+            msg = ctrl.recv(16)
+            if not msg:
+                break  # the pool closed, or the trainer is gone
+            reap()
+            pid, pidfd, job_fd, err_fd = idle.pop(0)
+            ctrl.sendmsg([struct.pack("!i", pid)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                     struct.pack("3i", job_fd, err_fd, pidfd))])
+            for fd in (job_fd, err_fd, pidfd):
+                os.close(fd)
+    finally:
+        for pid in list(children):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in list(children):
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        shutil.rmtree(base_dir, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--zygote"]:
+        zygote(int(sys.argv[2]), sys.argv[3])
+    else:
+        main()

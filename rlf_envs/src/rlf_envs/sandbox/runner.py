@@ -11,6 +11,8 @@ import os
 import secrets
 import shutil
 import signal
+import socket
+import struct
 import sys
 import tempfile
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult
+from rlf_envs.sandbox.pool import Lease, PoolUnavailable, SandboxPool, default_pool
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,13 @@ class SandboxDir:
     its runs use when we are root. Several runs may share one (e.g. an episode of the interpreter tool);
     `remove()` deletes it."""
 
-    def __init__(self, drop_privileges: bool = True) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="rlf_sbx_"))
+    def __init__(self, drop_privileges: bool = True, parent: str | None = None) -> None:
+        """`parent`: where to create it; default the default pool's `base_dir` (removed with the pool, also
+        when the trainer dies), or the system temp dir without a pool."""
+        if parent is None:
+            pool = default_pool()
+            parent = pool.base_dir if pool is not None else None
+        self.root = Path(tempfile.mkdtemp(prefix="rlf_sbx_", dir=parent))
         os.chmod(self.root, 0o711)  # others may traverse to `work` (the run's uid), not list it
         self.path = self.root / "work"
         self.path.mkdir(mode=0o700)
@@ -109,26 +117,62 @@ def _kill_session(pid: int) -> None:
         pass
 
 
-async def _supervise(job: dict[str, Any], workdir: SandboxDir, limits: SandboxLimits) -> SandboxResult:
-    """Start the supervisor on `job`, wait (bounded) and return its verdict; kill its session in `finally`."""
+def frame(obj: dict[str, Any]) -> bytes:
+    """One part of a job on the wire: 4-byte big-endian length + JSON (read by `_supervisor.read_frame`)."""
+    data = json.dumps(obj).encode()
+    return struct.pack("!I", len(data)) + data
+
+
+PoolArg = SandboxPool | bool | None  # None/True: the default pool (if on); False: a cold supervisor; or a pool
+
+
+def _pool_for(pool: PoolArg, python: str) -> SandboxPool | None:
+    chosen = default_pool() if pool is None or pool is True else (pool or None)
+    # the same path, not the same binary: a virtualenv's python is a link to its base interpreter's
+    return chosen if chosen is not None and os.path.abspath(chosen.python) == os.path.abspath(python) else None
+
+
+async def _supervise(job: dict[str, Any], private: dict[str, Any], workdir: SandboxDir, limits: SandboxLimits,
+                     pool: PoolArg = None) -> SandboxResult:
+    """Run `job` in a supervisor (a pooled one when available, else a fresh interpreter), wait (bounded) and
+    return its verdict; the supervisor is killed in `finally`. `private` (the tests) is sent after the public
+    part, so that a forked worker never holds it (see `pool`)."""
     nonce = secrets.token_hex(16)
-    job = {**job, "nonce": nonce, "limits": limits.model_dump(), "drop_uid": workdir.uid,
+    job = {**job, "limits": limits.model_dump(), "drop_uid": workdir.uid, "workdir": str(workdir.path),
            "drop_uid_reason": "SandboxLimits.drop_privileges=False" if not limits.drop_privileges else "",
            "python_dirs": _python_dirs(job["python"])}
+    secret = frame({**private, "nonce": nonce})
+    chosen = _pool_for(pool, job["python"])
     t0 = time.monotonic()
+    if chosen is not None:
+        try:
+            lease = await asyncio.to_thread(chosen.lease)
+        except PoolUnavailable as e:
+            log.warning("sandbox: %s; this run starts a supervisor of its own", e)
+        else:
+            out, err = await _run_leased(lease, frame({**job, "fork_worker": True}) + secret, limits)
+            return _parse(out, err, nonce, time.monotonic() - t0)
+    out, err = await _run_cold(frame(job) + secret, workdir, limits)
+    return _parse(out, err, nonce, time.monotonic() - t0)
+
+
+def _output_cap(limits: SandboxLimits) -> int:
+    return 12 * limits.max_output_bytes + (1 << 20)  # stdout+stderr, JSON-escaped (<= 6x), plus the verdict
+
+
+async def _run_cold(payload: bytes, workdir: SandboxDir, limits: SandboxLimits) -> tuple[bytes, bytes]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-I", "-S", SUPERVISOR, cwd=workdir.path, env=_supervisor_env(workdir.path),
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
     )
-    cap = 12 * limits.max_output_bytes + (1 << 20)  # stdout+stderr, JSON-escaped (<= 6x), plus the verdict
     readers: list[asyncio.Future[bytes]] = []
     out = err = b""
     try:
         assert proc.stdin and proc.stdout and proc.stderr
-        readers = [asyncio.ensure_future(_read_capped(proc.stdout, cap)),
+        readers = [asyncio.ensure_future(_read_capped(proc.stdout, _output_cap(limits))),
                    asyncio.ensure_future(_read_capped(proc.stderr, 16_384))]
-        proc.stdin.write(json.dumps(job).encode())
+        proc.stdin.write(payload)
         try:
             await proc.stdin.drain()
             proc.stdin.close()
@@ -151,8 +195,73 @@ async def _supervise(job: dict[str, Any], workdir: SandboxDir, limits: SandboxLi
         finally:
             for r in readers:
                 r.cancel()
-    wall = time.monotonic() - t0
-    return _parse(out, err, nonce, wall)
+    return out, err
+
+
+def _pidfd_exited(pidfd: int) -> asyncio.Future[None]:
+    """A future done when the process behind `pidfd` has exited (the pidfd turns readable)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        loop.remove_reader(pidfd)
+        if not fut.done():
+            fut.set_result(None)
+
+    loop.add_reader(pidfd, ready)
+    fut.add_done_callback(lambda _: loop.remove_reader(pidfd))
+    return fut
+
+
+async def _run_leased(lease: Lease, payload: bytes, limits: SandboxLimits) -> tuple[bytes, bytes]:
+    """Send the job to a pooled supervisor over its socket; the result comes back on the same socket."""
+    job_sock = socket.socket(fileno=lease.job_fd)
+    err_sock = socket.socket(fileno=lease.err_fd)
+    readers: list[asyncio.Future[bytes]] = []
+    writers: list[asyncio.StreamWriter] = []
+    out = err = b""
+    exited = _pidfd_exited(lease.pidfd)
+    try:
+        reader, writer = await asyncio.open_connection(sock=job_sock)
+        err_reader, err_writer = await asyncio.open_connection(sock=err_sock)
+        writers = [writer, err_writer]
+        readers = [asyncio.ensure_future(_read_capped(reader, _output_cap(limits))),
+                   asyncio.ensure_future(_read_capped(err_reader, 16_384))]
+        writer.write(payload)
+        try:
+            await writer.drain()
+            writer.write_eof()
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            async with asyncio.timeout(limits.timeout_s + GRACE_S):
+                await asyncio.shield(exited)
+        except TimeoutError:
+            pass
+    finally:
+        if not exited.done():
+            try:
+                signal.pidfd_send_signal(lease.pidfd, signal.SIGKILL)  # its worker dies with it (PDEATHSIG)
+            except ProcessLookupError:
+                pass
+        try:
+            async with asyncio.timeout(2):
+                await asyncio.shield(exited)
+                if readers:
+                    out, err = await asyncio.gather(*readers)
+        except TimeoutError:
+            pass
+        finally:
+            exited.cancel()
+            for r in readers:
+                r.cancel()
+            for w in writers:
+                w.close()
+            if not writers:
+                job_sock.close()
+                err_sock.close()
+            os.close(lease.pidfd)
+    return out, err
 
 
 def _parse(out: bytes, err: bytes, nonce: str, wall: float) -> SandboxResult:
@@ -189,12 +298,14 @@ async def run_python(
     workdir: SandboxDir | None = None,
     *,
     python: str | None = None,
+    pool: PoolArg = None,
 ) -> SandboxResult:
     """Run `code` as a Python script (`python -I main.py`) in the sandbox, with `stdin`, under `limits`.
 
     `workdir`: a `SandboxDir` to run in (it is kept; files persist between runs), else a fresh one that is
     removed afterwards. stdout and stderr are captured (capped); the whole process tree is killed at the
-    end, whatever the code did."""
+    end, whatever the code did. `pool`: None (the default pool, unless `RLF_SANDBOX_POOL=0`), a
+    `SandboxPool`, or False (a supervisor and a worker interpreter of their own: the cold path)."""
     limits = limits or SandboxLimits()
     own = workdir is None
     wd = workdir or SandboxDir(limits.drop_privileges)
@@ -202,7 +313,7 @@ async def run_python(
         script = ".rlf_main.py"
         wd.write(script, code)
         job = {"mode": "run", "script": script, "stdin": stdin, "python": python or sys.executable}
-        return await _supervise(job, wd, limits)
+        return await _supervise(job, {}, wd, limits, pool)
     finally:
         if own:
             wd.remove()
@@ -214,6 +325,7 @@ async def run_tests(
     limits: SandboxLimits | None = None,
     *,
     python: str | None = None,
+    pool: PoolArg = None,
 ) -> SandboxResult:
     """Judge `solution` against `tests` (Python test code, e.g. asserts). The solution runs in the sandboxed
     worker; each test runs in the trusted supervisor, against proxies of the solution's names, so the
@@ -221,8 +333,8 @@ async def run_tests(
     limits = limits or SandboxLimits()
     with SandboxDir(limits.drop_privileges) as wd:
         wd.write("solution.py", solution)
-        job = {"mode": "tests", "script": "solution.py", "tests": tests, "python": python or sys.executable}
-        result = await _supervise(job, wd, limits)
+        job = {"mode": "tests", "script": "solution.py", "python": python or sys.executable}
+        result = await _supervise(job, {"tests": tests}, wd, limits, pool)
     if len(result.test_results) != len(tests):
         result = dataclasses.replace(result, test_results=(False,) * len(tests))
     return result

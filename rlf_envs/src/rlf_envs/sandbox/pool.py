@@ -1,0 +1,189 @@
+"""A warm pool of sandbox supervisors: a python call costs a fork and the code, not an interpreter start.
+
+`SandboxPool` starts one trusted zygote (`_supervisor.py --zygote`: a bare interpreter that imported what a
+run needs and then only forks) and keeps `size` idle supervisors forked from it, each blocked reading its job.
+A run takes one (one round trip on a local socket), and the zygote forks a replacement after replying, off
+the hot path. The supervisor then does what a cold one does (namespaces, uid, rlimits, deadline, whole-tree
+kill), except that its worker is a fork of itself running the code in-process, not a new interpreter.
+
+Why a fork cannot leak one run into the next: the zygote never reads a job and never runs code, so every
+supervisor is a copy of the same clean template; each serves exactly one run and exits. Its worker is forked
+after the supervisor read only the run's public part (limits, work dir, script, stdin) and before it reads
+the private part (nonce, tests), which is still in the kernel's socket buffer at the fork. The worker closes
+every descriptor but its own pipes before the code runs, gets a fresh `__main__`, std streams, environment,
+signal dispositions and random state, and its memory, modules and builtins die with it.
+
+Teardown: `close()` (also at interpreter exit, via `weakref.finalize`) closes the control socket; the zygote
+then kills every supervisor it forked and removes `base_dir`, where the work dirs of the runs live. The same
+happens when the trainer dies without cleaning up (SIGTERM, SIGKILL): the control socket closes with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
+#: idle supervisors kept forked by default; `RLF_SANDBOX_POOL=0` turns the default pool off (cold starts)
+DEFAULT_SIZE = 4
+_REPLY_TIMEOUT_S = 10.0
+
+
+class PoolUnavailable(RuntimeError):
+    """The zygote could not be started or did not answer; the caller falls back to a cold supervisor."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One idle supervisor, now ours: its pid, a pidfd (readable when it exits; safe to signal), and our ends
+    of its job/result and stderr sockets. The caller owns (and must close) the three descriptors."""
+
+    pid: int
+    pidfd: int
+    job_fd: int
+    err_fd: int
+
+
+def _shutdown(proc: subprocess.Popen[bytes], ctrl: socket.socket, base_dir: str) -> None:
+    try:
+        ctrl.close()  # the zygote sees EOF: it kills its supervisors and removes base_dir
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+    finally:
+        shutil.rmtree(base_dir, ignore_errors=True)
+
+
+class SandboxPool:
+    """A zygote and up to `size` idle supervisors for `python` (the interpreter the forked workers run).
+
+    Thread-safe; usable from any event loop (a lease is one blocking round trip, done in a thread by the
+    runner). `close()` is idempotent. Work dirs made with `SandboxDir(parent=pool.base_dir)` go with it."""
+
+    def __init__(self, size: int = DEFAULT_SIZE, python: str | None = None) -> None:
+        if size < 1:
+            raise ValueError("SandboxPool size must be >= 1 (use pool=False for cold starts)")
+        self.size = size
+        self.python = python or sys.executable
+        self.base_dir = tempfile.mkdtemp(prefix="rlf_pool_")
+        os.chmod(self.base_dir, 0o711)  # run uids traverse to their own work dir, list nothing
+        self._lock = threading.Lock()
+        self._closed = False
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._ctrl: socket.socket | None = None
+        self._finalizer: weakref.finalize | None = None  # type: ignore[type-arg]
+        # removes base_dir even if the zygote never starts
+        self._dir_finalizer = weakref.finalize(self, shutil.rmtree, self.base_dir, True)
+
+    @property
+    def zygote_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            proc = subprocess.Popen(
+                [self.python, "-I", SUPERVISOR, "--zygote", str(self.size), self.base_dir],
+                stdin=theirs, stdout=subprocess.DEVNULL, cwd="/", start_new_session=True, close_fds=True,
+                env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/", "LANG": "C.UTF-8"},
+            )
+        except OSError as e:
+            ours.close()
+            raise PoolUnavailable(f"could not start the sandbox zygote with {self.python}: {e}") from e
+        finally:
+            theirs.close()
+        ours.settimeout(_REPLY_TIMEOUT_S)
+        self._proc, self._ctrl = proc, ours
+        self._finalizer = weakref.finalize(self, _shutdown, proc, ours, self.base_dir)
+
+    def _stop_zygote(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._proc is not None and self._ctrl is not None:
+            # a broken zygote: kill it, keep base_dir (live episodes' dirs are in it)
+            self._ctrl.close()
+            self._proc.kill()
+            self._proc.wait(timeout=5)
+        self._proc = self._ctrl = self._finalizer = None
+
+    def lease(self) -> Lease:
+        """Take an idle supervisor (blocking, bounded). Starts the zygote on first use and restarts a dead one.
+        Raises PoolUnavailable when it cannot."""
+        with self._lock:
+            if self._closed:
+                raise PoolUnavailable("the sandbox pool is closed")
+            for attempt in range(2):
+                if self._proc is None or self._proc.poll() is not None:
+                    self._stop_zygote()
+                    self._start()
+                assert self._ctrl is not None
+                try:
+                    self._ctrl.send(b"g")
+                    msg, anc, _, _ = self._ctrl.recvmsg(16, socket.CMSG_SPACE(3 * 4))
+                except OSError as e:
+                    log.warning("sandbox pool: the zygote did not answer (%s); restarting it", e)
+                    self._stop_zygote()
+                    if attempt:
+                        raise PoolUnavailable(f"the sandbox zygote did not answer: {e}") from e
+                    continue
+                fds = [fd for level, kind, data in anc if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+                       for fd in struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4])]
+                if len(msg) != 4 or len(fds) != 3:
+                    for fd in fds:
+                        os.close(fd)
+                    self._stop_zygote()
+                    if attempt:
+                        raise PoolUnavailable("the sandbox zygote sent a malformed reply")
+                    continue
+                (pid,) = struct.unpack("!i", msg)
+                return Lease(pid=pid, job_fd=fds[0], err_fd=fds[1], pidfd=fds[2])
+            raise PoolUnavailable("unreachable")
+
+    def close(self) -> None:
+        """Kill the zygote and every supervisor it forked (idle or running), remove `base_dir`."""
+        with self._lock:
+            self._closed = True
+            if self._finalizer is not None:
+                self._finalizer()
+            self._proc = self._ctrl = self._finalizer = None
+            self._dir_finalizer()
+
+    def __enter__(self) -> SandboxPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_default: SandboxPool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> SandboxPool | None:
+    """The process-wide pool (started on first use; closed at exit), or None when `RLF_SANDBOX_POOL=0`.
+    `RLF_SANDBOX_POOL=N` sets its number of idle supervisors (default 4)."""
+    global _default
+    raw = os.environ.get("RLF_SANDBOX_POOL", str(DEFAULT_SIZE)).strip()
+    try:
+        size = int(raw)
+    except ValueError:
+        raise ValueError(f"RLF_SANDBOX_POOL must be an integer (0 turns the pool off), got {raw!r}") from None
+    if size <= 0:
+        return None
+    with _default_lock:
+        if _default is None or _default._closed:
+            _default = SandboxPool(size)
+        return _default
