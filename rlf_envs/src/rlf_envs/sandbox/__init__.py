@@ -47,6 +47,7 @@ What this does not confine is listed in the README ("Threat model: running untru
 """
 
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult
+from rlf_envs.sandbox.pool import SandboxPool, default_pool
 from rlf_envs.sandbox.runner import SandboxDir, run_python, run_tests
 
-__all__ = ["SandboxDir", "SandboxLimits", "SandboxResult", "run_python", "run_tests"]
+__all__ = ["SandboxDir", "SandboxLimits", "SandboxPool", "SandboxResult", "default_pool", "run_python", "run_tests"]

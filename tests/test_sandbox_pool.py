@@ -1,0 +1,296 @@
+"""The sandbox's warm pool (`rlf_envs.sandbox.pool`): a forked worker behaves like `python -I main.py`, no run
+sees anything of an earlier one, and the pool leaves nothing behind on close(), interpreter exit and SIGTERM.
+
+The rest of the sandbox's tests (tests/test_sandbox.py, test_envs_code.py, ...) run through the default pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxPool, run_python, run_tests
+
+pytestmark = pytest.mark.envs
+
+FAST = SandboxLimits(timeout_s=10.0, cpu_s=10)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[SandboxPool]:
+    with SandboxPool(size=2) as p:
+        yield p
+
+
+def _gone(path: str, wait_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not os.path.exists(path)
+
+
+# What a fresh `python -I main.py` shows; the forked worker must show the same (compared with a cold run).
+PROBE = textwrap.dedent("""
+    import atexit, os, signal, sys, threading
+    print(__name__, os.path.basename(__file__), sys.argv[0] == __file__ or sys.argv[0], flush=True)
+    print(sorted(os.environ), os.getcwd() == os.environ["HOME"])
+    print([p for p in sys.path if "site-packages" not in p][:1], sys.flags.isolated, sys.flags.safe_path)
+    print(signal.getsignal(signal.SIGPIPE), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT).__name__,
+          signal.getsignal(signal.SIGALRM), sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+    print(sys.get_int_max_str_digits(), sys.getrecursionlimit(), sys.stdin.read().upper())
+    print(sys.stdout.encoding, sys.stderr.errors, sys.stderr.line_buffering)
+    print("fds", sorted(os.listdir("/proc/self/fd")))  # 0, 1, 2 (and the listing's own): no job, no result channel
+    def later():
+        import time
+        time.sleep(0.2)
+        print("thread joined", flush=True)
+    threading.Thread(target=later).start()
+    atexit.register(lambda: print("atexit ran"))
+""")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tail, code", [
+    ("", 0), ("sys.exit(7)", 7), ("sys.exit('bye')", 1), ("raise ValueError('boom')", 1), ("os._exit(5)", 5),
+    ("x = (", 1), ("sys.exit(None)", 0),
+])
+async def test_a_forked_worker_behaves_like_a_fresh_interpreter(pool: SandboxPool, tail: str, code: int) -> None:
+    program = PROBE + tail
+    cold = await run_python(program, "in", FAST, pool=False)
+    warm = await run_python(program, "in", FAST, pool=pool)
+    assert "fresh_worker" in warm.guards and "fresh_worker" not in cold.guards
+    assert warm.exit_code == cold.exit_code == code, (warm, cold)
+    assert warm.stdout == cold.stdout, (warm.stdout, cold.stdout)
+    # tracebacks name the script's own lines only, as python's do
+    assert re.sub(r"rlf_sbx_\w+", "", warm.stderr) == re.sub(r"rlf_sbx_\w+", "", cold.stderr)
+    assert "_supervisor" not in warm.stderr
+    assert set(cold.guards) | {"fresh_worker"} == set(warm.guards)
+
+
+LEAVE = textwrap.dedent("""
+    import atexit, builtins, json, os, random, signal, subprocess, sys, threading
+    open("/tmp/leak_tmp", "w").write("x")
+    open("/dev/shm/leak_shm", "w").write("x")
+    open("leak_cwd", "w").write("x")
+    sys.modules["leak_module"] = type(sys)("leak_module")
+    builtins.LEAK = 1
+    builtins.len = lambda x: 42
+    json.LEAK = 1
+    sys.path.insert(0, "/leak")
+    os.environ["LEAK"] = "1"
+    os.putenv("LEAK_C", "1")
+    signal.signal(signal.SIGUSR1, lambda *a: None)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    random.seed(12345)
+    sys.setrecursionlimit(55555)
+    threading.Thread(target=__import__("time").sleep, args=(60,), daemon=True).start()
+    # a double-forked daemon that outlives us, if it can
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execv("/bin/sleep", ["sleep", "MARKER"])
+        os._exit(0)
+    atexit.register(lambda: open("/tmp/leak_atexit", "w").write("x"))
+    print("left", random.random(), flush=True)
+""")
+
+CHECK = textwrap.dedent("""
+    import builtins, json, os, random, signal, sys, threading
+    found = []
+    for p in ("/tmp/leak_tmp", "/dev/shm/leak_shm", "leak_cwd", "/tmp/leak_atexit"):
+        if os.path.exists(p):
+            found.append(p)
+    found += [f"listing {p}" for p in ("/tmp", "/dev/shm", ".") if [n for n in os.listdir(p) if "leak" in n]]
+    if "leak_module" in sys.modules: found.append("module")
+    if hasattr(builtins, "LEAK") or len("ab") != 2: found.append("builtins")
+    if hasattr(json, "LEAK"): found.append("json global")
+    if "/leak" in sys.path: found.append("sys.path")
+    if "LEAK" in os.environ or os.getenv("LEAK_C"): found.append("environment")
+    if signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        found.append("signal handler")
+    if signal.pthread_sigmask(signal.SIG_BLOCK, []): found.append("signal mask")
+    random.seed(12345); x = random.random(); random.seed()
+    if sys.getrecursionlimit() == 55555: found.append("recursion limit")
+    if threading.active_count() != 1: found.append("threads")
+    procs = [p for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
+    for p in procs:
+        try:
+            if b"MARKER" in open(f"/proc/{p}/cmdline", "rb").read(): found.append("daemon visible")
+        except OSError:
+            pass
+    print("FOUND", found)
+""")
+
+
+@pytest.mark.asyncio
+async def test_no_run_sees_anything_of_an_earlier_one(pool: SandboxPool, leftovers: Callable[[str], list[int]]) -> None:
+    marker = f"{3600 + secrets.randbelow(10**6) / 10**7:.7f}"
+    for _ in range(2):  # the next supervisors of the same zygote: fresh copies of the template each time
+        left = await run_python(LEAVE.replace("MARKER", marker), "", FAST, pool=pool)
+        assert left.exit_code == 0 and "left" in left.stdout, left
+        assert leftovers(marker) == []  # the daemon died with its run
+        for checker in (run_python(CHECK.replace("MARKER", marker), "", FAST, pool=pool),):
+            r = await checker
+            assert r.exit_code == 0 and "FOUND []" in r.stdout, (r.stdout, r.stderr)
+    # the same work dir on purpose (an episode): its files persist, nothing else does
+    with SandboxDir(parent=pool.base_dir) as wd:
+        await run_python(LEAVE.replace("MARKER", marker), "", FAST, wd, pool=pool)
+        r = await run_python(CHECK.replace("MARKER", marker), "", FAST, wd, pool=pool)
+        assert "FOUND ['leak_cwd', 'listing .']" in r.stdout, r.stdout
+    # and the tests' side: a solution that rigs builtins, then another one judged by the same pool
+    rigged = "import builtins\nbuiltins.AssertionError = Exception\nbuiltins.leak = 1\ndef f():\n    return 1\n"
+    assert (await run_tests(rigged, ["assert f() == 2"], FAST, pool=pool)).test_results == (False,)
+    clean = "def f():\n    import builtins\n    return hasattr(builtins, 'leak')\n"
+    assert (await run_tests(clean, ["assert f() is False"], FAST, pool=pool)).test_results == (True,)
+
+
+SCAN = textwrap.dedent("""
+    import ctypes, re
+    pat = re.compile(rb"RLF" + rb"SECRET-[0-9a-f]{16}")
+    seen = set()
+    with open("/proc/self/maps") as maps:
+        regions = [line.split() for line in maps]
+    for fields in regions:  # anonymous memory, heap and stack: where an interpreter keeps its objects
+        if fields[1][0] != "r" or (len(fields) > 5 and fields[5] not in ("[heap]", "[stack]")):
+            continue
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        for start in range(lo, hi, 1 << 24):
+            data = ctypes.string_at(start, min(1 << 24, hi - start))
+            seen.update(m.decode() for m in pat.findall(data))
+    print("SEEN", sorted(seen), flush=True)
+""")
+
+
+@pytest.mark.asyncio
+async def test_a_worker_holds_no_tests_nonce_or_earlier_input_in_its_memory(pool: SandboxPool) -> None:
+    """The worker is a fork, so its memory is a copy of its supervisor's: scan all of it for the secrets of
+    earlier runs (their tests and stdin) and of this run's tests; its own stdin is the positive control."""
+    def secret() -> str:
+        return "RLFSECRET-" + secrets.token_hex(8)
+
+    earlier_tests, earlier_stdin, mine_tests, mine_stdin = secret(), secret(), secret(), secret()
+    judged = await run_tests("def f():\n    return 0\n", [f"assert f() != {earlier_tests!r}"], FAST, pool=pool)
+    assert judged.test_results == (True,)
+    assert (await run_python("print(input())", earlier_stdin, FAST, pool=pool)).stdout.strip() == earlier_stdin
+    limits = SandboxLimits(timeout_s=60.0, cpu_s=60, memory_mb=1024)
+    r = await run_python(SCAN, mine_stdin, limits, pool=pool)
+    assert r.exit_code == 0, r.stderr
+    assert mine_stdin in r.stdout, r.stdout  # the scan finds what the worker was given
+    solution = "import sys\nSTDIN = sys.stdin\nexec(" + repr(SCAN) + ")\ndef f():\n    return 0\n"
+    judged = await run_tests(solution, [f"assert f() != {mine_tests!r}"], limits, pool=pool)
+    assert judged.test_results == (True,), judged
+    for s in (earlier_tests, earlier_stdin, mine_tests):
+        assert s not in r.stdout and s not in judged.stdout, (s, r.stdout, judged.stdout)
+    assert "SEEN" in judged.stdout
+
+
+def _pids_with(marker: str) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":
+                        out.append(int(pid))
+            except (OSError, IndexError):
+                pass
+    return out
+
+
+def _wait_count(marker: str, want: int, wait_s: float = 10.0) -> int:
+    deadline = time.monotonic() + wait_s
+    while (n := len(_pids_with(marker))) != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return n
+
+
+@pytest.mark.asyncio
+async def test_pool_is_bounded_refilled_restarted_and_closed(leftovers: Callable[[str], list[int]]) -> None:
+    marker = f"{3600 + secrets.randbelow(10**6) / 10**7:.7f}"
+    p = SandboxPool(size=3)
+    try:
+        r = await run_python("print(1)", "", FAST, pool=p)
+        assert r.stdout == "1\n" and "fresh_worker" in r.guards
+        # the zygote + 3 idle supervisors (all forks carry the zygote's command line, which names base_dir)
+        assert _wait_count(p.base_dir, 4) == 4
+        await asyncio.gather(*(run_python("print(2)", "", FAST, pool=p) for _ in range(5)))
+        assert _wait_count(p.base_dir, 4) == 4  # refilled, never more
+        zygote = p.zygote_pid
+        assert zygote is not None
+        os.kill(zygote, signal.SIGKILL)  # its supervisors die with it; the next run starts a new one
+        assert (await run_python("print(3)", "", FAST, pool=p)).stdout == "3\n"
+        assert p.zygote_pid not in (None, zygote)
+        # close() with a run in flight: nothing is left, not the run's daemon, not the work dirs
+        run = asyncio.ensure_future(run_python(f"import os\nos.execv('/bin/sleep', ['sleep', '{marker}'])", "",
+                                               FAST, SandboxDir(parent=p.base_dir), pool=p))
+        deadline = time.monotonic() + 10
+        while not _pids_with(marker) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert _pids_with(marker)
+        await asyncio.to_thread(p.close)
+        r = await run
+        assert r.exit_code is None  # killed with the pool
+        assert leftovers(marker) == [] and leftovers(p.base_dir) == []
+        assert _gone(p.base_dir)
+        r = await run_python("print(4)", "", FAST, pool=p)  # a closed pool: cold start, still works
+        assert r.stdout == "4\n" and "fresh_worker" not in r.guards
+    finally:
+        p.close()
+
+
+TRAINER = textwrap.dedent("""
+    import asyncio, sys
+    from rlf_envs.sandbox import SandboxDir, run_python
+    from rlf_envs.sandbox.pool import default_pool
+
+    async def main():
+        r = await run_python("print('warm')")
+        assert "fresh_worker" in r.guards, r
+        print(default_pool().base_dir, flush=True)
+        d = SandboxDir()
+        print(d.root, flush=True)
+        if sys.argv[1] == "sigterm":
+            await run_python("import os\\nos.execv('/bin/sleep', ['sleep', 'MARKER'])", "", None, d)
+
+    asyncio.run(main())
+""")
+
+
+@pytest.mark.parametrize("how", ["exit", "sigterm"])
+def test_nothing_is_left_when_the_trainer_exits_or_gets_sigterm(how: str, leftovers: Callable[[str], list[int]]) -> None:
+    marker = f"{3600 + secrets.randbelow(10**6) / 10**7:.7f}"
+    env = {**os.environ, "RLF_SANDBOX_POOL": "2", "PYTHONPATH": str(ROOT / "rlf_envs" / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER.replace("MARKER", marker), how], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        base, workdir = proc.stdout.readline().strip(), proc.stdout.readline().strip()
+        assert base and workdir.startswith(base), (base, workdir, proc.stderr.read() if proc.stderr else "")
+        if how == "sigterm":
+            deadline = time.monotonic() + 20
+            while not _pids_with(marker) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _pids_with(marker), "the run never started"
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        assert proc.returncode == (-signal.SIGTERM if how == "sigterm" else 0), proc.stderr.read() if proc.stderr else ""
+        assert leftovers(marker) == [] and leftovers(base) == []  # zygote, supervisors, workers, the daemon
+        assert _gone(base)  # the work dirs too, although the trainer never cleaned up
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
