@@ -1,22 +1,22 @@
-"""rlf/Code-v0 env steps per second, with baselines measured in the same run.
+"""rlf/Code-v0 env steps per second: the warm sandbox pool against the cold path, in the same run.
 
-    python benchmarks/code_env.py [--envs 16] [--seconds 5] [--json out/code_env.json]
+    python benchmarks/code_env.py [--envs 16 64] [--seconds 5] [--json out/code_env.json]
 
 Each episode is scripted: python(reference program) -> answer(its printed value), i.e. two steps, one sandboxed
-Python run (supervisor + worker processes, namespaces, rlimits, whole-tree kill) and one verifier run (numeric /
-exact match; "write a function" tasks are skipped so that every episode costs the same). Rates are steps/s through:
-  - rlf ToolVectorEnv of N Code-v0 envs (all calls of a step concurrently, up to the tool's max_concurrency,
-    default the CPU count);
-  - gymnasium SyncVectorEnv over the same CodeEnvs (one env after another): the baseline;
-  - rlf ToolVectorEnv of N Tools-v0 envs with an instant Python tool: the env machinery without the sandbox;
-  - and the raw work: the same programs run directly with `rlf_envs.sandbox.run_python`, one after another.
+Python run (every guard: namespaces, per-run uid, rlimits, whole-tree kill) and one verifier run (numeric /
+exact match; "write a function" tasks are skipped so that every episode costs the same). Steps/s through a
+ToolVectorEnv of N Code-v0 envs (all calls of a step concurrently, up to the tool's max_concurrency, default
+the CPU count), for:
+  - pool:    CodeEnv(pool=True), the default: a python call is a fork of a warm supervisor (`rlf_envs.sandbox.pool`)
+  - cold:    CodeEnv(pool=False), the path before the pool: a new supervisor interpreter + worker interpreter per call
+  - sync:    gymnasium SyncVectorEnv over the same pooled CodeEnvs (one env after another)
+  - instant: Tools-v0 envs with an instant Python tool: the env machinery alone, the floor
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import time
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ import gymnasium as gym
 from scripted_env import instant_tool_rate, report, scripted_rate, tool_call
 
 from rlf_envs.env import ToolVectorEnv
-from rlf_envs.envs.code import DEFAULT_LIMITS, CodeEnv, code_tasks
-from rlf_envs.sandbox import SandboxDir, run_python
+from rlf_envs.envs.code import CodeEnv, code_tasks
+from rlf_envs.sandbox import default_pool
 from rlf_envs.types import Task
 
 
@@ -42,43 +42,33 @@ def all_verified(rewards: Any) -> None:
     assert (rewards == 1.0).all(), rewards  # every scripted episode is verified correct
 
 
-def raw_runs_per_s(seconds: float) -> float:
-    """The same programs through `run_python` directly, one after another (2 steps' worth per run)."""
-    ts = tasks()
-
-    async def go() -> float:
-        n, i, t0 = 0, 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds or n == 0:
-            t = ts[i % len(ts)]
-            i += 1
-            with SandboxDir() as d:
-                for name, text in (t.meta.get("files") or {}).items():  # type: ignore[union-attr]
-                    d.write(name, str(text))
-                r = await run_python(str(t.meta["program"]), "", DEFAULT_LIMITS, d)
-            assert r.ok, r
-            n += 2
-        return n / (time.perf_counter() - t0)
-
-    return asyncio.run(go())
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--envs", type=int, default=16)
+    ap.add_argument("--envs", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    n, secs = args.envs, args.seconds
+    secs = args.seconds
     kwargs: dict[str, Any] = {"tasks": tasks(), "max_turns": 4, "max_total_tokens": 1 << 30}
-    rates = {
-        "ours": scripted_rate(ToolVectorEnv([lambda: CodeEnv(**kwargs) for _ in range(n)]), secs, script, all_verified),
-        "sync": scripted_rate(gym.vector.SyncVectorEnv([lambda: CodeEnv(**kwargs) for _ in range(n)]), secs, script,
-                              all_verified),
-        "instant": instant_tool_rate(n, secs, steps=2, max_turns=4),
-        "raw": raw_runs_per_s(secs),
-    }
-    report("Code-v0", "code", n, "2-step episodes (1 sandboxed python run + verified answer)", rates,
-           ("sandbox", "raw run_python, sequential"), args.json, rate_digits=1, share_digits=4)
+    pool = default_pool()
+    if pool is None:
+        raise SystemExit("RLF_SANDBOX_POOL=0 turns the pool off: unset it to compare")
+    rows: dict[int, dict[str, float]] = {}
+    for n in args.envs:
+        def venv(cls: Any, pooled: bool, n: int = n) -> Any:
+            return cls([lambda: CodeEnv(pool=pooled, **kwargs) for _ in range(n)])
+
+        rows[n] = {
+            "pool": scripted_rate(venv(ToolVectorEnv, True), secs, script, all_verified),
+            "cold": scripted_rate(venv(ToolVectorEnv, False), secs, script, all_verified),
+            "sync": scripted_rate(venv(gym.vector.SyncVectorEnv, True), secs, script, all_verified),
+            "instant": instant_tool_rate(n, secs, steps=2, max_turns=4),
+        }
+    labels = {"pool": "Code-v0, warm pool (pool=True, default)", "cold": "Code-v0, cold (pool=False, before)",
+              "sync": "gymnasium SyncVectorEnv, pooled Code-v0", "instant": "Tools-v0, instant tool (floor)"}
+    report("Code-v0", "code", "2-step episodes (1 sandboxed python run + verified answer)", rows, labels, args.json,
+           after="pool", before="cold", extra={"pool_size": pool.size, "cpus": os.cpu_count(),
+                                                "load_avg_1m_at_end": os.getloadavg()[0]})
 
 
 if __name__ == "__main__":

@@ -57,22 +57,24 @@ def instant_tool_rate(n: int, seconds: float, steps: int, max_turns: int) -> flo
 
 
 def report(
-    env: str, key: str, n: int, episode: str, rates: dict[str, float], raw: tuple[str, str], json_path: Path | None,
-    *, rate_digits: int = 0, share_digits: int = 2,
+    env: str, key: str, episode: str, rows: dict[int, dict[str, float]], labels: dict[str, str], json_path: Path | None,
+    *, after: str, before: str, extra: dict[str, Any] | None = None,
 ) -> None:
-    """Print `rates` (steps/s: "ours", "sync", "instant", "raw") with their ratios and write them as JSON under
-    `{key}_env`; `raw` = (its JSON name, its label), e.g. ("sqlite", "raw SQLite, same queries")."""
-    ours, base, instant, raw_rate = rates["ours"], rates["sync"], rates["instant"], rates["raw"]
-    raw_key, raw_label = raw
-    res = {"envs": n, f"{key}_vector_steps_per_s": ours, f"{key}_sync_vector_steps_per_s": base,
-           "instant_tool_vector_steps_per_s": instant, f"raw_{raw_key}_episode_steps_per_s": raw_rate,
-           "speedup_vs_sync": ours / base, "share_of_instant_tool": ours / instant,
-           f"vs_raw_{raw_key}": ours / raw_rate}
-    f = f">9,.{rate_digits}f"
-    print(f"\nrlf/{env} steps/s, {n} envs, scripted {episode}:")
-    print(f"  rlf ToolVectorEnv          {ours:{f}}/s")
-    print(f"  gymnasium SyncVectorEnv    {base:{f}}/s   -> rlf {ours / base:.2f}x")
-    print(f"  Tools-v0, instant tool     {instant:{f}}/s   -> {env} runs at {ours / instant:.{share_digits}f} of it")
-    print(f"  {raw_label:<26} {raw_rate:{f}}/s   -> {env} runs at {ours / raw_rate:.2f} of it")
+    """Print steps/s per env count (`rows[n][name]`, names described by `labels`) with the ratios that matter:
+    `after` over `before` (the speed-up, same run) and `after` over "instant" (the share of the instant-tool
+    floor: what the env costs with a tool that does nothing); write them as JSON under `{key}_env`."""
+    res: dict[str, Any] = {"rows": {}, **(extra or {})}
+    for n, rates in rows.items():
+        print(f"\nrlf/{env} steps/s, {n} envs, scripted {episode}:")
+        for name, rate in rates.items():
+            note = ""
+            if name == before:
+                note = f"   -> {after} is {rates[after] / rate:.2f}x of it"
+            elif name == "instant":
+                note = f"   -> {after} runs at {rates[after] / rate:.3f} of it ({rate / rates[after]:.2f}x slower)"
+            print(f"  {labels[name]:<44} {rate:>10,.1f}/s{note}")
+        res["rows"][str(n)] = {**{f"{k}_steps_per_s": v for k, v in rates.items()},
+                               "speedup_vs_before": rates[after] / rates[before],
+                               "share_of_instant_tool": rates[after] / rates["instant"]}
     if json_path:
         write_report(json_path, {f"{key}_env": res})

@@ -29,7 +29,7 @@ from rlf_envs.env.tool_env import PendingStep, ToolEnv
 from rlf_envs.rewards.base import Verifier
 from rlf_envs.rewards.code import CodeConfig, CodeVerifier
 from rlf_envs.rewards.rules import ExactMatch, NumericMatch
-from rlf_envs.sandbox import SandboxDir, SandboxLimits
+from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxPool
 from rlf_envs.tasks import load_tasks
 from rlf_envs.tools.interpreter import WORKDIR_ARG, PythonInterpreter
 from rlf_envs.types import Score, Task, ToolCall, Trajectory
@@ -43,16 +43,17 @@ CHECKS = ("numeric", "exact", "tests")
 DEFAULT_LIMITS = SandboxLimits(timeout_s=5.0, cpu_s=5, memory_mb=256, file_mb=4, max_output_bytes=16_384,
                                max_processes=16)
 
-_TOOLS: dict[tuple[SandboxLimits, int], PythonInterpreter] = {}
+_TOOLS: dict[tuple[SandboxLimits, int, SandboxPool | bool], PythonInterpreter] = {}
 _LOCK = threading.Lock()
 
 
-def python_tool(limits: SandboxLimits = DEFAULT_LIMITS, max_output_chars: int = 2_000) -> PythonInterpreter:
+def python_tool(limits: SandboxLimits = DEFAULT_LIMITS, max_output_chars: int = 2_000,
+                pool: SandboxPool | bool = True) -> PythonInterpreter:
     """The process-wide interpreter tool for these limits (envs share it, and so one Toolbox)."""
-    key = (limits, max_output_chars)
+    key = (limits, max_output_chars, pool)
     with _LOCK:
         if key not in _TOOLS:
-            _TOOLS[key] = PythonInterpreter(limits, max_output_chars=max_output_chars)
+            _TOOLS[key] = PythonInterpreter(limits, max_output_chars=max_output_chars, pool=pool)
         return _TOOLS[key]
 
 
@@ -61,11 +62,12 @@ class CodeTaskVerifier(Verifier):
 
     name = "code_task"
 
-    def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS, abs_tol: float = 1e-6, rel_tol: float = 1e-6) -> None:
+    def __init__(self, limits: SandboxLimits = DEFAULT_LIMITS, abs_tol: float = 1e-6, rel_tol: float = 1e-6,
+                 pool: bool = True) -> None:
         self.by_check: dict[str, Verifier] = {
             "numeric": NumericMatch(abs_tol=abs_tol, rel_tol=rel_tol),
             "exact": ExactMatch(),
-            "tests": CodeVerifier(CodeConfig(**limits.model_dump(), partial_credit=False)),
+            "tests": CodeVerifier(CodeConfig(**limits.model_dump(), partial_credit=False, pool=pool)),
         }
 
     async def score(self, trajectory: Trajectory, task: Task) -> Score:
@@ -111,6 +113,9 @@ class CodeEnv(ToolEnv):
         limits: the sandbox limits of each tool call (a SandboxLimits or its dict); also used by the hidden
             tests of "tests" tasks.
         max_output_chars: stdout+stderr shown to the policy per call (the rest is cut with a marker).
+        pool: True (default): calls and hidden tests run in the process's warm sandbox pool (a fork per call,
+            `rlf_envs.sandbox.pool`; `RLF_SANDBOX_POOL=0` turns it off); False: a new supervisor and
+            interpreter per call (the cold path, slower, same guards).
         format: "qwen3" / "hermes" (JSON tool calls) or a Format instance.
         **kwargs: ToolEnv's (tasks, verifier, max_turns, tokenizer, system_prompt, extra tools...).
     """
@@ -121,6 +126,7 @@ class CodeEnv(ToolEnv):
         limits: SandboxLimits | dict[str, Any] | None = None,
         max_output_chars: int = 2_000,
         format: Any = "qwen3",
+        pool: bool = True,
         **kwargs: Any,
     ) -> None:
         lim = SandboxLimits.model_validate(limits) if isinstance(limits, dict) else (limits or DEFAULT_LIMITS)
@@ -128,8 +134,8 @@ class CodeEnv(ToolEnv):
             raise ValueError("max_output_chars must be >= 100")
         if kwargs.get("tasks") is None:
             kwargs["tasks"] = code_tasks(split)
-        self._python = python_tool(lim, max_output_chars)
-        kwargs.setdefault("verifier", CodeTaskVerifier(lim))
+        self._python = python_tool(lim, max_output_chars, bool(pool))
+        kwargs.setdefault("verifier", CodeTaskVerifier(lim, pool=bool(pool)))
         kwargs.setdefault("system_prompt", SYSTEM_PROMPT)
         self._workdir: SandboxDir | None = None
         self._remove_workdir: weakref.finalize | None = None  # type: ignore[type-arg]
@@ -144,7 +150,7 @@ class CodeEnv(ToolEnv):
 
     def _episode_dir(self) -> SandboxDir:
         if self._workdir is None:
-            d = SandboxDir(self._python.limits.drop_privileges)
+            d = self._python.new_dir()
             # removed at episode end; the finalizer also covers an env dropped without close()
             self._remove_workdir = weakref.finalize(self, d.remove)
             self._workdir = d

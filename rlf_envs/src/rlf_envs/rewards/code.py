@@ -23,7 +23,7 @@ from rlf_envs.types import Score, Task, Trajectory
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 #: guards reported per score as `code/guard/<name>` (1 = in force)
-_REPORTED_GUARDS = ("uid", "pid_ns", "net_ns", "nproc", "private_tmp", "user_ns")
+_REPORTED_GUARDS = ("uid", "pid_ns", "net_ns", "nproc", "private_tmp", "user_ns", "fresh_worker")
 
 
 def extract_code(answer: str) -> str:
@@ -56,6 +56,8 @@ class CodeConfig(VerifierConfig, SandboxLimits):
     max_concurrency: int = Field(default_factory=lambda: os.cpu_count() or 2, ge=1)
     python: str = Field(sys.executable, description="interpreter for the solution (must be readable by the "
                         "sandbox uid when running as root without namespaces)")
+    pool: bool = Field(True, description="run in the process's warm sandbox pool (a fork per run; "
+                       "RLF_SANDBOX_POOL=0 turns it off); false: a new supervisor and interpreter per run")
 
     @property
     def limits(self) -> SandboxLimits:
@@ -78,7 +80,8 @@ class CodeVerifier(ConfiguredVerifier[CodeConfig]):
         if trajectory.answer is None or not extract_code(trajectory.answer).strip():
             return self.result(0.0, {"no_answer": 1.0})
         async with self._gate.get():
-            out = await run_tests(extract_code(trajectory.answer), tests, c.limits, python=c.python)
+            out = await run_tests(extract_code(trajectory.answer), tests, c.limits, python=c.python,
+                                  pool=None if c.pool else False)
         passed = sum(out.test_results)
         reported = out.error is None and not out.timed_out
         value = passed / len(tests) if c.partial_credit else float(reported and passed == len(tests))

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
 #: idle supervisors kept forked by default; `RLF_SANDBOX_POOL=0` turns the default pool off (cold starts)
 DEFAULT_SIZE = 4
+#: stdlib modules imported once in the template, so that a run importing them pays nothing (a run still
+#: gets its own copy: what it changes in them dies with it). Only stdlib: the template must stay trusted.
+DEFAULT_PRELOAD = ("bisect", "collections", "csv", "datetime", "decimal", "fractions", "functools", "heapq",
+                   "itertools", "json", "math", "operator", "re", "statistics", "string")
 _REPLY_TIMEOUT_S = 10.0
 
 
@@ -70,13 +74,17 @@ def _shutdown(proc: subprocess.Popen[bytes], ctrl: socket.socket, base_dir: str)
 class SandboxPool:
     """A zygote and up to `size` idle supervisors for `python` (the interpreter the forked workers run).
 
-    Thread-safe; usable from any event loop (a lease is one blocking round trip, done in a thread by the
-    runner). `close()` is idempotent. Work dirs made with `SandboxDir(parent=pool.base_dir)` go with it."""
+    Thread-safe; usable from any event loop (a lease is one blocking round trip on a local socket: the zygote
+    only hands over descriptors it already holds, so it answers in microseconds). `close()` is idempotent. Work dirs made with `SandboxDir(parent=pool.base_dir)` go with it."""
 
-    def __init__(self, size: int = DEFAULT_SIZE, python: str | None = None) -> None:
+    def __init__(self, size: int = DEFAULT_SIZE, python: str | None = None,
+                 preload: tuple[str, ...] = DEFAULT_PRELOAD) -> None:
         if size < 1:
             raise ValueError("SandboxPool size must be >= 1 (use pool=False for cold starts)")
+        if not all(m.replace(".", "").replace("_", "").isalnum() for m in preload):
+            raise ValueError(f"SandboxPool preload must be module names, got {preload!r}")
         self.size = size
+        self.preload = tuple(preload)
         self.python = python or sys.executable
         self.base_dir = tempfile.mkdtemp(prefix="rlf_pool_")
         os.chmod(self.base_dir, 0o711)  # run uids traverse to their own work dir, list nothing
@@ -96,7 +104,7 @@ class SandboxPool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = subprocess.Popen(
-                [self.python, "-I", SUPERVISOR, "--zygote", str(self.size), self.base_dir],
+                [self.python, "-I", SUPERVISOR, "--zygote", str(self.size), self.base_dir, ",".join(self.preload)],
                 stdin=theirs, stdout=subprocess.DEVNULL, cwd="/", start_new_session=True, close_fds=True,
                 env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/", "LANG": "C.UTF-8"},
             )

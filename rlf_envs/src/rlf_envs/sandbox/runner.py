@@ -146,11 +146,11 @@ async def _supervise(job: dict[str, Any], private: dict[str, Any], workdir: Sand
     t0 = time.monotonic()
     if chosen is not None:
         try:
-            lease = await asyncio.to_thread(chosen.lease)
+            lease = chosen.lease()  # no fork on this path: the zygote hands over an idle supervisor
         except PoolUnavailable as e:
             log.warning("sandbox: %s; this run starts a supervisor of its own", e)
         else:
-            out, err = await _run_leased(lease, frame({**job, "fork_worker": True}) + secret, limits)
+            out, err = await _run_leased(lease, frame({**job, "fork_worker": True}) + secret, nonce, limits)
             return _parse(out, err, nonce, time.monotonic() - t0)
     out, err = await _run_cold(frame(job) + secret, workdir, limits)
     return _parse(out, err, nonce, time.monotonic() - t0)
@@ -198,35 +198,37 @@ async def _run_cold(payload: bytes, workdir: SandboxDir, limits: SandboxLimits) 
     return out, err
 
 
-def _pidfd_exited(pidfd: int) -> asyncio.Future[None]:
-    """A future done when the process behind `pidfd` has exited (the pidfd turns readable)."""
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
+async def _result_line(reader: asyncio.StreamReader, nonce: str, cap: int) -> bytes:
+    """Read until the supervisor's result line (the one carrying `nonce`) or EOF; returns what was read."""
+    out = bytearray()
+    key = f'"nonce": "{nonce}"'.encode()
+    while len(out) < cap:
+        try:
+            line = await reader.readline()
+        except (asyncio.LimitOverrunError, ValueError):
+            break
+        out += line
+        if not line or (key in line and line.endswith(b"\n")):
+            break
+    return bytes(out)
 
-    def ready() -> None:
-        loop.remove_reader(pidfd)
-        if not fut.done():
-            fut.set_result(None)
 
-    loop.add_reader(pidfd, ready)
-    fut.add_done_callback(lambda _: loop.remove_reader(pidfd))
-    return fut
-
-
-async def _run_leased(lease: Lease, payload: bytes, limits: SandboxLimits) -> tuple[bytes, bytes]:
-    """Send the job to a pooled supervisor over its socket; the result comes back on the same socket."""
+async def _run_leased(lease: Lease, payload: bytes, nonce: str, limits: SandboxLimits) -> tuple[bytes, bytes]:
+    """Send the job to a pooled supervisor over its socket; its result comes back on the same socket. We return
+    as soon as the result line is in: the supervisor writes it after the worker's whole tree is dead (pid 1 of
+    its namespace reaped, or every process found killed), so what is left is its own exit, which the zygote
+    reaps (tearing down namespaces can take the kernel milliseconds; no caller waits for that)."""
+    cap = _output_cap(limits)
     job_sock = socket.socket(fileno=lease.job_fd)
     err_sock = socket.socket(fileno=lease.err_fd)
-    readers: list[asyncio.Future[bytes]] = []
     writers: list[asyncio.StreamWriter] = []
+    err_task: asyncio.Future[bytes] | None = None
     out = err = b""
-    exited = _pidfd_exited(lease.pidfd)
     try:
-        reader, writer = await asyncio.open_connection(sock=job_sock)
+        reader, writer = await asyncio.open_connection(sock=job_sock, limit=cap)
         err_reader, err_writer = await asyncio.open_connection(sock=err_sock)
         writers = [writer, err_writer]
-        readers = [asyncio.ensure_future(_read_capped(reader, _output_cap(limits))),
-                   asyncio.ensure_future(_read_capped(err_reader, 16_384))]
+        err_task = asyncio.ensure_future(_read_capped(err_reader, 16_384))
         writer.write(payload)
         try:
             await writer.drain()
@@ -235,32 +237,30 @@ async def _run_leased(lease: Lease, payload: bytes, limits: SandboxLimits) -> tu
             pass
         try:
             async with asyncio.timeout(limits.timeout_s + GRACE_S):
-                await asyncio.shield(exited)
+                out = await _result_line(reader, nonce, cap)
         except TimeoutError:
             pass
     finally:
-        if not exited.done():
-            try:
-                signal.pidfd_send_signal(lease.pidfd, signal.SIGKILL)  # its worker dies with it (PDEATHSIG)
-            except ProcessLookupError:
-                pass
         try:
-            async with asyncio.timeout(2):
-                await asyncio.shield(exited)
-                if readers:
-                    out, err = await asyncio.gather(*readers)
-        except TimeoutError:
+            # done (its worker is dead already) or past the deadline: either way it goes now, and its worker
+            # with it (PDEATHSIG; pid namespace)
+            signal.pidfd_send_signal(lease.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
             pass
-        finally:
-            exited.cancel()
-            for r in readers:
-                r.cancel()
-            for w in writers:
-                w.close()
-            if not writers:
-                job_sock.close()
-                err_sock.close()
-            os.close(lease.pidfd)
+        if err_task is not None and f'"nonce": "{nonce}"'.encode() not in out:
+            try:  # no verdict: what the supervisor said on stderr explains why
+                async with asyncio.timeout(2):
+                    err = await asyncio.shield(err_task)
+            except TimeoutError:
+                pass
+        if err_task is not None:
+            err_task.cancel()
+        for w in writers:
+            w.close()
+        if not writers:
+            job_sock.close()
+            err_sock.close()
+        os.close(lease.pidfd)
     return out, err
 
 

@@ -10,9 +10,10 @@ shares one instance across all its copies, and the tool then runs in that dir an
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import Any
 
-from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxResult, run_python
+from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxPool, SandboxResult, run_python
 from rlf_envs.sandbox.runner import GRACE_S
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
 
@@ -33,8 +34,12 @@ class PythonInterpreter(Tool):
         max_output_chars: int = 4_000,
         python: str | None = None,
         max_concurrency: int | None = None,
+        pool: SandboxPool | bool = True,
     ) -> None:
+        """`pool`: True (the process's warm pool, `rlf_envs.sandbox.default_pool`; off with
+        `RLF_SANDBOX_POOL=0`), a `SandboxPool`, or False (a new supervisor and interpreter per call)."""
         self.limits = limits or SandboxLimits()
+        self.pool = pool
         self.max_code_chars = max_code_chars
         self.max_output_chars = max_output_chars
         self.python = python
@@ -65,6 +70,12 @@ class PythonInterpreter(Tool):
         """The current episode's work dir (None before the first call of an episode)."""
         return self._dir
 
+    def new_dir(self) -> SandboxDir:
+        """A fresh work dir for an episode, where this tool's pool keeps them (removed with the pool)."""
+        parent = (self.pool.base_dir if isinstance(self.pool, SandboxPool)
+                  else None if self.pool else tempfile.gettempdir())
+        return SandboxDir(self.limits.drop_privileges, parent=parent)
+
     def start_episode(self) -> None:
         """Forget the previous episode's files: the next call starts in a fresh, empty work dir."""
         self.end_episode()
@@ -93,9 +104,10 @@ class PythonInterpreter(Tool):
             workdir = bound
         else:
             if self._dir is None:
-                self._dir = SandboxDir(self.limits.drop_privileges)
+                self._dir = self.new_dir()
             workdir = self._dir
-        result = await run_python(code, stdin, self.limits, workdir, python=self.python)
+        result = await run_python(code, stdin, self.limits, workdir, python=self.python,
+                                  pool=None if self.pool is True else self.pool)
         if result.error is not None:
             raise ToolError(f"{self.name}: the sandbox failed: {result.error}")
         return self.render(result)
