@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rlf_envs.env.tool_env import PendingStep, ToolEnv
-from rlf_envs.rewards.sql import SqlQueryError, run_readonly_query
+from rlf_envs.rewards.sql import OverBudget, SqlQueryError, run_readonly_query
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
 from rlf_envs.types import Task, ToolCall
 
@@ -40,20 +40,29 @@ DB_ARG = "__database__"  # the argument the env binds; its value is a `Database`
 
 @dataclass(frozen=True, slots=True)
 class Database:
-    """The database an episode runs on (bound to each tool call by the env)."""
+    """The database an episode runs on (bound to each tool call by the env). `budget_s` is set by the tool
+    itself while it tries a call on the event loop's thread."""
 
     path: str
+    budget_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class QueryLimits:
     """Limits of one tool query: deadline (SQLite's own, checked every 1,000 VM steps), rows shown, and
-    the largest value (longer strings/blobs are an error, not a huge observation)."""
+    the largest value (longer strings/blobs are an error, not a huge observation). `reuse_connections` and
+    `inline_s` and `cache_results` are how queries run (see `rlf_envs.rewards.sql`): reused read-only
+    connections, a call run on the event loop while it takes under `inline_s` (else again in a worker
+    thread), deterministic results of an unchanged database remembered; False / 0 / False give the path
+    before (a new connection per query, always a thread, always run)."""
 
     timeout_s: float = 2.0
     max_rows: int = 20
     max_value_bytes: int = 4096
     max_cell_chars: int = 120
+    reuse_connections: bool = True
+    inline_s: float = 0.002
+    cache_results: bool = True
 
 
 def _cell(v: Any, max_chars: int) -> str:
@@ -97,7 +106,8 @@ class SqlTool(Tool):
     def _query(self, db: Database, sql: str, max_rows: int | None = None) -> list[tuple[Any, ...]]:
         lim = self.limits
         return run_readonly_query(db.path, sql, timeout_s=lim.timeout_s, max_rows=max_rows or lim.max_rows,
-                                  max_value_bytes=lim.max_value_bytes)
+                                  max_value_bytes=lim.max_value_bytes, reuse=lim.reuse_connections,
+                                  cache=lim.cache_results, _budget_s=db.budget_s)
 
     def _tables(self, db: Database) -> list[str]:
         rows = self._query(db, "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' "
@@ -107,7 +117,12 @@ class SqlTool(Tool):
     async def call(self, arguments: dict[str, Any]) -> str:
         db = self._database(arguments)
         try:
-            return await asyncio.to_thread(self._run, db, arguments)
+            if self.limits.inline_s > 0:
+                try:  # on the loop's thread while every query of the call is quick
+                    return self._run(Database(db.path, self.limits.inline_s), arguments)
+                except OverBudget:
+                    pass  # read-only: running the call again from the start gives the same answer
+            return await asyncio.to_thread(self._run, Database(db.path), arguments)
         except SqlQueryError as e:
             raise ToolError(str(e)) from None
         except FileNotFoundError as e:
@@ -279,6 +294,12 @@ class SqlEnv(ToolEnv):
         query_timeout_s: SQLite deadline of one tool query (the verifier has its own, `verifier`).
         max_result_rows: rows a `run_query` may return (more is an error telling the policy to narrow it).
         format: "qwen3" / "hermes" (JSON tool calls) or a Format instance.
+        reuse_connections: reuse read-only connections per database, for the tools and the default verifier
+            (False: a new connection per query, the path before).
+        inline_s: run a tool call / verifier query on the event loop while it takes under this long, else in a
+            worker thread (0: always a thread, the path before).
+        cache_results: answer a deterministic query (no random/date/time functions) asked before of the same
+            unchanged database file from memory, for the tools and the default verifier (False: always run).
         **kwargs: ToolEnv's (tasks: Tasks whose `meta["db_path"]` names their database, verifier,
             max_turns, tokenizer, system_prompt, extra tools...).
     """
@@ -291,21 +312,27 @@ class SqlEnv(ToolEnv):
         query_timeout_s: float = 2.0,
         max_result_rows: int = 20,
         format: Any = "qwen3",
+        reuse_connections: bool = True,
+        inline_s: float = 0.002,
+        cache_results: bool = True,
         **kwargs: Any,
     ) -> None:
         if (questions is None) != (db_dir is None):
             raise ValueError("give both questions= (Spider/BIRD JSON) and db_dir= (its database directory), or "
                              "neither (the shipped data)")
-        if query_timeout_s <= 0 or max_result_rows < 1:
-            raise ValueError("query_timeout_s must be > 0 and max_result_rows >= 1")
+        if query_timeout_s <= 0 or max_result_rows < 1 or inline_s < 0:
+            raise ValueError("query_timeout_s must be > 0, max_result_rows >= 1 and inline_s >= 0")
         if questions is not None and db_dir is not None:
             if kwargs.get("tasks") is not None:
                 raise ValueError("give tasks= or questions=, not both")
             kwargs["tasks"] = load_spider(questions, db_dir)
         elif kwargs.get("tasks") is None:
             kwargs["tasks"] = sql_tasks(split)
-        tools = sql_tools(QueryLimits(timeout_s=query_timeout_s, max_rows=max_result_rows))
-        kwargs.setdefault("verifier", {"type": "sql"})
+        tools = sql_tools(QueryLimits(timeout_s=query_timeout_s, max_rows=max_result_rows,
+                                      reuse_connections=reuse_connections, inline_s=inline_s,
+                                      cache_results=cache_results))
+        kwargs.setdefault("verifier", {"type": "sql", "reuse_connections": reuse_connections, "inline_s": inline_s,
+                                       "cache_results": cache_results})
         kwargs.setdefault("system_prompt", SYSTEM_PROMPT)
         super().__init__(tools=[*tools, *kwargs.pop("tools", ())], format=format, **kwargs)
         for t in self.tasks:

@@ -2,17 +2,31 @@
 
 The database is opened read-only (`mode=ro` URI) with `PRAGMA query_only`, an authorizer that only
 allows reads (no ATTACH, PRAGMA, writes, temp tables), a progress handler enforcing the deadline, caps
-on rows, on string/blob size and on the result set's total size, and runs in a worker thread so the
-event loop never blocks.
+on rows, on string/blob size and on the result set's total size.
+
+Connections are reused (`reuse=True`, the default): one idle set per database file (keyed by path, inode,
+size and mtime, so a replaced file gets new connections), each set up once as above and handed to one
+query at a time. A connection goes back only after a query that ended cleanly (rows, or a row/size cap)
+with no transaction open and no change made; after a timeout or any other error it is closed. What a query
+could otherwise leave for the next one is denied by the authorizer (PRAGMA, ATTACH, temp tables, writes),
+and the per-query settings (deadline handler, value-size limit) are set by every query and cleared after.
+
+`run_readonly_query_async` runs a query on the event loop's thread while it takes under `inline_s` (SQLite's
+progress handler checks every 1,000 steps), and only a longer one again in a worker thread with its full
+deadline: most text-to-SQL queries take microseconds, less than a thread hop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
 import re
 import sqlite3
+import stat
+import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -65,6 +79,136 @@ def _fetch_bounded(cur: sqlite3.Cursor, max_rows: int, max_result_bytes: int) ->
     return rows
 
 
+class OverBudget(Exception):
+    """The inline attempt of `run_readonly_query_async` ran past its budget: run it in a thread instead."""
+
+
+_Key = tuple[str, int, int, int, int]
+
+
+class _Connections:
+    """Idle read-only connections per database file, at most `per_db` each and `max_dbs` files (LRU)."""
+
+    def __init__(self, per_db: int = 8, max_dbs: int = 64) -> None:
+        self.per_db, self.max_dbs = per_db, max_dbs
+        self._idle: OrderedDict[_Key, list[sqlite3.Connection]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def take(self, key: _Key) -> sqlite3.Connection | None:
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child: never share the parent's connections
+                self._idle.clear()
+                self._pid = os.getpid()
+            conns = self._idle.get(key)
+            if conns:
+                self._idle.move_to_end(key)
+                return conns.pop()
+            return None
+
+    def give_back(self, key: _Key, conn: sqlite3.Connection) -> None:
+        evicted: list[sqlite3.Connection] = []
+        with self._lock:
+            conns = self._idle.setdefault(key, [])
+            self._idle.move_to_end(key)
+            if len(conns) < self.per_db:
+                conns.append(conn)
+            else:
+                evicted.append(conn)
+            while len(self._idle) > self.max_dbs:
+                evicted += self._idle.popitem(last=False)[1]
+        for c in evicted:
+            c.close()
+
+    def clear(self) -> None:
+        with self._lock:
+            conns = [c for cs in self._idle.values() for c in cs]
+            self._idle.clear()
+        for c in conns:
+            c.close()
+
+
+_CONNECTIONS = _Connections()
+
+
+#: functions (and keywords) whose result is not a function of the database's bytes and the SQL text
+_VOLATILE = re.compile(r"\b(random|randomblob|changes|total_changes|last_insert_rowid|date|time|datetime|julianday|"
+                       r"strftime|unixepoch|timediff|current_date|current_time|current_timestamp|sqlite_offset)\b",
+                       re.IGNORECASE)
+
+
+class _Results:
+    """Results of deterministic read-only queries, per (database file identity, SQL, caps): a database that
+    cannot change and a query without volatile functions always give the same rows (GRPO asks the same
+    gold query, `list_tables` and `describe_table` many times). Bounded by entries and bytes (LRU)."""
+
+    def __init__(self, max_entries: int = 4096, max_bytes: int = 64 << 20) -> None:
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._rows: OrderedDict[tuple[Any, ...], tuple[list[tuple[Any, ...]], int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple[Any, ...]) -> list[tuple[Any, ...]] | None:
+        with self._lock:
+            hit = self._rows.get(key)
+            if hit is None:
+                return None
+            self._rows.move_to_end(key)
+            return list(hit[0])  # the caller's own list (rows are tuples of immutable values)
+
+    def put(self, key: tuple[Any, ...], rows: list[tuple[Any, ...]]) -> None:
+        size = sum(_row_bytes(r) for r in rows) + len(key[1]) + 64
+        if size > self.max_bytes // 16:
+            return
+        with self._lock:
+            old = self._rows.pop(key, None)
+            if old is not None:
+                self._bytes -= old[1]
+            self._rows[key] = (list(rows), size)
+            self._bytes += size
+            while len(self._rows) > self.max_entries or self._bytes > self.max_bytes:
+                self._bytes -= self._rows.popitem(last=False)[1][1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rows.clear()
+            self._bytes = 0
+
+
+_RESULTS = _Results()
+
+
+def close_idle_connections() -> None:
+    """Close every idle reused connection (they are reopened on demand) and forget cached results."""
+    _CONNECTIONS.clear()
+    _RESULTS.clear()
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0, isolation_level=None,
+                           check_same_thread=False)  # one query (one thread) at a time: `_Connections`
+    try:
+        conn.execute("PRAGMA query_only = ON")
+        # temp_store stays FILE: a hostile ORDER BY over an endless CTE then spills ~15 MB/s to deleted temp
+        # files until the deadline, instead of growing our heap by ~130 MB/s (measured).
+        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, 100_000)
+        conn.set_authorizer(_authorizer)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+@functools.lru_cache(maxsize=4096)
+def _analyse(sql: str) -> tuple[bool, bool]:
+    """(starts like a read-only query, uses no volatile function), from the text outside string literals."""
+    code = _STRINGS.sub(" ", sql)
+    first = _LEADING_WORD.match(code)
+    return (first is not None and first.group(1).upper() in {"SELECT", "WITH", "VALUES"},
+            _VOLATILE.search(code) is None)
+
+
 def run_readonly_query(
     db_path: str | Path,
     sql: str,
@@ -73,41 +217,85 @@ def run_readonly_query(
     max_rows: int = 10_000,
     max_value_bytes: int = 1_000_000,
     max_result_bytes: int = 32_000_000,
+    reuse: bool = True,
+    cache: bool = True,
+    _budget_s: float | None = None,
 ) -> list[tuple[Any, ...]]:
     """Run one read-only SELECT and return up to `max_rows` rows (at most `max_result_bytes` in all); raise
-    `SqlQueryError` otherwise (blocking)."""
-    first = _LEADING_WORD.match(_STRINGS.sub(" ", sql))
-    if first is None or first.group(1).upper() not in {"SELECT", "WITH", "VALUES"}:
+    `SqlQueryError` otherwise (blocking). `reuse`: take an idle connection to this database and give it back
+    after a clean query (see the module docstring); False opens and closes one for this query. `cache`: answer
+    a deterministic query (no random/date/time/changes functions) asked before of the same unchanged
+    database file from memory; errors are never cached (the query runs again)."""
+    readonly, deterministic = _analyse(sql)
+    if not readonly:
         raise SqlQueryError("denied", "only read-only queries starting with SELECT, WITH or VALUES are allowed")
-    path = Path(db_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"SQLite database not found: {path}")
-    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0, isolation_level=None)
+    path = os.fspath(db_path)
     try:
-        conn.execute("PRAGMA query_only = ON")
-        # temp_store stays FILE: a hostile ORDER BY over an endless CTE then spills ~15 MB/s to deleted temp
-        # files until the deadline, instead of growing our heap by ~130 MB/s (measured).
-        conn.setlimit(sqlite3.SQLITE_LIMIT_ATTACHED, 0)
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        raise FileNotFoundError(f"SQLite database not found: {path}")
+    key: _Key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    result_key = (key, sql, max_rows, max_value_bytes, max_result_bytes)
+    cacheable = cache and deterministic
+    if cacheable and (hit := _RESULTS.get(result_key)) is not None:
+        return hit
+    conn = _CONNECTIONS.take(key) if reuse else None
+    if conn is None:
+        conn = _open(Path(path))
+    clean = False
+    try:
         conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max_value_bytes)
-        conn.setlimit(sqlite3.SQLITE_LIMIT_SQL_LENGTH, 100_000)
-        conn.set_authorizer(_authorizer)
         deadline = time.monotonic() + timeout_s
-        conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 1000)
+        stop = deadline if _budget_s is None else min(deadline, time.monotonic() + _budget_s)
+        conn.set_progress_handler(lambda: int(time.monotonic() > stop), 1000)
+        cur = None
         try:
             cur = conn.execute(sql)
             rows = _fetch_bounded(cur, max_rows, max_result_bytes)
+        except SqlQueryError:
+            clean = True  # a cap: the statement is finalised below, the connection is as it was
+            raise
         except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as e:
             msg = str(e)
-            if "interrupted" in msg or time.monotonic() > deadline:
+            if "interrupted" in msg or time.monotonic() > stop:
+                if _budget_s is not None and time.monotonic() <= deadline:
+                    clean = True  # interrupted by our own handler: the statement is reset, nothing is open
+                    raise OverBudget() from None
                 raise SqlQueryError("timeout", f"query exceeded {timeout_s}s") from None
             if any(k in msg for k in ("not authorized", "authorization denied", "readonly")):
                 raise SqlQueryError("denied", f"only read-only SELECT queries are allowed ({msg})") from None
             raise SqlQueryError("error", f"{type(e).__name__}: {msg}") from None
+        finally:
+            if cur is not None:
+                cur.close()
+            conn.set_progress_handler(None, 0)
         if len(rows) > max_rows:
+            clean = True
             raise SqlQueryError("too_many_rows", f"more than {max_rows} rows")
+        clean = True
+        if cacheable:
+            _RESULTS.put(result_key, rows)
         return rows
     finally:
-        conn.close()
+        if reuse and clean and not conn.in_transaction and conn.total_changes == 0:
+            _CONNECTIONS.give_back(key, conn)
+        else:
+            conn.close()
+
+
+async def run_readonly_query_async(db_path: str | Path, sql: str, *, inline_s: float = 0.002,
+                                   **kwargs: Any) -> list[tuple[Any, ...]]:
+    """`run_readonly_query` without blocking the event loop for long: tried on the loop's thread for at most
+    `inline_s` (0: never), and if it needs longer, run from the start in a worker thread with its full
+    deadline (a read-only query gives the same rows when run again)."""
+    if inline_s > 0:
+        try:
+            return run_readonly_query(db_path, sql, _budget_s=inline_s, **kwargs)
+        except OverBudget:
+            pass
+    return await asyncio.to_thread(run_readonly_query, db_path, sql, **kwargs)
 
 
 def extract_sql(answer: str) -> str:
@@ -165,6 +353,12 @@ class SqlConfig(VerifierConfig):
     compare: Literal["multiset", "set"] = "multiset"
     float_digits: int | None = Field(6, ge=0)
     max_concurrency: int = Field(4, ge=1)
+    reuse_connections: bool = Field(True, description="reuse read-only connections per database (false: one "
+                                    "per query, the slower path before reuse)")
+    inline_s: float = Field(0.002, ge=0, description="run a query on the event loop while it takes under this "
+                            "long, else in a worker thread (0: always a thread)")
+    cache_results: bool = Field(True, description="answer a deterministic query asked before of the same "
+                                "unchanged database from memory (false: always run it)")
 
     @field_validator("db_path")
     @classmethod
@@ -187,9 +381,10 @@ class SqlVerifier(ConfiguredVerifier[SqlConfig]):
     async def _run(self, db: str, sql: str) -> list[tuple[Any, ...]]:
         c = self.cfg
         async with self._gate.get():
-            return await asyncio.to_thread(
-                run_readonly_query, db, sql, timeout_s=c.timeout_s, max_rows=c.max_rows,
-                max_value_bytes=c.max_value_bytes, max_result_bytes=c.max_result_bytes,
+            return await run_readonly_query_async(
+                db, sql, inline_s=c.inline_s, timeout_s=c.timeout_s, max_rows=c.max_rows,
+                max_value_bytes=c.max_value_bytes, max_result_bytes=c.max_result_bytes, reuse=c.reuse_connections,
+                cache=c.cache_results,
             )
 
     async def score(self, trajectory: Trajectory, task: Task) -> Score:
