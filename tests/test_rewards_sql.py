@@ -206,3 +206,112 @@ async def test_result_set_total_size_is_capped(db: Path) -> None:
         run_readonly_query(db, wide, max_result_bytes=10_000_000)
     assert ei.value.kind == "too_large" and "10,000,000 bytes" in str(ei.value)
     assert len(run_readonly_query(db, "SELECT zeroblob(1000) FROM orders", max_result_bytes=10_000)) == 5
+
+
+# -- reused connections and remembered results: nothing one query does reaches the next ---------------------
+
+
+def _idle(db: Path) -> list[sqlite3.Connection]:
+    """The idle reused connections to `db` (test-only look inside the pool)."""
+    from rlf_envs.rewards.sql import _CONNECTIONS
+
+    return [c for key, conns in _CONNECTIONS._idle.items() if key[0] == str(db) for c in conns]
+
+
+def _state(conn: sqlite3.Connection) -> tuple[object, ...]:
+    """What a query could leave on a connection, read with the authorizer lifted for the look, then restored."""
+    from rlf_envs.rewards.sql import _authorizer
+
+    conn.set_authorizer(None)
+    try:
+        return (conn.execute("PRAGMA query_only").fetchone(), conn.execute("PRAGMA temp_store").fetchone(),
+                conn.execute("PRAGMA foreign_keys").fetchone(), conn.execute("PRAGMA case_sensitive_like").fetchone(),
+                conn.execute("SELECT count(*) FROM temp.sqlite_master").fetchone(),
+                [r[1] for r in conn.execute("PRAGMA database_list")], conn.in_transaction, conn.total_changes)
+    finally:
+        conn.set_authorizer(_authorizer)
+
+
+ATTEMPTS = [
+    "PRAGMA query_only = OFF", "PRAGMA case_sensitive_like = ON", "PRAGMA foreign_keys = ON",
+    "PRAGMA temp_store = MEMORY", "CREATE TEMP TABLE leak(x)", "CREATE TEMP VIEW leakv AS SELECT 1",
+    "ATTACH DATABASE ':memory:' AS leak", "BEGIN", "SAVEPOINT leak", "INSERT INTO customer VALUES (9,'Eve','X')",
+    # these reach the connection (the leading-word check passes them): multi-statement, denied at prepare,
+    # pragma table-valued functions, extension loading
+    "SELECT 1; PRAGMA query_only = OFF", "SELECT 1; CREATE TEMP TABLE leak(x)", "WITH x AS (SELECT 1) DELETE FROM orders",
+    "WITH x AS (SELECT 1) INSERT INTO customer SELECT 9, 'Eve', 'X'", "SELECT * FROM pragma_query_only",
+    "SELECT * FROM pragma_database_list", "SELECT load_extension('/nonexistent')",
+    "SELECT * FROM customer, (SELECT 1 FROM sqlite_master WHERE name = 'x') AS t; ATTACH ':memory:' AS a",
+]
+
+
+def test_a_reused_connection_carries_nothing_to_the_next_query(db: Path) -> None:
+    from rlf_envs.rewards.sql import close_idle_connections
+
+    close_idle_connections()
+    before = digest(db)
+    assert run_readonly_query(db, "SELECT count(*) FROM customer WHERE name LIKE 'a%'") == [(1,)]
+    [conn] = _idle(db)
+    clean = _state(conn)
+    reached = 0
+    assert clean[0] == (1,) and clean[4] == (0,) and clean[5] == ["main", "temp"] and clean[6:] == (False, 0)
+    for q in ATTEMPTS:
+        with pytest.raises(SqlQueryError) as ei:
+            run_readonly_query(db, q, cache=False)
+        reached += "starting with SELECT" not in str(ei.value)
+        assert _idle(db) == [conn], q  # the same connection, reused after the attempt
+        assert _state(conn) == clean, q
+    assert reached >= 6
+    # an interrupted query (deadline), then a long one: the old deadline's handler is not left behind
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT max(x) FROM c"
+    with pytest.raises(SqlQueryError) as ei:
+        run_readonly_query(db, endless, timeout_s=0.05)
+    assert ei.value.kind == "timeout"
+    assert run_readonly_query(db, "SELECT count(*) FROM orders", timeout_s=0.05, cache=False) == [(5,)]
+    time.sleep(0.1)  # that query's deadline is past; this one, on the same connection, has its own
+    slow = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT 300000) SELECT count(*) FROM c"
+    assert run_readonly_query(db, slow, timeout_s=30.0, cache=False) == [(300000,)]
+    # the value-size limit is each query's own too
+    with pytest.raises(SqlQueryError):
+        run_readonly_query(db, "SELECT zeroblob(5000)", max_value_bytes=4096, cache=False)
+    assert len(run_readonly_query(db, "SELECT zeroblob(5000)", max_value_bytes=10_000, cache=False)[0][0]) == 5000
+    with pytest.raises(SqlQueryError):
+        run_readonly_query(db, "SELECT zeroblob(5000)", max_value_bytes=4096, cache=False)
+    assert all(_state(c) == clean for c in _idle(db))
+    assert len(_idle(db)) == 1  # one query at a time here: one connection, reused throughout
+    assert run_readonly_query(db, "SELECT count(*) FROM customer WHERE name LIKE 'a%'", cache=False) == [(1,)]
+    assert digest(db) == before
+    assert sorted(p.name for p in db.parent.iterdir()) == ["shop.db"]
+
+
+def test_remembered_results_respect_caps_volatility_and_a_changed_file(db: Path) -> None:
+    many = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT 50) SELECT x FROM c"
+    assert len(run_readonly_query(db, many, max_rows=100)) == 50
+    with pytest.raises(SqlQueryError) as ei:  # the remembered rows were read under another cap
+        run_readonly_query(db, many, max_rows=10)
+    assert ei.value.kind == "too_many_rows"
+    assert len({run_readonly_query(db, "SELECT random()")[0][0] for _ in range(5)}) == 5  # never remembered
+    assert len({run_readonly_query(db, "SELECT strftime('%f', 'now')")[0] for _ in range(2)}) >= 1
+    q = "SELECT count(*) FROM customer"
+    assert run_readonly_query(db, q) == [(4,)]
+    got = run_readonly_query(db, q)
+    got.append((99,))  # a caller's list is its own
+    assert run_readonly_query(db, q) == [(4,)]
+    con = sqlite3.connect(db)  # the file changes (a new database put in place): new answers
+    con.execute("INSERT INTO customer VALUES (5, 'Eve', 'Lyon')")
+    con.commit()
+    con.close()
+    assert run_readonly_query(db, q) == [(5,)]
+
+
+@pytest.mark.asyncio
+async def test_a_slow_query_leaves_the_loop_for_a_thread_with_the_same_answer(db: Path) -> None:
+    from rlf_envs.rewards.sql import run_readonly_query_async
+
+    slow = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c LIMIT 300000) SELECT sum(x) FROM c"
+    t0 = time.monotonic()
+    fast = await run_readonly_query_async(db, "SELECT count(*) FROM orders", inline_s=0.002, cache=False)
+    assert fast == [(5,)]
+    assert await run_readonly_query_async(db, slow, inline_s=0.002, cache=False) == [(300000 * 300001 // 2,)]
+    assert await run_readonly_query_async(db, slow, inline_s=0.0, cache=False) == [(300000 * 300001 // 2,)]
+    assert time.monotonic() - t0 < 60.0

@@ -6,10 +6,11 @@ on rows, on string/blob size and on the result set's total size.
 
 Connections are reused (`reuse=True`, the default): one idle set per database file (keyed by path, inode,
 size and mtime, so a replaced file gets new connections), each set up once as above and handed to one
-query at a time. A connection goes back only after a query that ended cleanly (rows, or a row/size cap)
-with no transaction open and no change made; after a timeout or any other error it is closed. What a query
-could otherwise leave for the next one is denied by the authorizer (PRAGMA, ATTACH, temp tables, writes),
-and the per-query settings (deadline handler, value-size limit) are set by every query and cleared after.
+query at a time. A connection goes back after a query that ended (rows, a row/size cap,
+or a denied, failed or interrupted one) with no transaction open and no change made, else (or after a
+MemoryError) it is closed. What a query could otherwise leave for the next one is denied by the authorizer
+(PRAGMA, ATTACH, temp tables, writes, transactions), and the per-query settings (deadline handler,
+value-size limit) are set by every query and cleared after (tests/test_rewards_sql.py checks each).
 
 `run_readonly_query_async` runs a query on the event loop's thread while it takes under `inline_s` (SQLite's
 progress handler checks every 1,000 steps), and only a longer one again in a worker thread with its full
@@ -258,10 +259,12 @@ def run_readonly_query(
             clean = True  # a cap: the statement is finalised below, the connection is as it was
             raise
         except (sqlite3.Error, sqlite3.Warning, ValueError, OverflowError, MemoryError) as e:
+            # denied at prepare, failed, or interrupted by our handler: the statement is finalised below and
+            # the `finally` checks that nothing is open or changed before the connection is reused
+            clean = not isinstance(e, MemoryError)
             msg = str(e)
             if "interrupted" in msg or time.monotonic() > stop:
                 if _budget_s is not None and time.monotonic() <= deadline:
-                    clean = True  # interrupted by our own handler: the statement is reset, nothing is open
                     raise OverBudget() from None
                 raise SqlQueryError("timeout", f"query exceeded {timeout_s}s") from None
             if any(k in msg for k in ("not authorized", "authorization denied", "readonly")):
