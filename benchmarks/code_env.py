@@ -1,6 +1,6 @@
 """rlf/Code-v0 env steps per second: the warm sandbox pool against the cold path, in the same run.
 
-    python benchmarks/code_env.py [--envs 16 64] [--seconds 5] [--json out/code_env.json]
+    python benchmarks/code_env.py [--envs 16 64] [--seconds 5] [--rounds 3] [--json out/code_env.json]
 
 Each episode is scripted: python(reference program) -> answer(its printed value), i.e. two steps, one sandboxed
 Python run (every guard: namespaces, per-run uid, rlimits, whole-tree kill) and one verifier run (numeric /
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
-from scripted_env import instant_tool_rate, report, scripted_rate, tool_call
+from scripted_env import instant_tool_rate, interleaved, report, scripted_rate, tool_call
 
 from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.code import CodeEnv, code_tasks
@@ -46,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--envs", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=3, help="measurements of each rate, interleaved (median)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     secs = args.seconds
@@ -58,12 +59,12 @@ def main() -> None:
         def venv(cls: Any, pooled: bool, n: int = n) -> Any:
             return cls([lambda: CodeEnv(pool=pooled, **kwargs) for _ in range(n)])
 
-        rows[n] = {
-            "pool": scripted_rate(venv(ToolVectorEnv, True), secs, script, all_verified),
-            "cold": scripted_rate(venv(ToolVectorEnv, False), secs, script, all_verified),
-            "sync": scripted_rate(venv(gym.vector.SyncVectorEnv, True), secs, script, all_verified),
-            "instant": instant_tool_rate(n, secs, steps=2, max_turns=4),
-        }
+        rows[n] = interleaved({
+            "pool": lambda: scripted_rate(venv(ToolVectorEnv, True), secs, script, all_verified),
+            "cold": lambda: scripted_rate(venv(ToolVectorEnv, False), secs, script, all_verified),
+            "sync": lambda: scripted_rate(venv(gym.vector.SyncVectorEnv, True), secs, script, all_verified),
+            "instant": lambda n=n: instant_tool_rate(n, secs, steps=2, max_turns=4),
+        }, args.rounds)
     labels = {"pool": "Code-v0, warm pool (pool=True, default)", "cold": "Code-v0, cold (pool=False, before)",
               "sync": "gymnasium SyncVectorEnv, pooled Code-v0", "instant": "Tools-v0, instant tool (floor)"}
     report("Code-v0", "code", "2-step episodes (1 sandboxed python run + verified answer)", rows, labels, args.json,

@@ -1,11 +1,13 @@
-"""Per-run cost of the sandbox vs a plain subprocess, measured in the same run.
+"""Per-run cost of the sandbox vs a plain fork+exec of the same program, measured in the same run.
 
     python benchmarks/sandbox.py [--runs 30] [--concurrency 1 4] [--json out/sandbox.json]
 
-Three ways to run the same small program (print a sum) and one to judge a solution against 3 asserts:
-  plain     `python -I main.py` with asyncio.create_subprocess_exec (no limits: the baseline)
-  sandbox   `rlf_envs.sandbox.run_python` (supervisor + every guard the OS allows here)
-  judged    `rlf_envs.sandbox.run_tests` (the same plus the trusted test harness and its RPC)
+Ways to run the same small program (print a sum), and to judge a solution against 3 asserts:
+  plain     `python -I main.py` with asyncio.create_subprocess_exec, i.e. fork+exec (no limits: the baseline)
+  pooled    `rlf_envs.sandbox.run_python` through the warm pool (the default): a fork of a clean template
+  cold      `run_python(..., pool=False)`: a new supervisor interpreter and a new worker interpreter (before)
+  judged    `rlf_envs.sandbox.run_tests` pooled (the trusted test harness and its RPC on top)
+  judged_cold  the same, pool=False
 Reported: median and p90 seconds per run and runs/s at each concurrency, and the ratio to `plain`.
 The guards that were in force are printed: the cost depends on them (namespaces, uid switch).
 """
@@ -41,13 +43,23 @@ async def plain() -> None:
         assert out.strip() == b"499500", out
 
 
-async def sandbox() -> None:
+async def pooled() -> None:
     r = await run_python(CODE, "", LIMITS)
-    assert r.stdout.strip() == "499500", r
+    assert r.stdout.strip() == "499500" and "fresh_worker" in r.guards, r
+
+
+async def cold() -> None:
+    r = await run_python(CODE, "", LIMITS, pool=False)
+    assert r.stdout.strip() == "499500" and "fresh_worker" not in r.guards, r
 
 
 async def judged() -> None:
     r = await run_tests(SOLUTION, TESTS, LIMITS)
+    assert r.test_results == (True, True, True), r
+
+
+async def judged_cold() -> None:
+    r = await run_tests(SOLUTION, TESTS, LIMITS, pool=False)
     assert r.test_results == (True, True, True), r
 
 
@@ -83,17 +95,18 @@ async def main() -> None:
     rows = []
     for c in args.concurrency:
         base = await measure(plain, args.runs, c)
-        for name, fn in (("plain", plain), ("sandbox", sandbox), ("judged", judged)):
+        for name, fn in (("plain", plain), ("pooled", pooled), ("cold", cold), ("judged", judged),
+                         ("judged_cold", judged_cold)):
             m = base if name == "plain" else await measure(fn, args.runs, c)
             rows.append({"mode": name, "concurrency": c, **m, "ratio_vs_plain": m["median_s"] / base["median_s"]})
-    print(f"\n{'mode':<8} {'conc':>4} {'median':>9} {'p90':>9} {'runs/s':>8} {'x plain':>8}")
+    print(f"\n{'mode':<12} {'conc':>4} {'median':>9} {'p90':>9} {'runs/s':>8} {'x plain':>8}")
     for r in rows:
-        print(f"{r['mode']:<8} {r['concurrency']:>4} {r['median_s'] * 1000:>7.1f}ms {r['p90_s'] * 1000:>7.1f}ms "
+        print(f"{r['mode']:<12} {r['concurrency']:>4} {r['median_s'] * 1000:>7.1f}ms {r['p90_s'] * 1000:>7.1f}ms "
               f"{r['runs_per_s']:>8.1f} {r['ratio_vs_plain']:>7.2f}x")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "guards": probe.guards, "missing_guards": probe.missing_guards,
-                                         "runs": args.runs, "cpus": os.cpu_count(),
+                                         "runs": args.runs, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
                                          "python": platform.python_version()}, indent=2))
 
 

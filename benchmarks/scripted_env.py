@@ -47,6 +47,16 @@ def scripted_rate(
     return rate
 
 
+def interleaved(measure: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """The median of `rounds` measurements of each rate, taken in turn (A B C, A B C, ...), so that a shared
+    box's load changing during the run weighs on every rate alike."""
+    got: dict[str, list[float]] = {name: [] for name in measure}
+    for _ in range(rounds):
+        for name, fn in measure.items():
+            got[name].append(fn())
+    return {name: float(np.median(v)) for name, v in got.items()}
+
+
 def instant_tool_rate(n: int, seconds: float, steps: int, max_turns: int) -> float:
     """The env machinery alone: `n` Tools-v0 envs whose episodes call an instant tool `steps - 1` times, then answer."""
     tasks = [Task(id=str(i), question=f"q{i}", ground_truth=["x"]) for i in range(8)]

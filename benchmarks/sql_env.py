@@ -1,6 +1,6 @@
 """rlf/SQL-v0 env steps per second: reused connections + inline queries against the path before, in the same run.
 
-    python benchmarks/sql_env.py [--envs 16 64] [--seconds 3] [--json out/sql_env.json]
+    python benchmarks/sql_env.py [--envs 16 64] [--seconds 3] [--rounds 3] [--json out/sql_env.json]
 
 Each episode is scripted: list_tables -> describe_table -> run_query(gold) -> answer(gold), i.e. four steps,
 three SQL tool calls (five queries) and one verifier run (gold and predicted query). Steps/s through a
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
-from scripted_env import instant_tool_rate, report, scripted_rate, tool_call
+from scripted_env import instant_tool_rate, interleaved, report, scripted_rate, tool_call
 
 from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.sql import SqlEnv
@@ -42,6 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--envs", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=3, help="measurements of each rate, interleaved (median)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     secs = args.seconds
@@ -52,12 +53,12 @@ def main() -> None:
         def venv(cls: Any, kw: dict[str, Any], n: int = n) -> Any:
             return cls([lambda: SqlEnv(**kw) for _ in range(n)])
 
-        rows[n] = {
-            "fast": scripted_rate(venv(ToolVectorEnv, base), secs, script, all_verified),
-            "before": scripted_rate(venv(ToolVectorEnv, before), secs, script, all_verified),
-            "sync": scripted_rate(venv(gym.vector.SyncVectorEnv, base), secs, script, all_verified),
-            "instant": instant_tool_rate(n, secs, steps=4, max_turns=8),
-        }
+        rows[n] = interleaved({
+            "fast": lambda: scripted_rate(venv(ToolVectorEnv, base), secs, script, all_verified),
+            "before": lambda: scripted_rate(venv(ToolVectorEnv, before), secs, script, all_verified),
+            "sync": lambda: scripted_rate(venv(gym.vector.SyncVectorEnv, base), secs, script, all_verified),
+            "instant": lambda n=n: instant_tool_rate(n, secs, steps=4, max_turns=8),
+        }, args.rounds)
     labels = {"fast": "SQL-v0, reuse + inline + cache (default)",
               "before": "SQL-v0, connection per query + thread (before)",
               "sync": "gymnasium SyncVectorEnv, SQL-v0 (default)", "instant": "Tools-v0, instant tool (floor)"}

@@ -238,7 +238,8 @@ ATTEMPTS = [
     "ATTACH DATABASE ':memory:' AS leak", "BEGIN", "SAVEPOINT leak", "INSERT INTO customer VALUES (9,'Eve','X')",
     # these reach the connection (the leading-word check passes them): multi-statement, denied at prepare,
     # pragma table-valued functions, extension loading
-    "SELECT 1; PRAGMA query_only = OFF", "SELECT 1; CREATE TEMP TABLE leak(x)", "WITH x AS (SELECT 1) DELETE FROM orders",
+    "SELECT 1; PRAGMA query_only = OFF", "SELECT 1; CREATE TEMP TABLE leak(x)",
+    "WITH x AS (SELECT 1) DELETE FROM orders",
     "WITH x AS (SELECT 1) INSERT INTO customer SELECT 9, 'Eve', 'X'", "SELECT * FROM pragma_query_only",
     "SELECT * FROM pragma_database_list", "SELECT load_extension('/nonexistent')",
     "SELECT * FROM customer, (SELECT 1 FROM sqlite_master WHERE name = 'x') AS t; ATTACH ':memory:' AS a",

@@ -271,7 +271,8 @@ TRAINER = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("how", ["exit", "sigterm"])
-def test_nothing_is_left_when_the_trainer_exits_or_gets_sigterm(how: str, leftovers: Callable[[str], list[int]]) -> None:
+def test_nothing_is_left_when_the_trainer_exits_or_gets_sigterm(how: str,
+                                                                 leftovers: Callable[[str], list[int]]) -> None:
     marker = f"{3600 + secrets.randbelow(10**6) / 10**7:.7f}"
     env = {**os.environ, "RLF_SANDBOX_POOL": "2", "PYTHONPATH": str(ROOT / "rlf_envs" / "src")}
     proc = subprocess.Popen([sys.executable, "-c", TRAINER.replace("MARKER", marker), how], env=env,
@@ -287,7 +288,8 @@ def test_nothing_is_left_when_the_trainer_exits_or_gets_sigterm(how: str, leftov
             assert _pids_with(marker), "the run never started"
             proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-        assert proc.returncode == (-signal.SIGTERM if how == "sigterm" else 0), proc.stderr.read() if proc.stderr else ""
+        expected = -signal.SIGTERM if how == "sigterm" else 0
+        assert proc.returncode == expected, proc.stderr.read() if proc.stderr else ""
         assert leftovers(marker) == [] and leftovers(base) == []  # zygote, supervisors, workers, the daemon
         assert _gone(base)  # the work dirs too, although the trainer never cleaned up
     finally:

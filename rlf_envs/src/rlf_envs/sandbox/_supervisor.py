@@ -10,14 +10,14 @@ Do not import rlf_envs here: this file runs with a bare interpreter.
 
 from __future__ import annotations
 
+import atexit
 import base64
-import atexit  # noqa: F401 - used by forked workers; imported once, in the template
 import builtins
 import ctypes
 import errno
 import json
 import os
-import random  # noqa: F401 - as atexit
+import random
 import resource
 import selectors
 import signal
@@ -416,13 +416,16 @@ def _run_main(argv: list[str]) -> int:  # pragma: no cover - runs in the forked 
     else:
         src, filename, sys.argv = None, os.path.abspath(argv[2]), argv[2:]
     sys.set_int_max_str_digits(PYTHON_INT_DIGITS)
-    sys.stdin = sys.__stdin__ = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
-    sys.stdout = sys.__stdout__ = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
-    sys.stderr = sys.__stderr__ = open(2, "w", encoding="utf-8", errors="backslashreplace",  # noqa: SIM115
-                                       closefd=False, buffering=1)
+    sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False, buffering=1)  # noqa: SIM115
+    for name in ("stdin", "stdout", "stderr"):  # as a fresh interpreter has them: the same objects
+        setattr(sys, f"__{name}__", getattr(sys, name))
     random.seed()  # the template's generator state is shared by every fork: draw a fresh one, as python does
     main = types.ModuleType("__main__")
-    main.__dict__.update({"__builtins__": builtins, "__file__": filename} if src is None else {"__builtins__": builtins})
+    main.__dict__["__builtins__"] = builtins
+    if src is None:
+        main.__dict__["__file__"] = filename
     sys.modules["__main__"] = main
     status = 0
     try:

@@ -75,7 +75,8 @@ class SandboxPool:
     """A zygote and up to `size` idle supervisors for `python` (the interpreter the forked workers run).
 
     Thread-safe; usable from any event loop (a lease is one blocking round trip on a local socket: the zygote
-    only hands over descriptors it already holds, so it answers in microseconds). `close()` is idempotent. Work dirs made with `SandboxDir(parent=pool.base_dir)` go with it."""
+    only hands over descriptors it already holds, so it answers in microseconds). `close()` is idempotent.
+    Work dirs made with `SandboxDir(parent=pool.base_dir)` go with it."""
 
     def __init__(self, size: int = DEFAULT_SIZE, python: str | None = None,
                  preload: tuple[str, ...] = DEFAULT_PRELOAD) -> None:
@@ -105,7 +106,7 @@ class SandboxPool:
         try:
             proc = subprocess.Popen(
                 [self.python, "-I", SUPERVISOR, "--zygote", str(self.size), self.base_dir, ",".join(self.preload)],
-                stdin=theirs, stdout=subprocess.DEVNULL, cwd="/", start_new_session=True, close_fds=True,
+                stdin=theirs.fileno(), stdout=subprocess.DEVNULL, cwd="/", start_new_session=True, close_fds=True,
                 env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/", "LANG": "C.UTF-8"},
             )
         except OSError as e:
