@@ -296,3 +296,36 @@ def test_nothing_is_left_when_the_trainer_exits_or_gets_sigterm(how: str,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_forked_trainer_gets_its_own_default_pool() -> None:
+    """A fork of the trainer (a data loader worker) must not talk on the parent's control socket."""
+    from rlf_envs.sandbox import default_pool
+
+    parent = default_pool()
+    assert parent is not None
+    assert asyncio.run(run_python("print(4)", "", FAST)).stdout == "4\n"  # its zygote is up
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            child = default_pool()
+            ok = child is not None and child is not parent and child.base_dir != parent.base_dir
+            res = asyncio.run(run_python("print(5)", "", FAST))
+            code = 0 if ok and res.stdout == "5\n" and "fresh_worker" in res.guards else 2
+            assert child is not None
+            child.close()
+            for fin in (parent._finalizer, parent._dir_finalizer):  # what the child's exit would run
+                if fin is not None:
+                    fin()
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == b"\x00"
+    assert os.path.isdir(parent.base_dir) and parent.zygote_pid is not None  # the child's exit left them alone
+    assert asyncio.run(run_python("print(6)", "", FAST)).stdout == "6\n"  # the parent's pool still works

@@ -60,7 +60,15 @@ class Lease:
     err_fd: int
 
 
-def _shutdown(proc: subprocess.Popen[bytes], ctrl: socket.socket, base_dir: str) -> None:
+def _remove_dir(base_dir: str, owner: int) -> None:
+    if os.getpid() == owner:  # not from a forked copy of the trainer exiting: the dirs are its parent's
+        shutil.rmtree(base_dir, ignore_errors=True)
+
+
+def _shutdown(proc: subprocess.Popen[bytes], ctrl: socket.socket, base_dir: str, owner: int) -> None:
+    if os.getpid() != owner:
+        ctrl.close()  # our copy only: the zygote still has its owner
+        return
     try:
         ctrl.close()  # the zygote sees EOF: it kills its supervisors and removes base_dir
         proc.wait(timeout=5)
@@ -68,7 +76,7 @@ def _shutdown(proc: subprocess.Popen[bytes], ctrl: socket.socket, base_dir: str)
         proc.kill()
         proc.wait(timeout=5)
     finally:
-        shutil.rmtree(base_dir, ignore_errors=True)
+        _remove_dir(base_dir, owner)
 
 
 class SandboxPool:
@@ -91,11 +99,12 @@ class SandboxPool:
         os.chmod(self.base_dir, 0o711)  # run uids traverse to their own work dir, list nothing
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()  # a forked copy of this process must not talk on our control socket
         self._proc: subprocess.Popen[bytes] | None = None
         self._ctrl: socket.socket | None = None
         self._finalizer: weakref.finalize | None = None  # type: ignore[type-arg]
         # removes base_dir even if the zygote never starts
-        self._dir_finalizer = weakref.finalize(self, shutil.rmtree, self.base_dir, True)
+        self._dir_finalizer = weakref.finalize(self, _remove_dir, self.base_dir, os.getpid())
 
     @property
     def zygote_pid(self) -> int | None:
@@ -116,7 +125,7 @@ class SandboxPool:
             theirs.close()
         ours.settimeout(_REPLY_TIMEOUT_S)
         self._proc, self._ctrl = proc, ours
-        self._finalizer = weakref.finalize(self, _shutdown, proc, ours, self.base_dir)
+        self._finalizer = weakref.finalize(self, _shutdown, proc, ours, self.base_dir, self._pid)
 
     def _stop_zygote(self) -> None:
         if self._finalizer is not None:
@@ -134,6 +143,8 @@ class SandboxPool:
         with self._lock:
             if self._closed:
                 raise PoolUnavailable("the sandbox pool is closed")
+            if os.getpid() != self._pid:
+                raise PoolUnavailable("this sandbox pool belongs to the process that made it (this is a fork of it)")
             for attempt in range(2):
                 if self._proc is None or self._proc.poll() is not None:
                     self._stop_zygote()
@@ -193,6 +204,6 @@ def default_pool() -> SandboxPool | None:
     if size <= 0:
         return None
     with _default_lock:
-        if _default is None or _default._closed:
+        if _default is None or _default._closed or _default._pid != os.getpid():  # new after close or fork
             _default = SandboxPool(size)
         return _default
