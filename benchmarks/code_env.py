@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
-from scripted_env import instant_tool_rate, interleaved, report, scripted_rate, tool_call
+from scripted_env import compare_rows, report, tool_call
 
 from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.code import CodeEnv, code_tasks
@@ -54,17 +55,13 @@ def main() -> None:
     pool = default_pool()
     if pool is None:
         raise SystemExit("RLF_SANDBOX_POOL=0 turns the pool off: unset it to compare")
-    rows: dict[int, dict[str, float]] = {}
-    for n in args.envs:
-        def venv(cls: Any, pooled: bool, n: int = n) -> Any:
-            return cls([lambda: CodeEnv(pool=pooled, **kwargs) for _ in range(n)])
 
-        rows[n] = interleaved({
-            "pool": lambda: scripted_rate(venv(ToolVectorEnv, True), secs, script, all_verified),
-            "cold": lambda: scripted_rate(venv(ToolVectorEnv, False), secs, script, all_verified),
-            "sync": lambda: scripted_rate(venv(gym.vector.SyncVectorEnv, True), secs, script, all_verified),
-            "instant": lambda n=n: instant_tool_rate(n, secs, steps=2, max_turns=4),
-        }, args.rounds)
+    def venv(cls: Any, pooled: bool) -> Callable[[int], Any]:
+        return lambda n: cls([lambda: CodeEnv(pool=pooled, **kwargs) for _ in range(n)])
+
+    rows = compare_rows(args.envs, {"pool": venv(ToolVectorEnv, True), "cold": venv(ToolVectorEnv, False),
+                                    "sync": venv(gym.vector.SyncVectorEnv, True)},
+                        secs, args.rounds, script, all_verified, steps=2, max_turns=4)
     labels = {"pool": "Code-v0, warm pool (pool=True, default)", "cold": "Code-v0, cold (pool=False, before)",
               "sync": "gymnasium SyncVectorEnv, pooled Code-v0", "instant": "Tools-v0, instant tool (floor)"}
     report("Code-v0", "code", "2-step episodes (1 sandboxed python run + verified answer)", rows, labels, args.json,

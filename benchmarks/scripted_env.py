@@ -57,6 +57,21 @@ def interleaved(measure: dict[str, Callable[[], float]], rounds: int) -> dict[st
     return {name: float(np.median(v)) for name, v in got.items()}
 
 
+def compare_rows(
+    envs: list[int], make: dict[str, Callable[[int], gym.vector.VectorEnv]], seconds: float, rounds: int,
+    plan: Callable[[Any], list[str]], check: Callable[[np.ndarray], None] | None, steps: int, max_turns: int,
+) -> dict[int, dict[str, float]]:
+    """For each env count n: steps/s of each `make[name](n)` vector env and of the instant-tool floor
+    ("instant", episodes of `steps` steps), measured `interleaved`."""
+    rows: dict[int, dict[str, float]] = {}
+    for n in envs:
+        measure: dict[str, Callable[[], float]] = {
+            name: (lambda mk=mk, n=n: scripted_rate(mk(n), seconds, plan, check)) for name, mk in make.items()}
+        measure["instant"] = lambda n=n: instant_tool_rate(n, seconds, steps=steps, max_turns=max_turns)
+        rows[n] = interleaved(measure, rounds)
+    return rows
+
+
 def instant_tool_rate(n: int, seconds: float, steps: int, max_turns: int) -> float:
     """The env machinery alone: `n` Tools-v0 envs whose episodes call an instant tool `steps - 1` times, then answer."""
     tasks = [Task(id=str(i), question=f"q{i}", ground_truth=["x"]) for i in range(8)]

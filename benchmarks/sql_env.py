@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
-from scripted_env import instant_tool_rate, interleaved, report, scripted_rate, tool_call
+from scripted_env import compare_rows, report, tool_call
 
 from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.sql import SqlEnv
@@ -48,17 +49,12 @@ def main() -> None:
     secs = args.seconds
     base: dict[str, Any] = {"split": "train", "max_turns": 8, "max_total_tokens": 1 << 30}
     before = {**base, "reuse_connections": False, "inline_s": 0.0, "cache_results": False}
-    rows: dict[int, dict[str, float]] = {}
-    for n in args.envs:
-        def venv(cls: Any, kw: dict[str, Any], n: int = n) -> Any:
-            return cls([lambda: SqlEnv(**kw) for _ in range(n)])
+    def venv(cls: Any, kw: dict[str, Any]) -> Callable[[int], Any]:
+        return lambda n: cls([lambda: SqlEnv(**kw) for _ in range(n)])
 
-        rows[n] = interleaved({
-            "fast": lambda: scripted_rate(venv(ToolVectorEnv, base), secs, script, all_verified),
-            "before": lambda: scripted_rate(venv(ToolVectorEnv, before), secs, script, all_verified),
-            "sync": lambda: scripted_rate(venv(gym.vector.SyncVectorEnv, base), secs, script, all_verified),
-            "instant": lambda n=n: instant_tool_rate(n, secs, steps=4, max_turns=8),
-        }, args.rounds)
+    rows = compare_rows(args.envs, {"fast": venv(ToolVectorEnv, base), "before": venv(ToolVectorEnv, before),
+                                    "sync": venv(gym.vector.SyncVectorEnv, base)},
+                        secs, args.rounds, script, all_verified, steps=4, max_turns=8)
     labels = {"fast": "SQL-v0, reuse + inline + cache (default)",
               "before": "SQL-v0, connection per query + thread (before)",
               "sync": "gymnasium SyncVectorEnv, SQL-v0 (default)", "instant": "Tools-v0, instant tool (floor)"}

@@ -301,6 +301,7 @@ async def run_readonly_query_async(db_path: str | Path, sql: str, *, inline_s: f
     return await asyncio.to_thread(run_readonly_query, db_path, sql, **kwargs)
 
 
+@functools.lru_cache(maxsize=4096)  # pure; GRPO scores the same gold and answers often
 def extract_sql(answer: str) -> str:
     """The SQL in an answer: the last fenced block if any, without trailing semicolons."""
     blocks = _FENCE.findall(answer)
@@ -308,6 +309,7 @@ def extract_sql(answer: str) -> str:
     return sql.strip().rstrip(";").strip()
 
 
+@functools.lru_cache(maxsize=4096)
 def has_top_level_order_by(sql: str) -> bool:
     """True if the outermost query has ORDER BY (ignoring strings, comments and parenthesised subqueries)."""
     s = _STRINGS.sub("''", sql)
