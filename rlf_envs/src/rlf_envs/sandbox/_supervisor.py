@@ -1043,18 +1043,22 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
                 for fd in entry[1:]:
                     os.close(fd)
 
+    def spawn() -> None:
+        entry = _spawn_supervisor(worker_src)
+        children.add(entry[0])
+        idle.append(entry)
+
+    ready = selectors.DefaultSelector()
+    ready.register(ctrl, selectors.EVENT_READ)
     try:
         while True:
             reap()
-            while len(idle) < size:
-                entry = _spawn_supervisor(worker_src)
-                children.add(entry[0])
-                idle.append(entry)
-            ready = selectors.DefaultSelector()
-            ready.register(ctrl, selectors.EVENT_READ)
-            got = ready.select(1.0)
-            ready.close()
-            if not got:
+            if not idle:
+                spawn()
+            # a waiting request first; refill one at a time while none is waiting (off the hot path)
+            if not ready.select(0 if len(idle) < size else 1.0):
+                if len(idle) < size:
+                    spawn()
                 continue
             msg = ctrl.recv(16)
             if not msg:
@@ -1066,6 +1070,7 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
             for fd in (job_fd, err_fd, pidfd):
                 os.close(fd)
     finally:
+        ready.close()
         for pid in list(children):
             try:
                 os.kill(pid, signal.SIGKILL)

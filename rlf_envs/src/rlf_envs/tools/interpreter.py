@@ -37,7 +37,8 @@ class PythonInterpreter(Tool):
         pool: SandboxPool | bool = True,
     ) -> None:
         """`pool`: True (the process's warm pool, `rlf_envs.sandbox.default_pool`; off with
-        `RLF_SANDBOX_POOL=0`), a `SandboxPool`, or False (a new supervisor and interpreter per call)."""
+        `RLF_SANDBOX_POOL=0`), a `SandboxPool`, or False (a new supervisor and interpreter per call).
+        `max_concurrency`: calls in flight at once (default: twice the CPU count with a pool, else the CPU count)."""
         self.limits = limits or SandboxLimits()
         self.pool = pool
         self.max_code_chars = max_code_chars
@@ -45,7 +46,9 @@ class PythonInterpreter(Tool):
         self.python = python
         # the sandbox's own deadline fires first; the caller's is the backstop
         self.timeout_s = self.limits.timeout_s + GRACE_S + 5.0
-        self.max_concurrency = max_concurrency or os.cpu_count() or 2
+        # pooled runs spend part of their wall time waiting on the kernel (forks, namespaces, exits), so twice
+        # the CPU count keeps the CPUs busy (Code-v0 at 16 envs: +31% at 2x, +42% at 4x, interleaved, 2 CPUs)
+        self.max_concurrency = max_concurrency or (os.cpu_count() or 2) * (2 if pool is not False else 1)
         self._dir: SandboxDir | None = None
         self.spec = ToolSpec(
             name=name,
