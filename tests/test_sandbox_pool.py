@@ -303,7 +303,8 @@ def test_a_forked_trainer_gets_its_own_default_pool() -> None:
     from rlf_envs.sandbox import default_pool
 
     parent = default_pool()
-    assert parent is not None
+    if parent is None:
+        pytest.skip("RLF_SANDBOX_POOL=0: no default pool in this run")
     assert asyncio.run(run_python("print(4)", "", FAST)).stdout == "4\n"  # its zygote is up
     r, w = os.pipe()
     pid = os.fork()
