@@ -43,7 +43,11 @@ Process tree and why
 
 The trainer's own side holds a deadline (run deadline + a grace for start-up) and kills the supervisor's
 session in `finally`; the worker has `PR_SET_PDEATHSIG`, so it dies with the supervisor.
-What this does not confine is listed in the README ("Threat model: running untrusted code").
+
+Warm pool (the default; `pool=False` or `RLF_SANDBOX_POOL=0` for the cold path above): the supervisor is not
+a new interpreter but a fork of a trusted zygote that never runs code (`rlf_envs.sandbox.pool`), and the
+worker is a fork of the supervisor made before it reads the run's private part (nonce, tests); same guards.
+What this does and does not confine, and how it is tested: docs/security-sandbox.md.
 """
 
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult

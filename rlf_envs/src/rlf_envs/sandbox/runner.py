@@ -148,7 +148,9 @@ async def _supervise(job: dict[str, Any], private: dict[str, Any], workdir: Sand
         try:
             lease = chosen.lease()  # no fork on this path: the zygote hands over an idle supervisor
         except PoolUnavailable as e:
-            log.warning("sandbox: %s; this run starts a supervisor of its own", e)
+            if str(e) not in _warned:
+                _warned.add(str(e))
+                log.warning("sandbox: %s; runs start a supervisor of their own (the cold path)", e)
         else:
             out, err = await _run_leased(lease, frame({**job, "fork_worker": True}) + secret, nonce, limits)
             return _parse(out, err, nonce, time.monotonic() - t0)
