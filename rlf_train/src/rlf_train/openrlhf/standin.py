@@ -126,9 +126,9 @@ class _Engine:
             lps.append(entry)
             if tok in stop_ids:
                 finish, reason, by_id = "stop", (None if tok == self.eos_token_id else tok), True
-            if stop and len(ids) > min_tokens:
+            if stop:
                 text = self._decode(ids if include or not by_id else ids[:-1], params)
-                hit = _earliest_stop(text, text_len, stop)
+                hit = _earliest_stop(text, text_len, stop) if len(ids) > min_tokens else None
                 text_len = len(text)
                 if hit is not None:
                     finish, reason = "stop", hit[0]
