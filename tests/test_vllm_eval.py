@@ -28,7 +28,7 @@ from rlf_envs.records import TrajectoryRecord
 from rlf_envs.rewards import ModelJudge, build_verifier
 from rlf_envs.types import Action, ActionKind, Task, Trajectory, Turn
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~90 s (a second engine, in a server): RLF_SLOW=1
 
 N = 8  # episodes per env. Scripted: Search-v0's even task indices, Tools-v0's one-town questions; the rest is
 # left to the random model

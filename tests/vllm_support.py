@@ -124,7 +124,8 @@ def openrlhf_actor_class() -> type:
 
 class RolloutActor:
     """OpenRLHF's rollout actor (its `generate` / `generate_responses`) on a real vLLM engine, without Ray.
-    `outputs` records every (prompt ids, RequestOutput) that `generate` returned, in order."""
+    `outputs` records every (prompt ids, RequestOutput) that `generate` returned, in order, and `params` the
+    SamplingParams each was asked with."""
 
     def __init__(self, model_dir: Path, executor: Any = None, **engine_overrides: Any) -> None:
         import vllm
@@ -137,6 +138,7 @@ class RolloutActor:
         self._actor._mm_pad_token_ids = None
         self._actor.executor = executor
         self.outputs: list[tuple[list[int], Any]] = []
+        self.params: list[Any] = []
 
     @property
     def llm(self) -> Any:
@@ -146,6 +148,7 @@ class RolloutActor:
                        multi_modal_data: Any = None) -> Any:
         out = await self._cls.generate(self._actor, prompt_token_ids, sampling_params, multi_modal_data)
         self.outputs.append((list(prompt_token_ids), out))
+        self.params.append(sampling_params)
         return out
 
     async def generate_responses(self, executor: Any, **kw: Any) -> list[Any]:
@@ -235,7 +238,7 @@ def _scripted_logits_class() -> type:
                 nonlocal script
                 if script is None:
                     reply = scripted_reply(rules, self.tok.decode(prompt_ids, skip_special_tokens=False))
-                    script = [] if reply is None else self.tok.encode(reply, add_special_tokens=False) + [eos]
+                    script = [] if reply is None else [*self.tok.encode(reply, add_special_tokens=False), eos]
                 if not script:
                     return logits  # no rule for this prompt: the model speaks
                 k = min(len(output_ids), len(script) - 1)

@@ -140,7 +140,9 @@ class _Engine:
         if cut is not None:
             text = text[:cut]
         want = getattr(params, "logprobs", None) is not None
-        logprobs = [e if e is not None else {t: Logprob(0.0, 1)} for t, e in zip(ids, lps, strict=True)] if want else None
+        logprobs = None
+        if want:
+            logprobs = [e if e is not None else {t: Logprob(0.0, 1)} for t, e in zip(ids, lps, strict=True)]
         return RequestOutput(list(prompt), [CompletionOutput(ids, text, finish, logprobs, stop_reason=reason)])
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling_params: Any,
