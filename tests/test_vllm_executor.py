@@ -166,13 +166,26 @@ def test_greedy_model_stand_in_matches_vllm(world: dict[str, Any], actor: Rollou
     for p, real in zip(prompts, reals, strict=True):
         fake = asyncio.run(fake_engine.generate(p, standin_params(**kw))).outputs[0]
         r = real.outputs[0]
-        assert list(r.token_ids) == list(fake.token_ids) and r.finish_reason == fake.finish_reason
+        a, b = list(r.token_ids), list(fake.token_ids)
+        if a != b:  # allowed only where the top two logits are within float rounding of each other
+            k = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+            with torch.no_grad():
+                row = model(input_ids=torch.tensor([p + a[:k]])).logits[0, -1].float()
+            top = row.topk(2).values
+            assert float(top[0] - top[1]) < 1e-4, (k, a, b)
+        else:
+            assert r.finish_reason == fake.finish_reason
         ids = p + list(r.token_ids)
         want = expected_logprobs(model, ids, [(len(p), len(ids))], 1.0, tok.eos_token_id)
         for k, t in enumerate(r.token_ids):
             assert r.logprobs[k][t].logprob == pytest.approx(want[len(p) + k], abs=LOGPROB_TOL)
-            assert fake.logprobs[k][t].logprob == pytest.approx(want[len(p) + k], abs=LOGPROB_TOL)
-            assert r.logprobs[k][t].rank == fake.logprobs[k][t].rank == 1
+            assert r.logprobs[k][t].rank == 1
+        for k, t in enumerate(fake.token_ids):
+            assert fake.logprobs[k][t].rank == 1
+        fake_ids = p + list(fake.token_ids)
+        want_fake = expected_logprobs(model, fake_ids, [(len(p), len(fake_ids))], 1.0, tok.eos_token_id)
+        for k, t in enumerate(fake.token_ids):
+            assert fake.logprobs[k][t].logprob == pytest.approx(want_fake[len(p) + k], abs=LOGPROB_TOL)
 
 
 def test_executor_on_the_real_engine_64_concurrent_episodes(world: dict[str, Any], actor: RolloutActor,
