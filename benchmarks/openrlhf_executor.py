@@ -232,7 +232,7 @@ def vllm_main(args: argparse.Namespace) -> None:
                 engine_per_turn.append(engine / turns)
                 rewards.append(sum(float(x["reward"]) for x in res) / len(res))
         finally:
-            actor.close()
+            actor.close(loop)
             loop.close()
     us, eng = statistics.median(per_turn) * 1e6, statistics.median(engine_per_turn) * 1e6
     result = {"engine": "vllm-cpu", "episodes": args.episodes, "repeats": args.repeats, "engine_load_s": load_s,

@@ -64,7 +64,7 @@ def actor(world: dict[str, Any], loop: LoopThread) -> Iterator[RolloutActor]:
     try:
         yield a
     finally:
-        a.close()
+        a.close(loop)
 
 
 def vllm_params(**kw: Any) -> Any:

@@ -157,7 +157,16 @@ class RolloutActor:
         proxy = _Proxy(self)
         return await self._cls.generate_responses(proxy, **kw)  # type: ignore[no-any-return]
 
-    def close(self) -> None:
+    def close(self, loop: LoopThread | None = None) -> None:
+        """Shut the engine down; with the loop it ran on, first stop its output handler there (otherwise the
+        handler sees the engine core die and logs an EngineDeadError)."""
+        handler = getattr(self._actor.llm, "output_handler", None)
+        if loop is not None and handler is not None and not handler.done():
+            async def stop() -> None:
+                handler.cancel()
+                await asyncio.gather(handler, return_exceptions=True)
+
+            loop.run(stop(), timeout=30)
         self._actor.llm.shutdown()
 
 
