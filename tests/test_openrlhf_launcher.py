@@ -16,7 +16,7 @@ from rlf_train.cli import main
 from rlf_train.config import ConfigError, TrainConfig, load_config
 from rlf_train.openrlhf.flags import openrlhf_flags
 from rlf_train.openrlhf.launcher import AGENT_FILE, COMMAND_FILE, prepare
-from rlf_train.openrlhf.parser import OpenRLHFFlagError, parse_flags
+from rlf_train.openrlhf.parser import OpenRLHFFlagError, openrlhf_options, parse_flags
 
 pytestmark = pytest.mark.openrlhf
 SHIPPED_TRAIN = ROOT / "rlf_envs" / "src" / "rlf_envs" / "data" / "search" / "train.jsonl"
@@ -257,4 +257,12 @@ def test_async_and_partial_rollout_reach_openrlhfs_parser(bm25_index_dir: Path, 
         prepare(search_config(bm25_index_dir, tmp_path / "b", **{"openrlhf.partial_rollout": True}))
     # the rule is OpenRLHF's own too: its parser refuses the same combination
     with pytest.raises(OpenRLHFFlagError, match="partial_rollout_enable requires --train.async_enable"):
-        parse_flags(["--train.partial_rollout_enable"])
+        parse_flags(["--train.agent_func_path", "a.py", "--train.partial_rollout_enable"])
+
+
+def test_openrlhf_options_are_the_installed_parsers() -> None:
+    opts = openrlhf_options()
+    assert {"--train.async_enable", "--train.async_queue_size", "--train.partial_rollout_enable",
+            "--train.agent_func_path", "--vllm.sync_backend"} <= opts
+    assert "--rollout.samples" not in opts and all(o.startswith("-") for o in opts)
+    assert openrlhf_options() is opts  # read once per process
