@@ -16,7 +16,7 @@ from rlf_train.cli import main
 from rlf_train.config import ConfigError, TrainConfig, load_config
 from rlf_train.openrlhf.flags import openrlhf_flags
 from rlf_train.openrlhf.launcher import AGENT_FILE, COMMAND_FILE, prepare
-from rlf_train.openrlhf.parser import OpenRLHFFlagError, parse_flags
+from rlf_train.openrlhf.parser import OpenRLHFFlagError, openrlhf_options, parse_flags
 
 pytestmark = pytest.mark.openrlhf
 SHIPPED_TRAIN = ROOT / "rlf_envs" / "src" / "rlf_envs" / "data" / "search" / "train.jsonl"
@@ -242,3 +242,27 @@ def test_refusals_are_one_clear_error(bm25_index_dir: Path, tmp_path: Path) -> N
     sampled = search_config(bm25_index_dir, tmp_path / "s", **{"eval.greedy": False, "eval.sampled": True,
                                                                "eval.temperature": 0.7})
     assert parse_flags(prepare(sampled).plan.flags).eval.temperature == 0.7
+
+
+def test_async_and_partial_rollout_reach_openrlhfs_parser(bm25_index_dir: Path, tmp_path: Path) -> None:
+    base = {"openrlhf.async_train": True, "openrlhf.vllm_enable_sleep": False,
+            "openrlhf.deepspeed_enable_sleep": False}
+    cfg = search_config(bm25_index_dir, tmp_path / "a", **base, **{"openrlhf.partial_rollout": True,
+                                                                  "openrlhf.async_queue_size": 3})
+    args = parse_flags(prepare(cfg).plan.flags)
+    assert args.train.async_enable and args.train.partial_rollout_enable and args.train.async_queue_size == 3
+    plain = parse_flags(prepare(search_config(bm25_index_dir, tmp_path / "p", **base)).plan.flags)
+    assert plain.train.async_enable and not plain.train.partial_rollout_enable and plain.train.async_queue_size == 1
+    with pytest.raises(ConfigError, match="openrlhf.partial_rollout: needs openrlhf.async_train: true"):
+        prepare(search_config(bm25_index_dir, tmp_path / "b", **{"openrlhf.partial_rollout": True}))
+    # the rule is OpenRLHF's own too: its parser refuses the same combination
+    with pytest.raises(OpenRLHFFlagError, match="partial_rollout_enable requires --train.async_enable"):
+        parse_flags(["--train.agent_func_path", "a.py", "--train.partial_rollout_enable"])
+
+
+def test_openrlhf_options_are_the_installed_parsers() -> None:
+    opts = openrlhf_options()
+    assert {"--train.async_enable", "--train.async_queue_size", "--train.partial_rollout_enable",
+            "--train.agent_func_path", "--vllm.sync_backend"} <= opts
+    assert "--rollout.samples" not in opts and all(o.startswith("-") for o in opts)
+    assert openrlhf_options() is opts  # read once per process

@@ -173,6 +173,10 @@ class OpenRLHFConfig(_Section):
     packing_samples: bool = True
     attn_implementation: str = Field("flash_attention_2", description="transformers attention for training")
     async_train: bool = Field(False, description="OpenRLHF's async mode: rollouts overlap training")
+    async_queue_size: int = Field(1, ge=1, description="with async_train: rollout batches buffered between "
+                                                       "sampler and trainer (--train.async_queue_size)")
+    partial_rollout: bool = Field(False, description="with async_train: weights sync by pausing vLLM mid-"
+                                                     "generation (--train.partial_rollout_enable)")
     critic_name_or_path: str | None = Field(None, description="critic init for algorithm.name: ppo "
                                                               "(default: the policy's weights)")
     critic_lr: float = Field(9e-6, gt=0.0)

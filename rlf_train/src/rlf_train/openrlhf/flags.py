@@ -110,6 +110,9 @@ def check_keys(cfg: TrainConfig) -> None:
     if o.async_train and (o.vllm_enable_sleep or o.deepspeed_enable_sleep):
         problems.append("  openrlhf.async_train: set vllm_enable_sleep and deepspeed_enable_sleep to false "
                         "(rollouts and training run at the same time)")
+    if (o.partial_rollout or o.async_queue_size != 1) and not o.async_train:
+        key = "partial_rollout" if o.partial_rollout else "async_queue_size"
+        problems.append(f"  openrlhf.{key}: needs openrlhf.async_train: true (OpenRLHF's async mode)")
     if o.packing_samples and "flash_attention" not in o.attn_implementation:
         problems.append("  openrlhf.packing_samples: needs a flash_attention attn_implementation "
                         f"(got {o.attn_implementation!r}); set packing_samples: false for sdpa/eager")
@@ -162,6 +165,9 @@ def openrlhf_flags(cfg: TrainConfig, paths: RunPaths) -> FlagPlan:
     add("--ds.packing_samples", o.packing_samples)
     add("--ds.attn_implementation", o.attn_implementation)
     add("--train.async_enable", o.async_train)
+    if o.async_queue_size != 1:
+        add("--train.async_queue_size", o.async_queue_size)
+    add("--train.partial_rollout_enable", o.partial_rollout)
     add("--train.seed", cfg.seed)
 
     # data: prompts rendered by the env, labels = the task as JSON; the agent executor runs the episodes

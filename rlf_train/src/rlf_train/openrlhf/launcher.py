@@ -187,8 +187,10 @@ def preflight(launch: Launch) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("backend openrlhf needs NVIDIA GPUs and none is visible here; run on a GPU machine, "
-                              "or set openrlhf.ray_address to submit to a Ray cluster (--dry-run works anywhere)")
+            raise ConfigError("backend openrlhf needs NVIDIA GPUs and none is visible here (OpenRLHF 0.11's driver "
+                              "asks Ray for GPU bundles and its DeepSpeed strategy calls torch.cuda); run on a GPU "
+                              "machine, or set openrlhf.ray_address to submit to a Ray cluster (--dry-run works "
+                              "anywhere; what runs on CPU: docs/guides/openrlhf-on-cpu.md)")
     missing = _missing_secrets(launch.argv)
     if missing:
         raise ConfigError(f"set {', '.join(missing)} in the environment (logging.wandb_project is set)")

@@ -13,6 +13,7 @@ import argparse
 import ast
 import contextlib
 import datetime
+import functools
 import importlib.util
 import io
 import os
@@ -49,6 +50,42 @@ def _main_block(path: Path) -> ast.Module:
                             f"{openrlhf_version()}")
 
 
+def _scope(train: Any) -> dict[str, Any]:
+    """The module globals the entry block uses, with `train` replaced."""
+    return {"__name__": "__rlf_check__", "argparse": argparse, "datetime": datetime.datetime, "os": os,
+            "train": train}
+
+
+class _GotParser(Exception):
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self.parser = parser
+
+
+@functools.cache
+def openrlhf_options() -> frozenset[str]:
+    """Every option string (`--train.async_enable`, ...) of the installed OpenRLHF's `train_ppo_ray` parser,
+    read from the same entry block `parse_flags` runs (stopped at its `parse_args`)."""
+    spec = importlib.util.find_spec(MODULE)
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError(f"{MODULE} not found: pip install 'rlf-train[openrlhf]'")
+    code = compile(_main_block(Path(spec.origin)), spec.origin, "exec")
+
+    def stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
+        raise _GotParser(self)
+
+    with _lock:
+        saved = argparse.ArgumentParser.parse_args
+        argparse.ArgumentParser.parse_args = stop  # type: ignore[method-assign]
+        try:
+            exec(code, _scope(lambda args: None))
+        except _GotParser as got:
+            return frozenset(o for a in got.parser._actions for o in a.option_strings)
+        finally:
+            argparse.ArgumentParser.parse_args = saved  # type: ignore[method-assign]
+    raise OpenRLHFFlagError(f"{MODULE}: its entry block never called parse_args; unsupported OpenRLHF version "
+                            f"{openrlhf_version()}")
+
+
 def parse_flags(flags: list[str]) -> SimpleNamespace:
     """OpenRLHF's parsed, validated, hierarchical `args` for these flags (what `train(args)` would get).
 
@@ -59,8 +96,7 @@ def parse_flags(flags: list[str]) -> SimpleNamespace:
         raise ModuleNotFoundError(f"{MODULE} not found: pip install 'rlf-train[openrlhf]'")
     code = compile(_main_block(Path(spec.origin)), spec.origin, "exec")
     got: list[Any] = []
-    scope: dict[str, Any] = {"__name__": "__rlf_check__", "argparse": argparse, "datetime": datetime.datetime,
-                             "os": os, "train": got.append}
+    scope = _scope(got.append)
     err = io.StringIO()
     with _lock:  # the block reads sys.argv
         saved = sys.argv
