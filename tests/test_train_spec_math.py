@@ -151,3 +151,33 @@ def test_fallback_logprob_path_equals_fast_path(temp: float, top_p: float) -> No
         assert float(fast_ent[b, t]) == pytest.approx(ent, abs=1e-4)
     e = entropy_from_logits(torch.tensor([[0.0, 0.0], [0.0, -math.inf]]))
     assert e.tolist() == pytest.approx([math.log(2), 0.0])
+
+
+def test_sampled_token_outside_the_nucleus_keeps_a_finite_logprob() -> None:
+    """grpo.sampling_logits: `keep` forces the sampled token into the nucleus (the update's forward may move it
+    just outside); its log-prob is then taken over nucleus + that token. Both log-prob paths do this."""
+    logits = torch.tensor([[[3.0, 2.0, 0.0, -1.0]]])
+    tgt = torch.tensor([[3]])  # far outside the top-0.5 nucleus {0}
+    from rlf_train.grpo import token_logprobs
+
+    lp = token_logprobs(logits, tgt, temperature=1.0, top_p=0.5)
+    want = math.log(math.exp(-1.0) / (math.exp(3.0) + math.exp(-1.0)))
+    assert lp.item() == pytest.approx(want, rel=1e-5)
+    assert torch.equal(sampling_logits(logits), logits)  # defaults: temperature 1, no truncation
+    assert token_logprobs(logits, tgt).item() == pytest.approx(torch.log_softmax(logits, -1)[0, 0, 3].item())
+
+    cfg = load_config(None, ["model.tiny.hidden_size=16", "model.tiny.intermediate_size=32", "model.tiny.num_layers=1"])
+    tok = load_tokenizer(cfg.model)
+    model = build_tiny_model(cfg.model, len(tok), 0, tok.pad_token_id)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    attn = torch.ones_like(ids)
+    with torch.no_grad():
+        worst = model(input_ids=ids, attention_mask=attn).logits.argmin(-1)  # least likely: outside the nucleus
+    mask = torch.ones(1, 4)
+    for m in (model, NoBody(model)):
+        lp2, ent = masked_logprobs(m, ids, attn, worst, mask, temperature=0.7, top_p=0.5)
+        assert ent is None  # with_entropy defaults to off
+        assert torch.isfinite(lp2).all() and (lp2 < 0).all()
+    a = masked_logprobs(model, ids, attn, worst, mask, temperature=0.7, top_p=0.5)[0]
+    b = masked_logprobs(NoBody(model), ids, attn, worst, mask, temperature=0.7, top_p=0.5)[0]
+    assert torch.allclose(a, b, atol=1e-5)
