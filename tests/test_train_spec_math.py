@@ -129,9 +129,11 @@ def test_fallback_logprob_path_equals_fast_path(temp: float, top_p: float) -> No
     with torch.no_grad():  # targets: the greedy tokens (always inside the nucleus)
         tgt = model(input_ids=ids, attention_mask=attn).logits.argmax(-1)
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0, 0.0]])
-    fast_lp, fast_ent = masked_logprobs(model, ids, attn, tgt, mask, with_entropy=True, temperature=temp, top_p=top_p)
-    slow_lp, slow_ent = masked_logprobs(NoBody(model), ids, attn, tgt, mask, with_entropy=True, temperature=temp,
-                                        top_p=top_p)
+    with torch.no_grad():
+        fast_lp, fast_ent = masked_logprobs(model, ids, attn, tgt, mask, with_entropy=True, temperature=temp,
+                                            top_p=top_p)
+        slow_lp, slow_ent = masked_logprobs(NoBody(model), ids, attn, tgt, mask, with_entropy=True,
+                                            temperature=temp, top_p=top_p)
     assert fast_ent is not None and slow_ent is not None
     assert torch.allclose(fast_lp, slow_lp, atol=1e-5) and torch.allclose(fast_ent, slow_ent, atol=1e-5)
     assert torch.all(fast_lp[mask == 0] == 0) and torch.all(fast_lp[mask == 1] < 0)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Mutation testing of the local trainer with mutmut (not run in CI; see README.md beside this file).
-# usage: tests/mutation/run.sh FILE [SCRATCH]    FILE: grpo.py | trainer.py | rollout.py | sft.py | checkpoint.py
+# usage: tests/mutation/run.sh FILE [SCRATCH [MUTANT-GLOB...]]    FILE: grpo.py | trainer.py | rollout.py | sft.py | checkpoint.py
 # Needs a venv with the train extras + mutmut (PYTHON, default: python on PATH). Works in a scratch copy.
 set -euo pipefail
 FILE=${1:?which file of rlf_train/src/rlf_train to mutate}
@@ -27,7 +27,7 @@ timeout_constant = 30.0
 TOML
 cd "$SCRATCH"
 export PYTHONPATH="$SCRATCH/rlf_envs/src${PYTHONPATH:+:$PYTHONPATH}"
-nice -n 10 "$PYTHON" -m mutmut run --max-children "${MAX_CHILDREN:-1}" || true
+nice -n 10 "$PYTHON" -m mutmut run --max-children "${MAX_CHILDREN:-1}" "${@:3}" || true
 "$PYTHON" -m mutmut results --all true > "$SCRATCH/results.txt" || true
 grep -c ': killed' "$SCRATCH/results.txt" || true
 grep -v ': killed' "$SCRATCH/results.txt" || true
