@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from train_envs import PARITY_ID
+from test_train_spec_grpo import spec_cfg
 
 import rlf_train.rollout as rollout_mod
 from rlf_envs.records import SUCCESS_THRESHOLD
@@ -65,17 +65,10 @@ def test_greedy_is_argmax() -> None:
 
 
 def rollout_cfg(run_dir: Path, extra: list[str] | None = None) -> TrainConfig:
-    return load_config(None, [
-        f"env.id={PARITY_ID}", "env.imports=[train_envs]", "env.eval_split=test",
-        f"logging.run_dir={run_dir}", "logging.progress=false", "logging.tensorboard=false", "threads=1",
-        "logging.trajectories_every=0",
-        "model.tiny.hidden_size=16", "model.tiny.intermediate_size=32", "model.tiny.num_layers=1",
-        "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_turns=3",
-        "rollout.max_new_tokens_per_turn=3", "rollout.max_total_tokens=128", "rollout.max_obs_tokens=32",
-        "env.kwargs={max_turns: 3}", "sft.enabled=false", "algorithm.steps=1", "algorithm.kl_coef=0",
-        "eval.num_tasks=3", "eval.before_rl=false", "eval.sampled=true", "seed=5",
-        *(extra or []),
-    ])
+    """test_train_spec_grpo's config with smaller batches and up to three turns."""
+    return spec_cfg(run_dir, ["rollout.prompts_per_step=2", "rollout.samples_per_prompt=2", "rollout.max_turns=3",
+                              "rollout.max_new_tokens_per_turn=3", "env.kwargs={max_turns: 3}", "eval.sampled=true",
+                              *(extra or [])])
 
 
 def test_every_generated_token_is_in_the_next_turn_context(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
