@@ -91,6 +91,15 @@ def token_returns(trajs: Sequence[Trajectory], T: int, per_turn: bool) -> tuple[
     return ret, ep
 
 
+def check_groups(task_ids: Sequence[str], group_size: int) -> None:
+    """Fail loudly unless rows i*G..(i+1)*G-1 share one task (the advantage groups of `token_advantages`)."""
+    bad = [g // group_size for g in range(0, len(task_ids), group_size) if len(set(task_ids[g:g + group_size])) != 1]
+    if len(task_ids) % group_size or bad:
+        raise RuntimeError(f"GRPO group layout broken: {len(task_ids)} rows, group size {group_size}, groups {bad[:4]} "
+                           f"mix tasks ({[list(task_ids[g * group_size:(g + 1) * group_size]) for g in bad[:2]]}): "
+                           "advantages would compare samples of different prompts")
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path | None = None, resume: bool = False) -> None:
         """Everything that can be checked before training work starts is checked here (tokenizer, device,
@@ -339,6 +348,7 @@ class Trainer:
         if got != want:
             raise RuntimeError(f"rollout returned trajectories out of prompt order (tasks {got[:8]}..., expected "
                                f"{want[:8]}...): GRPO groups would mix prompts")
+        check_groups(got, r.samples_per_prompt)
         if cfg.logging.trajectories_every and step % cfg.logging.trajectories_every == 0:
             self.store_trajectories(step, trajs, "train")
         t_train = time.perf_counter()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Mutation testing of the local trainer with mutmut (not run in CI; see README.md beside this file).
+# usage: tests/mutation/run.sh FILE [SCRATCH [MUTANT-GLOB...]]    FILE: grpo.py | trainer.py | rollout.py | sft.py | checkpoint.py
+# Needs a venv with the train extras + mutmut (PYTHON, default: python on PATH). Works in a scratch copy.
+set -euo pipefail
+FILE=${1:?which file of rlf_train/src/rlf_train to mutate}
+SCRATCH=${2:-/tmp/rlf-mutation-${FILE%.py}}
+PYTHON=${PYTHON:-python}
+REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
+git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 cp --parents -t "$SCRATCH")
+# mutmut imports the mutated code from ./src (its module keys are paths under it): the package moves there,
+# and the rlf_train/ project dir goes (it would shadow the package as a namespace package from the cwd)
+mkdir -p "$SCRATCH/src" && mv "$SCRATCH/rlf_train/src/rlf_train" "$SCRATCH/src/" && rm -rf "$SCRATCH/rlf_train"
+# the fast train tests that exercise the trainer (a few seconds each); extend per file in tests.txt
+TESTS=$(tr '\n' ' ' < "$REPO/tests/mutation/tests.txt")
+cat >> "$SCRATCH/pyproject.toml" <<TOML
+
+[tool.mutmut]
+source_paths = ["src/"]
+only_mutate = ["src/rlf_train/$FILE"]
+also_copy = ["rlf_envs/", "tests/"]
+pytest_add_cli_args = ["-q", "-p", "no:cacheprovider", "-x"]
+pytest_add_cli_args_test_selection = [$(printf '"%s", ' $TESTS)]
+timeout_multiplier = 3.0
+timeout_constant = 30.0
+TOML
+cd "$SCRATCH"
+export PYTHONPATH="$SCRATCH/rlf_envs/src${PYTHONPATH:+:$PYTHONPATH}"
+nice -n 10 "$PYTHON" -m mutmut run --max-children "${MAX_CHILDREN:-1}" "${@:3}" || true
+"$PYTHON" -m mutmut results --all true > "$SCRATCH/results.txt" || true
+grep -c ': killed' "$SCRATCH/results.txt" || true
+grep -v ': killed' "$SCRATCH/results.txt" || true
