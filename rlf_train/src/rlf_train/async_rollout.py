@@ -1,0 +1,297 @@
+"""Asynchronous rollouts for the local backend (`rollout.mode: async`, docs/guides/async-rl.md).
+
+Three pieces, each usable on its own:
+
+- `WeightStore`: the learner publishes versioned weights (a CPU copy of the state dict, version = number
+  of updates done); the rollout side picks up the newest between turns. Nothing in it assumes the two
+  sides share a device or a process: on a GPU box the rollout model may live on another device (the copy
+  is loaded with `load_state_dict`), and a process boundary only has to carry (version, state dict).
+- `Admission`: the staleness bound. Group k (the k-th GRPO group of the run, in data order) belongs to
+  update u(k) = k // groups_per_update + 1, which trains starting from weights version u(k) - 1. A group
+  may start only when the rollout's weights version v satisfies v >= u(k) - 1 - max_staleness; versions
+  only grow while an episode runs, so no token of it is more than max_staleness versions behind the policy
+  that trains on it. Nothing is ever discarded: work that would be too stale is never started.
+- `AsyncRollout`: the worker. It runs on rlf's event-loop thread (where the tools live), generating with
+  its own copy of the policy while the learner (the caller's thread) updates; torch ops release the GIL,
+  so the two overlap on two cores. Episodes of different groups are in flight at once and each env steps
+  on its own (one slow tool holds only its episode); every generation call batches all episodes that
+  are ready. Partial rollouts: weights are refreshed before every generation call, so an episode in flight
+  at an update continues with the new weights; each turn records the version and the behaviour log-probs
+  it was sampled with (`Turn.policy_version`, `Turn.behaviour_logprobs`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlf_envs import runtime
+from rlf_envs.env.vector import ToolVectorEnv
+from rlf_envs.types import Trajectory
+from rlf_train.rollout import SamplingParams, StopChecker, _as_ids, generate_batched
+
+
+class WeightStore:
+    """Versioned weights from the learner to the rollout side (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._version = -1
+        self._state: dict[str, torch.Tensor] | None = None
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        """Publish `model`'s weights as `version` (a CPU copy: the learner may go on updating in place)."""
+        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        with self._cond:
+            if version <= self._version:
+                raise ValueError(f"weights version {version} published after version {self._version}: "
+                                 "versions must grow")
+            self._version, self._state = version, state
+            self._cond.notify_all()
+
+    @property
+    def version(self) -> int:
+        with self._cond:
+            return self._version
+
+    def newer_than(self, version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest (version, state dict) if newer than `version`, else None."""
+        with self._cond:
+            if self._version > version and self._state is not None:
+                return self._version, self._state
+            return None
+
+
+@dataclass(frozen=True)
+class AdmissionEvent:
+    group: int  # k: the group's index in the run's data order
+    update: int  # u(k): the update that trains on it
+    version: int  # the rollout's weights version when it started
+
+
+@dataclass
+class Admission:
+    """The staleness bound as admission control (see the module docstring). `events` logs every start."""
+
+    groups_per_update: int
+    max_staleness: int
+    events: list[AdmissionEvent] = field(default_factory=list)
+
+    def update_of(self, group: int) -> int:
+        return group // self.groups_per_update + 1
+
+    def allows(self, group: int, version: int) -> bool:
+        return version >= self.update_of(group) - 1 - self.max_staleness
+
+    def admit(self, group: int, version: int) -> None:
+        if not self.allows(group, version):
+            raise RuntimeError(f"admission: group {group} (update {self.update_of(group)}) may not start at "
+                               f"weights version {version} with max_staleness {self.max_staleness}")
+        self.events.append(AdmissionEvent(group, self.update_of(group), version))
+
+
+@dataclass
+class AsyncBatch:
+    """The finished groups of one update, rows in data order (G samples of a prompt contiguous)."""
+
+    update: int
+    trajectories: list[Trajectory]
+    gen_tokens: int
+
+
+@dataclass
+class WorkerTimes:
+    """Where the rollout worker's wall time went (seconds since `start`)."""
+
+    generate: float = 0.0  # generating (the worker's busy time)
+    wall: float = 0.0
+
+
+@dataclass
+class _Episode:
+    group: int
+    row: int  # position in its update's batch
+    slot: int  # env index
+    context: list[int]
+
+
+class AsyncRollout:
+    """The rollout worker: start(), then next_batch(u) for u = first_update, first_update + 1, ...; stop()."""
+
+    def __init__(
+        self,
+        venv: ToolVectorEnv,
+        model: torch.nn.Module,
+        tokenizer: Any,
+        params: SamplingParams,
+        *,
+        store: WeightStore,
+        admission: Admission,
+        prompts_for: Callable[[int], Sequence[int]],
+        seed_for: Callable[[int, int], int],
+        group_size: int,
+        first_update: int,
+        last_update: int,
+        batch_size: int,
+        gen: torch.Generator | None,
+        gen_seed_for: Callable[[int], int] | None = None,
+        partial_rollouts: bool = True,
+    ) -> None:
+        """`prompts_for(u)` gives update u's task indices (one per group, called in increasing u, from the
+        worker's thread); `seed_for(u, row)` the env seed of a row; `gen_seed_for(u)`, if given, re-seeds `gen`
+        when update u's first group starts (with max_staleness 0 nothing else is in flight then, so the run is
+        reproducible and resumes exactly). Envs: venv.num_envs must be a multiple of `group_size` (a group
+        starts when `group_size` envs are free). `partial_rollouts=False`: new weights are loaded only while no
+        episode is in flight, so every episode is sampled by one version."""
+        if venv.num_envs % group_size:
+            raise ValueError(f"{venv.num_envs} envs cannot hold whole groups of {group_size}")
+        self.venv, self.model, self.tokenizer, self.params = venv, model, tokenizer, params
+        self.store, self.admission = store, admission
+        self.prompts_for, self.seed_for = prompts_for, seed_for
+        self.G, self.first_update, self.last_update = group_size, first_update, last_update
+        self.batch_size, self.gen, self.partial = batch_size, gen, partial_rollouts
+        self.gen_seed_for = gen_seed_for
+        self.version = -1
+        self.times = WorkerTimes()
+        self._cond = threading.Condition()
+        self._done: dict[int, dict[int, Trajectory]] = {}  # update -> row -> finished trajectory
+        self._tokens: dict[int, int] = {}
+        self._error: BaseException | None = None
+        self._stop = False
+        self._future: Any = None
+
+    # ------------------------------------------------------------------ learner side
+    def start(self) -> None:
+        self._future = asyncio.run_coroutine_threadsafe(self._main(), runtime.get_loop())
+
+    def next_batch(self, update: int, timeout: float = 3600.0) -> AsyncBatch:
+        """Wait until every group of `update` has finished; a worker error is raised here."""
+        need = self.admission.groups_per_update * self.G
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._done.get(update, {})) < need:
+                if self._error is not None:
+                    raise RuntimeError(f"the async rollout worker failed: {self._error!r}") from self._error
+                if self._future is not None and self._future.done() and self._error is None:
+                    raise RuntimeError(f"the async rollout worker stopped before update {update}'s batch was done")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"update {update}'s rollouts not done after {timeout:.0f} s")
+                self._cond.wait(min(left, 0.5))
+            rows = self._done.pop(update)
+            tokens = self._tokens.pop(update, 0)
+        return AsyncBatch(update, [rows[i] for i in range(need)], tokens)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Stop the worker (episodes in flight are abandoned: a resumed run starts them again)."""
+        self._stop = True
+        fut, self._future = self._future, None
+        if fut is not None:
+            try:
+                fut.result(timeout)
+            except BaseException:
+                fut.cancel()
+
+    # ------------------------------------------------------------------ worker (rlf's loop thread)
+    def _refresh_weights(self) -> None:
+        got = self.store.newer_than(self.version)
+        if got is not None:
+            self.version, state = got
+            self.model.load_state_dict(state)
+
+    async def _main(self) -> None:
+        t_start = time.perf_counter()
+        try:
+            await self._work()
+        except BaseException as e:
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+            raise
+        finally:
+            self.times.wall = time.perf_counter() - t_start
+            with self._cond:
+                self._cond.notify_all()
+
+    async def _work(self) -> None:
+        venv, G = self.venv, self.G
+        B = self.admission.groups_per_update
+        stop = StopChecker(self.tokenizer, list(venv.envs[0].format.stop_strings), self.tokenizer.eos_token_id)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.model.eval()
+        free = list(range(venv.num_envs))
+        next_group = (self.first_update - 1) * B
+        end_group = self.last_update * B
+        prompts: dict[int, Sequence[int]] = {}
+        ready: list[_Episode] = []
+        pending: dict[asyncio.Future[Any], tuple[_Episode, list[float], int]] = {}
+        while not self._stop:
+            if self.partial or not (pending or ready):
+                self._refresh_weights()
+            # admission: whole groups, in data order, while envs are free and the bound allows
+            while next_group < end_group and len(free) >= G and self.admission.allows(next_group, self.version):
+                u = self.admission.update_of(next_group)
+                if u not in prompts:
+                    prompts[u] = list(self.prompts_for(u))
+                    prompts.pop(u - 2, None)
+                    if self.gen_seed_for is not None and self.gen is not None:
+                        self.gen.manual_seed(self.gen_seed_for(u))
+                j = next_group % B
+                slots, free = free[:G], free[G:]
+                rows = [j * G + r for r in range(G)]
+                resets = await venv.areset_envs({s: {"task_index": int(prompts[u][j])} for s in slots},
+                                                seeds={s: self.seed_for(u, row) for s, row in zip(slots, rows,
+                                                                                                  strict=True)})
+                self.admission.admit(next_group, self.version)
+                ready += [_Episode(next_group, row, s, _as_ids(resets[s][0])) for s, row in zip(slots, rows,
+                                                                                                   strict=True)]
+                next_group += 1
+            if ready:
+                if self.partial:
+                    self._refresh_weights()
+                t = time.perf_counter()
+                lps: list[list[float]] = [[] for _ in ready]
+                outs = generate_batched(self.model, [e.context for e in ready], self.params, stop, pad_id,
+                                        self.gen, self.batch_size, lps)
+                self.times.generate += time.perf_counter() - t
+                for ep, out, lp in zip(ready, outs, lps, strict=True):
+                    fut = asyncio.ensure_future(venv.astep_active({ep.slot: out}))
+                    pending[fut] = (ep, lp, self.version)
+                    u = self.admission.update_of(ep.group)
+                    self._tokens[u] = self._tokens.get(u, 0) + len(out)
+                    ep.context.extend(out)
+                ready = []
+            if not pending:
+                if next_group >= end_group:
+                    return
+                await asyncio.sleep(0.002)  # waiting for weights (admission) or for the learner to take a batch
+                continue
+            # let the fast steps finish together (one generation batch for all of them), then go on with
+            # what is done; a slow tool holds only its own episode
+            done, _ = await asyncio.wait(list(pending), timeout=0.005)
+            if not done:
+                done, _ = await asyncio.wait(list(pending), timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                ep, lp, version = pending.pop(fut)
+                res = fut.result()[ep.slot]
+                traj = venv.envs[ep.slot].trajectory
+                turn = traj.turns[-1]
+                turn.policy_version = version
+                turn.behaviour_logprobs = lp
+                if res.done:
+                    traj = copy.copy(traj)  # the env's next reset starts a new Trajectory; keep this one
+                    free.append(ep.slot)
+                    u = self.admission.update_of(ep.group)
+                    with self._cond:
+                        self._done.setdefault(u, {})[ep.row] = traj
+                        self._cond.notify_all()
+                else:
+                    ep.context.extend(_as_ids(res.obs))
+                    ready.append(ep)
