@@ -30,7 +30,8 @@ from rlf_train.trainer import Trainer, make_envs
 
 pytestmark = pytest.mark.train
 
-ASYNC = ["rollout.mode=async"]
+ASYNC = ["rollout.mode=async", "rollout.async_worker=thread"]
+PROCESS = ["rollout.mode=async", "rollout.async_worker=process"]
 
 
 # ---------------------------------------------------------------- the loss, against numpy
@@ -200,17 +201,19 @@ class UpdateSpy:
         return [row[m.bool()] for call in self.losses for row, m in zip(call[key], call["mask"], strict=True)]
 
 
-def test_async_staleness_never_exceeds_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("worker", [ASYNC, PROCESS], ids=["thread", "process"])
+def test_async_staleness_never_exceeds_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 worker: list[str]) -> None:
     """Multi-turn episodes, 6 updates, max_staleness 1: every admission respected the bound, so did every
     token the learner trained on, and the worker did run ahead: each update waits (at most 60 s) until the
     worker has started a group of the next update with the weights this update starts from."""
-    tr = Trainer(parity_cfg(tmp_path / "s", 6, [*ASYNC, "rollout.max_staleness=1", "rollout.max_turns=2",
+    tr = Trainer(parity_cfg(tmp_path / "s", 6, [*worker, "rollout.max_staleness=1", "rollout.max_turns=2",
                                                 "rollout.max_total_tokens=512", "eval.num_tasks=2"]))
     orig = tr.update
 
     def update_after_the_worker_ran_ahead(step: int, *args: Any, **kw: Any) -> Any:
         deadline = time.monotonic() + 60
-        while step < 6 and time.monotonic() < deadline and tr.admission is not None \
+        while worker is ASYNC and step < 6 and time.monotonic() < deadline and tr.admission is not None \
                 and not any(e.update == step + 1 for e in tr.admission.events):
             time.sleep(0.01)
         return orig(step, *args, **kw)
@@ -221,12 +224,15 @@ def test_async_staleness_never_exceeds_the_bound(tmp_path: Path, monkeypatch: py
     events = tr.admission.events
     assert len(events) == 6 * 2 and [e.group for e in events] == list(range(12))
     assert all(e.update - 1 - e.version <= 1 for e in events)
-    ahead = [e for e in events if e.update - 1 - e.version == 1]
-    assert len(ahead) >= 5, f"the worker never ran ahead of the learner: {events}"
+    if worker is ASYNC:  # (in a process the worker's admissions reach the learner only with its batches)
+        ahead = [e for e in events if e.update - 1 - e.version == 1]
+        assert len(ahead) >= 5, f"the worker never ran ahead of the learner: {events}"
     recs = [json.loads(x) for x in (tmp_path / "s" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in recs if r["stage"] == "rl"]
     assert [r["step"] for r in rl] == list(range(1, 7))
-    assert all(0 <= r["staleness_max"] <= 1 for r in rl) and max(r["staleness_max"] for r in rl) == 1
+    assert all(0 <= r["staleness_max"] <= 1 for r in rl)
+    if worker is ASYNC:
+        assert max(r["staleness_max"] for r in rl) == 1
     assert all(r["time_wait"] >= 0 and r["rollout_busy"] >= 0 for r in rl)
 
 
@@ -284,7 +290,7 @@ def test_async_worker_error_reaches_the_learner(tmp_path: Path, monkeypatch: pyt
 
 
 # ---------------------------------------------------------------- SIGKILL mid-async-run
-STRICT = [*ASYNC, "rollout.max_staleness=0"]
+STRICT = [*PROCESS, "rollout.max_staleness=0"]
 
 
 @pytest.fixture(scope="module")

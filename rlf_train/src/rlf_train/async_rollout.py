@@ -18,14 +18,23 @@ Three pieces, each usable on its own:
   are ready. Partial rollouts: weights are refreshed before every generation call, so an episode in flight
   at an update continues with the new weights; each turn records the version and the behaviour log-probs
   it was sampled with (`Turn.policy_version`, `Turn.behaviour_logprobs`).
+
+`SharedWeights` and `ProcessRollout` carry the same worker over a process boundary (`rollout.async_worker:
+process`): the worker process builds its own envs and policy copy from the config, the learner publishes
+into shared-memory tensors, finished batches come back over a queue. Threads share one GIL, and a tiny
+policy's generation is mostly Python overhead, so on CPU the two sides contend for it; processes do not.
+This is also the shape of "rollout on one device, learner on another".
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import os
+import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -295,3 +304,152 @@ class AsyncRollout:
                 else:
                     ep.context.extend(_as_ids(res.obs))
                     ready.append(ep)
+
+
+class SharedWeights:
+    """A `WeightStore` across processes: the state dict lives in shared memory, the version in a shared
+    counter whose lock also guards the tensors. Hand it to the worker process as a `Process` argument."""
+
+    def __init__(self, model: torch.nn.Module, ctx: Any) -> None:
+        self.tensors = {k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
+        self._version = ctx.Value("q", -1)
+
+    def publish(self, version: int, model: torch.nn.Module) -> None:
+        with self._version.get_lock():
+            if version <= self._version.value:
+                raise ValueError(f"weights version {version} published after version {self._version.value}: "
+                                 "versions must grow")
+            with torch.no_grad():
+                for k, v in model.state_dict().items():
+                    self.tensors[k].copy_(v.detach())
+            self._version.value = version
+
+    @property
+    def version(self) -> int:
+        return int(self._version.value)
+
+    def newer_than(self, version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        with self._version.get_lock():
+            if self._version.value > version:
+                return int(self._version.value), {k: t.clone() for k, t in self.tensors.items()}
+        return None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the worker process needs to rebuild the rollout side (picklable)."""
+
+    config: dict[str, Any]  # TrainConfig.model_dump(mode="json")
+    prompts: dict[int, list[int]]  # update -> its task indices
+    first_update: int
+    last_update: int
+    env_hook: Callable[[ToolVectorEnv], None] | None = None  # applied to the worker's envs (benchmarks)
+
+
+def seed_base(seed: int, update: int) -> int:
+    """The env seed of row 0 of `update`'s batch (sync and async runs alike)."""
+    return (seed * 1_000_003 + update * 10_007) % (2**31)
+
+
+def _process_main(spec: WorkerSpec, store: SharedWeights, out: Any, stop: Any) -> None:
+    """The worker process: rebuild envs and policy from the config, run `AsyncRollout`, send each finished
+    update's batch (with the admission events and generation time so far) to the learner."""
+    parent = os.getppid()
+    try:
+        from rlf_train.config import TrainConfig
+        from rlf_train.model import load_policy, load_tokenizer
+        from rlf_train.trainer import make_envs
+
+        cfg = TrainConfig.model_validate(spec.config)
+        r = cfg.rollout
+        torch.set_num_threads(cfg.threads or 1)
+        tok = load_tokenizer(cfg.model)
+        venv = make_envs(cfg, tok, "train", r.prompts_per_step * r.samples_per_prompt)
+        if spec.env_hook is not None:
+            spec.env_hook(venv)
+        model = load_policy(cfg.model, tok, cfg.seed)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        admission = Admission(r.prompts_per_step, r.max_staleness)
+        worker = AsyncRollout(
+            venv, model, tok, SamplingParams(r.temperature, r.top_p, r.max_new_tokens_per_turn), store=store,
+            admission=admission, prompts_for=spec.prompts.__getitem__,
+            seed_for=lambda u, row: seed_base(cfg.seed, u) + row,
+            gen_seed_for=lambda u: seed_base(cfg.seed, u) + 7_919, group_size=r.samples_per_prompt,
+            first_update=spec.first_update, last_update=spec.last_update, batch_size=r.batch_size,
+            gen=torch.Generator(), partial_rollouts=r.partial_rollouts)
+        worker.start()
+        sent = 0
+        try:
+            for u in range(spec.first_update, spec.last_update + 1):
+                while True:
+                    if stop.is_set() or os.getppid() != parent:  # stopped, or the trainer was killed
+                        return
+                    try:
+                        batch = worker.next_batch(u, timeout=0.5)
+                        break
+                    except TimeoutError:
+                        continue
+                events = admission.events[sent:]
+                sent += len(events)
+                out.put(("batch", u, batch.trajectories, batch.gen_tokens, worker.times.generate, events))
+        finally:
+            worker.stop()
+    except BaseException:
+        out.put(("error", traceback.format_exc()))
+
+
+class ProcessRollout:
+    """Learner-side handle of the worker process; the same start / next_batch / stop / times / admission
+    as `AsyncRollout`."""
+
+    def __init__(self, spec: WorkerSpec, store: SharedWeights, admission: Admission, ctx: Any) -> None:
+        self.spec, self.store, self.admission, self.ctx = spec, store, admission, ctx
+        self.times = WorkerTimes()
+        self._out = ctx.Queue()
+        self._stop = ctx.Event()
+        self._proc: Any = None
+        self._ready: dict[int, AsyncBatch] = {}
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._proc = self.ctx.Process(target=_process_main, args=(self.spec, self.store, self._out, self._stop),
+                                      daemon=True, name="rlf-rollout")
+        self._proc.start()
+
+    def next_batch(self, update: int, timeout: float = 3600.0) -> AsyncBatch:
+        deadline = time.monotonic() + timeout
+        while update not in self._ready:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"update {update}'s rollouts not done after {timeout:.0f} s")
+            try:
+                msg = self._out.get(timeout=0.5)
+            except queue.Empty:
+                if self._proc is None or not self._proc.is_alive():
+                    code = None if self._proc is None else self._proc.exitcode
+                    raise RuntimeError(f"the async rollout worker process died (exit code {code})") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"the async rollout worker failed:\n{msg[1]}")
+            _, u, trajs, tokens, gen_seconds, events = msg
+            self._ready[u] = AsyncBatch(u, trajs, tokens)
+            self.times.generate = gen_seconds
+            self.admission.events.extend(events)
+        self.times.wall = time.perf_counter() - self._t0
+        return self._ready.pop(update)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._stop.set()
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            while True:  # drain, so the child's queue feeder can exit
+                self._out.get_nowait()
+        except (queue.Empty, OSError, ValueError):
+            pass
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)

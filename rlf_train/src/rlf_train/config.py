@@ -81,6 +81,10 @@ class RolloutConfig(_Section):
                             "backend openrlhf: --train.async_enable")
     max_staleness: int = Field(1, ge=0, description="async: no episode starts whose tokens could be more than this "
                                                     "many policy versions behind the update that trains on them")
+    async_worker: Literal["process", "thread"] = Field(
+        "process", description="async: where the rollout worker runs: its own process (envs and a policy copy "
+                               "rebuilt from this config; weights through shared memory) or a thread of the "
+                               "trainer (starts faster; shares the GIL with the learner)")
     partial_rollouts: bool = Field(True, description="async: an episode in flight at a weight update continues with "
                                                      "the new weights (False: it keeps the weights it started with); "
                                                      "backend openrlhf: --train.partial_rollout_enable")

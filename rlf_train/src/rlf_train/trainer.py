@@ -6,9 +6,8 @@ from __future__ import annotations
 import copy
 import math
 import random
-import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,15 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
-from rlf_train.async_rollout import Admission, AsyncRollout, WeightStore
+from rlf_train.async_rollout import (
+    Admission,
+    AsyncRollout,
+    ProcessRollout,
+    SharedWeights,
+    WeightStore,
+    WorkerSpec,
+    seed_base,
+)
 from rlf_train.checkpoint import (
     CheckpointMeta,
     latest_checkpoint,
@@ -141,7 +148,10 @@ class Trainer:
         self.order_pos = 0
         self.ref_model: torch.nn.Module | None = None
         self.admission: Admission | None = None  # async RL: the staleness bound, with a log of every start
-        self.async_worker: AsyncRollout | None = None
+        self.async_worker: AsyncRollout | ProcessRollout | None = None
+        # applied to the train envs before RL (in the async worker process too; must then be picklable): e.g.
+        # benchmarks/async_training.py's slow-search wrapper
+        self.train_env_hook: Callable[[ToolVectorEnv], None] | None = None
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard,
                                     wandb_project=cfg.logging.wandb_project, wandb_mode=cfg.logging.wandb_mode,
                                     config_dict=cfg.model_dump(mode="json"))
@@ -334,7 +344,7 @@ class Trainer:
         return lp, mask, ent
 
     def _seed_base(self, step: int) -> int:
-        return (self.cfg.seed * 1_000_003 + step * 10_007) % (2**31)
+        return seed_base(self.cfg.seed, step)
 
     def _sampling(self) -> SamplingParams:
         r = self.cfg.rollout
@@ -475,6 +485,8 @@ class Trainer:
         if cfg.algorithm.kl_coef > 0:
             self.ref_model = self._reference_model()
         progress.add("GRPO", total=cfg.algorithm.steps, completed=start_step)
+        if self.train_env_hook is not None:
+            self.train_env_hook(self.train_envs)
         if cfg.rollout.mode == "async":
             self._run_rl_async(progress, start_step, optimizer, scheduler)
         else:
@@ -507,27 +519,34 @@ class Trainer:
         steps = cfg.algorithm.steps
         if start_step >= steps:
             return
-        store = WeightStore()
-        store.publish(start_step, self.model)
-        worker_model = copy.deepcopy(self.model)
-        for p in worker_model.parameters():
-            p.requires_grad_(False)
-        self.admission = Admission(r.prompts_per_step, r.max_staleness)
+        # the data order is drawn here, update by update as the sync trainer draws it; a checkpoint stores it as
+        # it was right after its step's prompts
         drawn: dict[int, tuple[list[int], dict[str, Any]]] = {}
-        lock = threading.Lock()
+        for u in range(start_step + 1, steps + 1):
+            drawn[u] = (self._next_tasks(r.prompts_per_step), self._data_state())
+        prompts = {u: p for u, (p, _) in drawn.items()}
+        self.admission = Admission(r.prompts_per_step, r.max_staleness)
+        worker: AsyncRollout | ProcessRollout
+        store: WeightStore | SharedWeights
+        if r.async_worker == "process":
+            import torch.multiprocessing as tmp
 
-        def prompts_for(u: int) -> list[int]:  # the worker's thread, increasing u
-            with lock:
-                p = self._next_tasks(r.prompts_per_step)
-                drawn[u] = (p, self._data_state())
-            return p
-
-        worker = AsyncRollout(
-            self.train_envs, worker_model, self.tokenizer, self._sampling(), store=store, admission=self.admission,
-            prompts_for=prompts_for, seed_for=lambda u, row: self._seed_base(u) + row,
-            gen_seed_for=lambda u: self._seed_base(u) + 7_919,
-            group_size=r.samples_per_prompt, first_update=start_step + 1, last_update=steps,
-            batch_size=r.batch_size, gen=self.gen, partial_rollouts=r.partial_rollouts)
+            ctx = tmp.get_context("spawn")
+            store = SharedWeights(self.model, ctx)
+            spec = WorkerSpec(cfg.model_dump(mode="json"), prompts, start_step + 1, steps, self.train_env_hook)
+            worker = ProcessRollout(spec, store, self.admission, ctx)
+        else:
+            store = WeightStore()
+            worker_model = copy.deepcopy(self.model)
+            for p in worker_model.parameters():
+                p.requires_grad_(False)
+            worker = AsyncRollout(
+                self.train_envs, worker_model, self.tokenizer, self._sampling(), store=store,
+                admission=self.admission, prompts_for=prompts.__getitem__,
+                seed_for=lambda u, row: self._seed_base(u) + row, gen_seed_for=lambda u: self._seed_base(u) + 7_919,
+                group_size=r.samples_per_prompt, first_update=start_step + 1, last_update=steps,
+                batch_size=r.batch_size, gen=self.gen, partial_rollouts=r.partial_rollouts)
+        store.publish(start_step, self.model)
         self.async_worker = worker
         worker.start()
         busy_before = 0.0
@@ -536,9 +555,8 @@ class Trainer:
                 t_step = time.perf_counter()
                 batch = worker.next_batch(step)
                 t_wait = time.perf_counter() - t_step
-                with lock:
-                    prompts, data_state = drawn.pop(step)
-                task_indices = [p for p in prompts for _ in range(r.samples_per_prompt)]
+                step_prompts, data_state = drawn.pop(step)
+                task_indices = [p for p in step_prompts for _ in range(r.samples_per_prompt)]
                 rec = self.update(step, batch.trajectories, task_indices, optimizer, scheduler, behaviour=True)
                 store.publish(step, self.model)
                 busy = worker.times.generate
