@@ -4,7 +4,8 @@ One SFT warm start (configs/quickstart.yaml's), then from the same weights: `--s
 `rollout.mode: sync` and the same with `rollout.mode: async` (`max_staleness`), each in a fast-tool setting
 (the in-process search as shipped) and a slow-tool setting (every search waits `--base-ms`, and a
 `--slow-share` of them `--slow-factor` times that: a retrieval server with a long tail). Reports, per run:
-wall time per update step (eval and checkpoints excluded), the learner's idle fraction (sync: the
+wall time per update step (eval and checkpoints excluded; the first step, which includes starting the
+worker, is reported apart), the learner's idle fraction (sync: the
 rollout; async: waiting for a batch), the rollout side's idle fraction (1 - generation time / wall time),
 held-out greedy success after the updates, and the async/sync speed ratio of each setting.
 
@@ -59,6 +60,8 @@ def run_rl(sft_dir: Path, root: Path, name: str, overrides: list[str], slow: dic
     wall = time.perf_counter() - t0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r.get("stage") == "rl"]
+    first_s = rl[0]["time_step"]  # includes the worker's start (a process: imports, envs, model)
+    rl = rl[1:] if len(rl) > 1 else rl
     step_s = sum(r["time_step"] for r in rl)
     if cfg.rollout.mode == "async":
         learner_idle = sum(r["time_wait"] for r in rl) / step_s
@@ -67,7 +70,8 @@ def run_rl(sft_dir: Path, root: Path, name: str, overrides: list[str], slow: dic
         learner_idle = sum(r["time_rollout"] for r in rl) / step_s
         rollout_busy = sum(r["time_generate"] for r in rl) / step_s
     last = summary["evals"][-1]
-    return {"name": name, "mode": cfg.rollout.mode, "steps": len(rl), "s_per_step": step_s / len(rl),
+    return {"name": name, "mode": cfg.rollout.mode, "worker": cfg.rollout.async_worker if cfg.rollout.mode == "async"
+            else "-", "steps_timed": len(rl), "first_step_s": first_s, "s_per_step": step_s / len(rl),
             "learner_idle": learner_idle, "rollout_idle": max(0.0, 1.0 - rollout_busy),
             "success_greedy": last.get("success_greedy"), "reward_mean_last10": sum(
                 r["reward_mean"] for r in rl[-10:]) / len(rl[-10:]),
@@ -85,6 +89,7 @@ def main() -> None:
     ap.add_argument("--slow-share", type=float, default=0.1)
     ap.add_argument("--slow-factor", type=float, default=20.0)
     ap.add_argument("--settings", default="fast,slow")
+    ap.add_argument("--workers", default="process", help="async worker kinds to run: process,thread")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
@@ -110,24 +115,27 @@ def main() -> None:
                 "seed": args.seed}
         results = []
         for setting in args.settings.split(","):
-            for mode in ("sync", "async"):
-                ov = [f"algorithm.steps={args.steps}", f"rollout.mode={mode}",
+            for mode in ["sync", *(f"async-{w}" for w in args.workers.split(","))]:
+                ov = [f"algorithm.steps={args.steps}", f"rollout.mode={mode.split('-')[0]}",
                       f"rollout.max_staleness={args.max_staleness}"]
+                if mode != "sync":
+                    ov.append(f"rollout.async_worker={mode.split('-')[1]}")
                 res = run_rl(sft, root, f"{setting}-{mode}", ov, slow if setting == "slow" else None)
                 res["setting"] = setting
                 results.append(res)
                 print(json.dumps(res))
-        print(f"\n{'setting':8} {'mode':6} {'s/step':>7} {'learner idle':>12} {'rollout idle':>12} "
+        print(f"\n{'setting':8} {'mode':6} {'worker':8} {'s/step':>7} {'learner idle':>12} {'rollout idle':>12} "
               f"{'held-out greedy':>15} {'max stale':>9}")
         for r in results:
-            print(f"{r['setting']:8} {r['mode']:6} {r['s_per_step']:7.2f} {r['learner_idle']:12.0%} "
+            print(f"{r['setting']:8} {r['mode']:6} {r['worker']:8} {r['s_per_step']:7.2f} {r['learner_idle']:12.0%} "
                   f"{r['rollout_idle']:12.0%} {r['success_greedy']:15.3f} {r['staleness_max']:9d}")
         ratios = {}
         for setting in args.settings.split(","):
             s = next(r for r in results if r["setting"] == setting and r["mode"] == "sync")
-            a = next(r for r in results if r["setting"] == setting and r["mode"] == "async")
-            ratios[setting] = s["s_per_step"] / a["s_per_step"]
-            print(f"{setting}: async is {ratios[setting]:.2f}x sync per update step")
+            for a in (r for r in results if r["setting"] == setting and r["mode"] == "async"):
+                key = f"{setting}/{a['worker']}"
+                ratios[key] = s["s_per_step"] / a["s_per_step"]
+                print(f"{key}: async is {ratios[key]:.2f}x sync per update step (steps 2..N)")
         if args.out:
             Path(args.out).write_text(json.dumps({"args": vars(args), "sft_success": warm["evals"][-1],
                                                   "results": results, "speedup": ratios}, indent=2))

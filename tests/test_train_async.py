@@ -59,7 +59,7 @@ def test_decoupled_loss_matches_numpy_and_is_plain_ppo_on_policy() -> None:
     out = policy_loss(lp, t["prox"], t["adv"], t["mask"], clip_low=0.2, clip_high=0.28, behav_logp=t["behav"],
                       is_cap=2.0)
     want = np_decoupled_loss(logp, prox, behav, adv, mask, 0.2, 0.28, 2.0)
-    assert float(out.loss) == pytest.approx(want, rel=1e-10)
+    assert float(out.loss.detach()) == pytest.approx(want, rel=1e-10)
     out.loss.backward()
     assert lp.grad is not None and torch.isfinite(lp.grad).all()
     w = np.minimum(np.exp(prox - behav), 2.0)
