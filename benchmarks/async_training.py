@@ -75,7 +75,9 @@ def run_rl(sft_dir: Path, root: Path, name: str, overrides: list[str], slow: dic
             "learner_idle": learner_idle, "rollout_idle": max(0.0, 1.0 - rollout_busy),
             "success_greedy": last.get("success_greedy"), "reward_mean_last10": sum(
                 r["reward_mean"] for r in rl[-10:]) / len(rl[-10:]),
-            "staleness_max": max((r.get("staleness_max", 0) for r in rl), default=0), "wall_s": wall}
+            "staleness_max": max((r.get("staleness_max", 0) for r in rl), default=0), "wall_s": wall,
+            "train_s_per_step": sum(r["time_train"] for r in rl) / len(rl),
+            "tokens_per_episode": sum(r["tokens_total_mean"] for r in rl) / len(rl)}
 
 
 def main() -> None:
@@ -124,11 +126,12 @@ def main() -> None:
                 res["setting"] = setting
                 results.append(res)
                 print(json.dumps(res))
-        print(f"\n{'setting':8} {'mode':6} {'worker':8} {'s/step':>7} {'learner idle':>12} {'rollout idle':>12} "
-              f"{'held-out greedy':>15} {'max stale':>9}")
+        print(f"\n{'setting':8} {'mode':6} {'worker':8} {'s/step':>7} {'update s':>8} {'tok/ep':>6} "
+              f"{'learner idle':>12} {'rollout idle':>12} {'held-out greedy':>15} {'max stale':>9}")
         for r in results:
-            print(f"{r['setting']:8} {r['mode']:6} {r['worker']:8} {r['s_per_step']:7.2f} {r['learner_idle']:12.0%} "
-                  f"{r['rollout_idle']:12.0%} {r['success_greedy']:15.3f} {r['staleness_max']:9d}")
+            print(f"{r['setting']:8} {r['mode']:6} {r['worker']:8} {r['s_per_step']:7.2f} {r['train_s_per_step']:8.2f} "
+                  f"{r['tokens_per_episode']:6.0f} {r['learner_idle']:12.0%} {r['rollout_idle']:12.0%} "
+                  f"{r['success_greedy']:15.3f} {r['staleness_max']:9d}")
         ratios = {}
         for setting in args.settings.split(","):
             s = next(r for r in results if r["setting"] == setting and r["mode"] == "sync")
