@@ -201,7 +201,8 @@ class UpdateSpy:
         return [row[m.bool()] for call in self.losses for row, m in zip(call[key], call["mask"], strict=True)]
 
 
-@pytest.mark.parametrize("worker", [ASYNC, PROCESS], ids=["thread", "process"])
+@pytest.mark.parametrize("worker", [pytest.param(ASYNC, id="thread"),
+                                    pytest.param(PROCESS, id="process", marks=pytest.mark.slow)])
 def test_async_staleness_never_exceeds_the_bound(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                  worker: list[str]) -> None:
     """Multi-turn episodes, 6 updates, max_staleness 1: every admission respected the bound, so did every
@@ -290,22 +291,25 @@ def test_async_worker_error_reaches_the_learner(tmp_path: Path, monkeypatch: pyt
 
 
 # ---------------------------------------------------------------- SIGKILL mid-async-run
-STRICT = [*PROCESS, "rollout.max_staleness=0"]
+@pytest.fixture(scope="module", params=[pytest.param("thread", id="thread"),
+                                        pytest.param("process", id="process", marks=pytest.mark.slow)])
+def strict(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path]:
+    """max_staleness 0 with the given worker kind, and an uninterrupted run of it."""
+    flags = ["rollout.mode=async", f"rollout.async_worker={request.param}", "rollout.max_staleness=0"]
+    run = tmp_path_factory.mktemp(f"full_async_{request.param}") / "run"
+    Trainer(parity_cfg(run, STEPS, COMMON + flags)).run()
+    return flags, run
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_async(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run = tmp_path_factory.mktemp("full_async") / "run"
-    Trainer(parity_cfg(run, STEPS, COMMON + STRICT)).run()
-    return run
-
-
-def test_async_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path: Path, uninterrupted_async: Path) -> None:
+def test_async_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path: Path,
+                                                                 strict: tuple[list[str], Path]) -> None:
     """With max_staleness 0 an async run is reproducible (the worker's sampler is re-seeded per update), so a
-    run SIGKILLed after checkpoint step_2 and resumed ends with the same metrics and bit-identical weights."""
+    run SIGKILLed after checkpoint step_2 (its rollout worker, a thread or a process, with it) and resumed
+    ends with the same metrics and bit-identical weights."""
+    flags, uninterrupted_async = strict
     run = tmp_path / "run"
     at_kill = _run_until_parked_then_kill(run, tmp_path, "step_2",
-                                          [*STRICT, "logging.save_every=2", "env.kwargs.pause_skip=4"])
+                                          [*flags, "logging.save_every=2", "env.kwargs.pause_skip=4"])
     assert at_kill == "step_2"
     import yaml
 
