@@ -351,6 +351,11 @@ def seed_base(seed: int, update: int) -> int:
     return (seed * 1_000_003 + update * 10_007) % (2**31)
 
 
+def sampler_seed(seed: int, update: int) -> int:
+    """The async worker's sampler seed when `update`'s first group starts."""
+    return seed_base(seed, update) + 7_919
+
+
 def _process_main(spec: WorkerSpec, store: SharedWeights, out: Any, stop: Any) -> None:
     """The worker process: rebuild envs and policy from the config, run `AsyncRollout`, send each finished
     update's batch (with the admission events and generation time so far) to the learner."""
@@ -375,7 +380,7 @@ def _process_main(spec: WorkerSpec, store: SharedWeights, out: Any, stop: Any) -
             venv, model, tok, SamplingParams(r.temperature, r.top_p, r.max_new_tokens_per_turn), store=store,
             admission=admission, prompts_for=spec.prompts.__getitem__,
             seed_for=lambda u, row: seed_base(cfg.seed, u) + row,
-            gen_seed_for=lambda u: seed_base(cfg.seed, u) + 7_919, group_size=r.samples_per_prompt,
+            gen_seed_for=lambda u: sampler_seed(cfg.seed, u), group_size=r.samples_per_prompt,
             first_update=spec.first_update, last_update=spec.last_update, batch_size=r.batch_size,
             gen=torch.Generator(), partial_rollouts=r.partial_rollouts)
         worker.start()

@@ -25,6 +25,7 @@ from rlf_train.async_rollout import (
     SharedWeights,
     WeightStore,
     WorkerSpec,
+    sampler_seed,
     seed_base,
 )
 from rlf_train.checkpoint import (
@@ -511,8 +512,9 @@ class Trainer:
 
     def _run_rl_async(self, progress: Progress, start_step: int, optimizer: torch.optim.Optimizer,
                       scheduler: Any) -> None:
-        """`rollout.mode: async`: the worker (`async_rollout.AsyncRollout`, on rlf's loop thread, its own copy
-        of the policy) generates while this thread updates; after each update the weights are published as
+        """`rollout.mode: async`: the worker (`async_rollout.AsyncRollout` with its own copy of the policy, in a
+        process of its own or on rlf's loop thread: `rollout.async_worker`) generates while this thread
+        updates; after each update the weights are published as
         version = step. `time_wait` is the learner's idle time (waiting for a batch), `rollout_busy` the
         worker's generation time since the previous row."""
         cfg, r = self.cfg, self.cfg.rollout
@@ -543,7 +545,8 @@ class Trainer:
             worker = AsyncRollout(
                 self.train_envs, worker_model, self.tokenizer, self._sampling(), store=store,
                 admission=self.admission, prompts_for=prompts.__getitem__,
-                seed_for=lambda u, row: self._seed_base(u) + row, gen_seed_for=lambda u: self._seed_base(u) + 7_919,
+                seed_for=lambda u, row: self._seed_base(u) + row,
+                gen_seed_for=lambda u: sampler_seed(cfg.seed, u),
                 group_size=r.samples_per_prompt, first_update=start_step + 1, last_update=steps,
                 batch_size=r.batch_size, gen=self.gen, partial_rollouts=r.partial_rollouts)
         store.publish(start_step, self.model)
