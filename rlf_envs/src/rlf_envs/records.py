@@ -16,7 +16,8 @@ Schema (version 1), one JSON object per line:
   `content`, `status` ("ok", "error", "timeout", "invalid_args", "unknown_tool", "crashed"), `latency_s`,
   `truncated`, `attempts`), `observation` (the env's answer text, "" after the last turn), `reward`
   (per-turn reward), `tool_seconds`, and in token mode `action_span` / `observation_span` ([start, end)
-  into `token_ids`)
+  into `token_ids`); from an asynchronous RL run, `policy_version` (the weights version that sampled the
+  action: staleness = the update's version - 1 - this) and `behaviour_logprobs` (one per action token)
 - `answer`, `end_reason` ("answer" | "max_turns" | "token_budget", or "policy_error" when the policy itself
   failed, e.g. an API that kept erroring; `error` then says why), `reward` (final score), `score_info`
 - `success` (reward >= `success_threshold`), `num_tool_calls`, `num_tool_errors`
@@ -83,6 +84,8 @@ class TurnRecord(_Model):
     tool_seconds: float = 0.0
     action_span: tuple[int, int] | None = None
     observation_span: tuple[int, int] | None = None
+    policy_version: int | None = None  # async RL: the weights version that sampled this action
+    behaviour_logprobs: list[float] | None = None
 
     @classmethod
     def from_turn(cls, turn: Turn) -> TurnRecord:
@@ -102,6 +105,8 @@ class TurnRecord(_Model):
             tool_seconds=turn.stats.tool_seconds,
             action_span=turn.action_span,
             observation_span=turn.observation_span,
+            policy_version=turn.policy_version,
+            behaviour_logprobs=turn.behaviour_logprobs,
         )
 
 

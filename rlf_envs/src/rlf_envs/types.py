@@ -147,6 +147,10 @@ class Turn:
     # token mode: [start, end) spans into Trajectory.token_ids
     action_span: tuple[int, int] | None = None
     observation_span: tuple[int, int] | None = None
+    # asynchronous RL: the policy version that sampled this action and its tokens' behaviour log-probs
+    # (under the sampling distribution); None when the trainer did not record them
+    policy_version: int | None = None
+    behaviour_logprobs: list[float] | None = None
 
 
 class EndReason(enum.StrEnum):

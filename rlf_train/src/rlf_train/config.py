@@ -75,6 +75,19 @@ class RolloutConfig(_Section):
     max_total_tokens: int = Field(1024, ge=16)
     max_obs_tokens: int = Field(256, ge=1)
     batch_size: int = Field(64, ge=1, description="max sequences generated together")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: collect a batch, then update. async: a rollout worker keeps generating with the "
+                            "newest published weights while the learner updates (docs/guides/async-rl.md); "
+                            "backend openrlhf: --train.async_enable")
+    max_staleness: int = Field(1, ge=0, description="async: no episode starts whose tokens could be more than this "
+                                                    "many policy versions behind the update that trains on them")
+    async_worker: Literal["process", "thread"] = Field(
+        "process", description="async: where the rollout worker runs: its own process (envs and a policy copy "
+                               "rebuilt from this config; weights through shared memory) or a thread of the "
+                               "trainer (starts faster; shares the GIL with the learner)")
+    partial_rollouts: bool = Field(True, description="async: an episode in flight at a weight update continues with "
+                                                     "the new weights (False: it keeps the weights it started with); "
+                                                     "backend openrlhf: --train.partial_rollout_enable")
 
 
 class SFTConfig(_Section):
@@ -103,6 +116,8 @@ class AlgorithmConfig(_Section):
     micro_batch_size: int = Field(32, ge=1, description="sequences per forward/backward (gradient accumulation)")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per rollout batch per epoch")
     kl_coef: float = Field(0.0, ge=0.0, description="k3 KL to a frozen reference; 0 disables (no ref model)")
+    is_cap: float = Field(2.0, ge=1.0, description="async: truncation C of the importance weight "
+                                                   "min(pi_prox / pi_behaviour, C) of the decoupled PPO loss")
     per_turn_rewards: bool = Field(True, description="add per-turn env rewards as reward-to-go when present")
     eps: float = 1e-6
 

@@ -58,6 +58,7 @@ class LossOut:
     kl: float
     clip_frac: float
     ratio_mean: float
+    is_weight_mean: float = 1.0  # mean truncated importance weight min(pi_prox / mu, C) (1 without behav_logp)
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, total_tokens: float, total_seqs: int,
@@ -89,10 +90,25 @@ def policy_loss(
     norm_len: int = 1,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    behav_logp: torch.Tensor | None = None,
+    is_cap: float = 2.0,
 ) -> LossOut:
     """PPO-clip surrogate: -min(ratio * A, clip(ratio, 1-lo, 1+hi) * A), plus kl_coef * k3 KL, masked.
 
-    Shapes: [B, T] for logp/old_logp/mask; advantages [B] or [B, T]."""
+    Shapes: [B, T] for logp/old_logp/mask/behav_logp; advantages [B] or [B, T].
+
+    With `behav_logp` (asynchronous RL: the log-probs the rollout recorded when it sampled each token, under
+    the sampling distribution, possibly from an older policy version) this is the decoupled PPO objective
+    (Hilton et al. 2021; AReaL) with a truncated importance weight, per policy token t:
+
+        rho_t = pi_theta(a_t) / pi_prox(a_t)                      (old_logp = pi_prox: the policy at the
+                                                                   start of this update)
+        w_t   = min(pi_prox(a_t) / mu(a_t), is_cap)               (mu = behav_logp; no gradient through w)
+        pg_t  = -w_t * min(rho_t * A_t, clip(rho_t, 1-lo, 1+hi) * A_t)
+
+    The trust region is around pi_prox (so clipping does not depend on how stale a token is) and w_t
+    corrects for the tokens having been drawn from mu rather than pi_prox. On-policy (mu = pi_prox) w_t = 1
+    and this is the plain PPO-clip loss."""
     m = mask.to(logp.dtype)
     if total_tokens is None:
         total_tokens = float(m.sum().item())
@@ -103,6 +119,14 @@ def policy_loss(
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     pg = -torch.minimum(unclipped, clipped)
+    is_weight_mean = 1.0
+    if behav_logp is not None:
+        # masked-out positions may hold -inf/0 pairs: zero them before exp so no nan reaches the sum
+        d = torch.where(mask.bool(), (old_logp - behav_logp).detach(), torch.zeros_like(old_logp))
+        w = torch.clamp(torch.exp(d), max=is_cap)
+        pg = w * pg
+        with torch.no_grad():
+            is_weight_mean = float((w * m).sum() / m.sum().clamp(min=1.0))
     loss = aggregate(pg, m, agg, total_tokens, total_seqs, norm_len)
     kl_val = 0.0
     if ref_logp is not None and kl_coef > 0:
@@ -115,7 +139,7 @@ def policy_loss(
         clip_frac = float(((clipped < unclipped).to(m.dtype) * m).sum() / n)  # clipped term active
         ratio_mean = float((ratio * m).sum() / n)
     return LossOut(loss=loss, pg_loss=float(aggregate(pg.detach(), m, agg, total_tokens, total_seqs, norm_len)),
-                   kl=kl_val, clip_frac=clip_frac, ratio_mean=ratio_mean)
+                   kl=kl_val, clip_frac=clip_frac, ratio_mean=ratio_mean, is_weight_mean=is_weight_mean)
 
 
 def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,

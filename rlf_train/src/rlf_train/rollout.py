@@ -67,13 +67,19 @@ class StopChecker:
         return hit
 
 
-def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> torch.Tensor:
+def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+            with_logprob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Greedy at temperature 0, else a draw from `sampling_logits` (the distribution the update's
-    log-probs are computed under)."""
+    log-probs are computed under). With `with_logprob`, also the drawn tokens' log-probs under that
+    distribution (the behaviour log-probs of asynchronous RL; 0 for greedy)."""
     if params.temperature == 0.0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(sampling_logits(logits, params.temperature, params.top_p), dim=-1)
-    return torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+        tok = logits.argmax(dim=-1)
+        return tok, (torch.zeros(tok.shape) if with_logprob else None)
+    sl = sampling_logits(logits, params.temperature, params.top_p)
+    probs = torch.softmax(sl, dim=-1)
+    tok = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
+    lp = torch.log_softmax(sl, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1).cpu() if with_logprob else None
+    return tok, lp
 
 
 @torch.no_grad()
@@ -84,8 +90,10 @@ def generate(
     stop: StopChecker,
     pad_id: int,
     gen: torch.Generator | None = None,
+    logprobs: list[list[float]] | None = None,
 ) -> list[list[int]]:
-    """Continue every context until a stop token/string, EOS or max_new_tokens. Returns new ids per row."""
+    """Continue every context until a stop token/string, EOS or max_new_tokens. Returns new ids per row;
+    `logprobs` (a list of B empty lists), when given, receives each new token's sampling log-prob."""
     device = next(model.parameters()).device
     B = len(contexts)
     L = max(len(c) for c in contexts)
@@ -104,12 +112,16 @@ def generate(
     rows = list(range(B))  # batch position -> context index; finished rows are dropped from the batch
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(params.max_new_tokens):
-        tok = _sample(logits, params, gen)
+        tok, lp = _sample(logits, params, gen, with_logprob=logprobs is not None)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         live = (~done).nonzero().flatten().tolist()
         tl = tok.tolist()
         for j in live:
             generated[rows[j]].append(tl[j])
+        if logprobs is not None and lp is not None:
+            lpl = lp.tolist()
+            for j in live:
+                logprobs[rows[j]].append(lpl[j])
         done = done | stop.hit(tok, [generated[r] for r in rows], live)
         if step == params.max_new_tokens - 1 or bool(done.all()):
             break
@@ -159,13 +171,18 @@ def generate_batched(
     pad_id: int,
     gen: torch.Generator | None,
     batch_size: int,
+    logprobs: list[list[float]] | None = None,
 ) -> list[list[int]]:
-    """`generate` over length buckets of at most `batch_size` rows; results in the order of `contexts`."""
+    """`generate` over length buckets of at most `batch_size` rows; results (and `logprobs`, if given) in
+    the order of `contexts`."""
     out: list[list[int]] = [[] for _ in contexts]
     for bucket in length_buckets([len(c) for c in contexts], batch_size):
-        for i, o in zip(bucket, generate(model, [contexts[i] for i in bucket], params, stop, pad_id, gen),
-                        strict=True):
+        lps: list[list[float]] | None = [[] for _ in bucket] if logprobs is not None else None
+        outs = generate(model, [contexts[i] for i in bucket], params, stop, pad_id, gen, lps)
+        for k, (i, o) in enumerate(zip(bucket, outs, strict=True)):
             out[i] = o
+            if logprobs is not None and lps is not None:
+                logprobs[i] = lps[k]
     return out
 
 

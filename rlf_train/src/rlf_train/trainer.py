@@ -7,7 +7,7 @@ import copy
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,16 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
+from rlf_train.async_rollout import (
+    Admission,
+    AsyncRollout,
+    ProcessRollout,
+    SharedWeights,
+    WeightStore,
+    WorkerSpec,
+    sampler_seed,
+    seed_base,
+)
 from rlf_train.checkpoint import (
     CheckpointMeta,
     latest_checkpoint,
@@ -147,6 +157,11 @@ class Trainer:
         self.order: list[int] = []
         self.order_pos = 0
         self.ref_model: torch.nn.Module | None = None
+        self.admission: Admission | None = None  # async RL: the staleness bound, with a log of every start
+        self.async_worker: AsyncRollout | ProcessRollout | None = None
+        # applied to the train envs before RL (in the async worker process too; must then be picklable): e.g.
+        # benchmarks/async_training.py's slow-search wrapper
+        self.train_env_hook: Callable[[ToolVectorEnv], None] | None = None
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard,
                                     wandb_project=cfg.logging.wandb_project, wandb_mode=cfg.logging.wandb_mode,
                                     config_dict=cfg.model_dump(mode="json"))
@@ -187,21 +202,26 @@ class Trainer:
 
     # ---------------------------------------------------------------- helpers
     def _save(self, name: str, stage: str, step: int, optimizer: torch.optim.Optimizer | None,
-              scheduler: Any = None, sft_done: bool = True, sft_rng: random.Random | None = None) -> Path:
+              scheduler: Any = None, sft_done: bool = True, sft_rng: random.Random | None = None,
+              data_state: dict[str, Any] | None = None) -> Path:
+        """`data_state` (async RL): the task order as it was right after this step's prompts were drawn (the
+        rollout worker has drawn further ahead; a resumed run starts those groups again)."""
         state = {
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "scheduler": scheduler.state_dict() if scheduler is not None else None,
             "torch_rng": torch.get_rng_state(),
             "gen": self.gen.get_state(),
-            "data_rng": self.data_rng.bit_generator.state,
-            "order": list(self.order),
-            "order_pos": self.order_pos,
+            **(data_state if data_state is not None else self._data_state()),
             "python_rng": random.getstate(),
             "sft_rng": sft_rng.getstate() if sft_rng is not None else None,
         }
         meta = CheckpointMeta(stage=stage, step=step, sft_done=sft_done)
         return save_checkpoint(self.run_dir, name, self.model, state, meta,
                                keep_last=self.cfg.logging.keep_last, tokenizer=self.tokenizer)
+
+    def _data_state(self) -> dict[str, Any]:
+        return {"data_rng": copy.deepcopy(self.data_rng.bit_generator.state), "order": list(self.order),
+                "order_pos": self.order_pos}
 
     def _restore_rng(self, state: dict[str, Any]) -> None:
         torch.set_rng_state(state["torch_rng"])
@@ -333,15 +353,59 @@ class Trainer:
                                       top_p=r.top_p)
         return lp, mask, ent
 
+    def _seed_base(self, step: int) -> int:
+        return seed_base(self.cfg.seed, step)
+
+    def _sampling(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens_per_turn)
+
     def grpo_step(self, step: int, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
-        cfg, a = self.cfg, self.cfg.algorithm
-        r = cfg.rollout
+        """Synchronous GRPO step: collect a batch with the current weights, then update on it."""
+        r = self.cfg.rollout
         t_step = time.perf_counter()
         prompts = self._next_tasks(r.prompts_per_step)
         task_indices = [p for p in prompts for _ in range(r.samples_per_prompt)]
-        params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens_per_turn)
-        trajs, rstats = self.rollouts(self.train_envs, task_indices, params,
-                                      seed_base=(cfg.seed * 1_000_003 + step * 10_007) % (2**31), gen=self.gen)
+        trajs, rstats = self.rollouts(self.train_envs, task_indices, self._sampling(),
+                                      seed_base=self._seed_base(step), gen=self.gen)
+        rec = self.update(step, trajs, task_indices, optimizer, scheduler, behaviour=False)
+        rec.update({"gen_tokens": rstats.gen_tokens, "time_rollout": rstats.total_seconds,
+                    "time_generate": rstats.gen_seconds, "time_env": rstats.env_seconds,
+                    "time_step": time.perf_counter() - t_step})
+        return rec
+
+    def behaviour_logprobs(self, trajs: Sequence[Trajectory], T: int) -> torch.Tensor:
+        """[N, T] log-probs the rollout recorded when it sampled each policy token (target t = token t+1),
+        from `Turn.behaviour_logprobs`; 0 at non-policy positions."""
+        out = torch.zeros((len(trajs), T))
+        for i, tr in enumerate(trajs):
+            mask = tr.loss_mask or []
+            for k, turn in enumerate(tr.turns):
+                if turn.action_span is None:
+                    continue
+                s, e = turn.action_span
+                lps = turn.behaviour_logprobs
+                if lps is None or len(lps) < e - s:
+                    raise RuntimeError(f"episode {i} turn {k}: {0 if lps is None else len(lps)} behaviour "
+                                       f"log-probs recorded for {e - s} action tokens (the async rollout records "
+                                       "one per sampled token)")
+                if s >= 1:
+                    out[i, s - 1:e - 1] = torch.tensor(lps[:e - s])
+            covered = torch.zeros(T, dtype=torch.bool)
+            for turn in tr.turns:
+                if turn.action_span is not None and turn.action_span[0] >= 1:
+                    covered[turn.action_span[0] - 1:turn.action_span[1] - 1] = True
+            if any(m and not covered[t - 1] for t, m in enumerate(mask) if t >= 1 and t - 1 < T):
+                raise RuntimeError(f"episode {i}: a policy token lies outside every turn's action span")
+        return out
+
+    def update(self, step: int, trajs: Sequence[Trajectory], task_indices: Sequence[int],
+               optimizer: torch.optim.Optimizer, scheduler: Any, behaviour: bool) -> dict[str, Any]:
+        """One GRPO update on a batch (rows i*G..(i+1)*G-1 the G samples of prompt i). `behaviour`: the
+        batch comes from the async rollout: the loss is the decoupled PPO objective with the recorded
+        behaviour log-probs (`grpo.policy_loss`), and staleness is logged."""
+        cfg, a = self.cfg, self.cfg.algorithm
+        r = cfg.rollout
         # the advantage groups rows i*G..(i+1)*G-1 together: they must be the G samples of one prompt
         got = [t.task.id for t in trajs]
         want = [self.train_tasks[i].id for i in task_indices]
@@ -366,10 +430,11 @@ class Trainer:
         with torch.no_grad():
             old_lp = all_logprobs(self.model)
             ref_lp = all_logprobs(self.ref_model) if self.ref_model is not None else None
+        behav_lp = self.behaviour_logprobs(trajs, T).to(self.device) if behaviour else None
         returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
         adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
         norm_len = r.max_total_tokens
-        losses, kls, clips, ents, gns = [], [], [], [], []
+        losses, kls, clips, ents, gns, isw = [], [], [], [], [], []
         self.model.train()
         for _epoch in range(a.ppo_epochs):
             mini_size = math.ceil(N / a.mini_batches)
@@ -387,8 +452,11 @@ class Trainer:
                     ref = ref_lp[s:e, :Tc] if ref_lp is not None else None
                     out = policy_loss(lp, old, adv[s:e, :Tc].to(self.device), mask, clip_low=a.clip_eps_low,
                                       clip_high=a.clip_eps_high, agg=a.loss_agg, total_tokens=total_tokens,
-                                      total_seqs=me - ms, norm_len=norm_len, ref_logp=ref, kl_coef=a.kl_coef)
+                                      total_seqs=me - ms, norm_len=norm_len, ref_logp=ref, kl_coef=a.kl_coef,
+                                      **({} if behav_lp is None else
+                                         {"behav_logp": behav_lp[s:e, :Tc], "is_cap": a.is_cap}))
                     out.loss.backward()
+                    isw.append(out.is_weight_mean)
                     loss_sum += float(out.loss.detach())
                     kls.append(out.kl)
                     clips.append(out.clip_frac)
@@ -407,10 +475,12 @@ class Trainer:
             "clip_frac": float(np.mean(clips)) if clips else 0.0, "entropy": float(np.mean(ents)) if ents else 0.0,
             "grad_norm": float(np.mean(gns)), "lr": scheduler.get_last_lr()[0],
             "groups_with_signal": float((groups.std(dim=1) > 0).float().mean()),
-            "gen_tokens": rstats.gen_tokens,
-            "time_rollout": rstats.total_seconds, "time_generate": rstats.gen_seconds, "time_env": rstats.env_seconds,
-            "time_train": now - t_train, "time_step": now - t_step,
+            "time_train": now - t_train,
         })
+        if behaviour:
+            stale = [step - 1 - t.policy_version for tr in trajs for t in tr.turns if t.policy_version is not None]
+            rec.update({"staleness_mean": float(np.mean(stale)) if stale else 0.0,
+                        "staleness_max": int(max(stale, default=0)), "is_weight_mean": float(np.mean(isw))})
         return rec
 
     def run_rl(self, progress: Progress, start_step: int) -> None:
@@ -426,20 +496,89 @@ class Trainer:
         if cfg.algorithm.kl_coef > 0:
             self.ref_model = self._reference_model()
         progress.add("GRPO", total=cfg.algorithm.steps, completed=start_step)
-        rec: dict[str, Any] = {}
-        for step in range(start_step + 1, cfg.algorithm.steps + 1):
-            rec = self.grpo_step(step, optimizer, scheduler)
-            self.logger.log(rec)
-            progress.update("GRPO", info=f"reward {rec['reward_mean']:.3f} success {rec['success_rate']:.2f} "
-                                         f"search {rec['search_rate']:.2f}")
-            if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.algorithm.steps:
-                self._record_eval(self.evaluate(step), progress)
-            if cfg.logging.save_every and step % cfg.logging.save_every == 0:
-                self._save(f"step_{step}", "rl", step, optimizer, scheduler)
+        if self.train_env_hook is not None:
+            self.train_env_hook(self.train_envs)
+        if cfg.rollout.mode == "async":
+            self._run_rl_async(progress, start_step, optimizer, scheduler)
+        else:
+            for step in range(start_step + 1, cfg.algorithm.steps + 1):
+                rec = self.grpo_step(step, optimizer, scheduler)
+                self._after_step(progress, step, rec, optimizer, scheduler, None)
         final = cfg.algorithm.steps
         if start_step < final or not self.evals or self.evals[-1]["step"] != final:
             self._save(f"step_{final}", "rl", final, optimizer, scheduler)
             self._record_eval(self.evaluate(final), progress)
+
+    def _after_step(self, progress: Progress, step: int, rec: dict[str, Any], optimizer: torch.optim.Optimizer,
+                    scheduler: Any, data_state: dict[str, Any] | None) -> None:
+        cfg = self.cfg
+        self.logger.log(rec)
+        progress.update("GRPO", info=f"reward {rec['reward_mean']:.3f} success {rec['success_rate']:.2f} "
+                                     f"search {rec['search_rate']:.2f}")
+        if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.algorithm.steps:
+            self._record_eval(self.evaluate(step), progress)
+        if cfg.logging.save_every and step % cfg.logging.save_every == 0:
+            self._save(f"step_{step}", "rl", step, optimizer, scheduler, data_state=data_state)
+
+    def _run_rl_async(self, progress: Progress, start_step: int, optimizer: torch.optim.Optimizer,
+                      scheduler: Any) -> None:
+        """`rollout.mode: async`: the worker (`async_rollout.AsyncRollout` with its own copy of the policy, in a
+        process of its own or on rlf's loop thread: `rollout.async_worker`) generates while this thread
+        updates; after each update the weights are published as
+        version = step. `time_wait` is the learner's idle time (waiting for a batch), `rollout_busy` the
+        worker's generation time since the previous row."""
+        cfg, r = self.cfg, self.cfg.rollout
+        steps = cfg.algorithm.steps
+        if start_step >= steps:
+            return
+        # the data order is drawn here, update by update as the sync trainer draws it; a checkpoint stores it as
+        # it was right after its step's prompts
+        drawn: dict[int, tuple[list[int], dict[str, Any]]] = {}
+        for u in range(start_step + 1, steps + 1):
+            drawn[u] = (self._next_tasks(r.prompts_per_step), self._data_state())
+        prompts = {u: p for u, (p, _) in drawn.items()}
+        self.admission = Admission(r.prompts_per_step, r.max_staleness)
+        worker: AsyncRollout | ProcessRollout
+        store: WeightStore | SharedWeights
+        if r.async_worker == "process":
+            import torch.multiprocessing as tmp
+
+            ctx = tmp.get_context("spawn")
+            store = SharedWeights(self.model, ctx)
+            spec = WorkerSpec(cfg.model_dump(mode="json"), prompts, start_step + 1, steps, self.train_env_hook)
+            worker = ProcessRollout(spec, store, self.admission, ctx)
+        else:
+            store = WeightStore()
+            worker_model = copy.deepcopy(self.model)
+            for p in worker_model.parameters():
+                p.requires_grad_(False)
+            worker = AsyncRollout(
+                self.train_envs, worker_model, self.tokenizer, self._sampling(), store=store,
+                admission=self.admission, prompts_for=prompts.__getitem__,
+                seed_for=lambda u, row: self._seed_base(u) + row,
+                gen_seed_for=lambda u: sampler_seed(cfg.seed, u),
+                group_size=r.samples_per_prompt, first_update=start_step + 1, last_update=steps,
+                batch_size=r.batch_size, gen=self.gen, partial_rollouts=r.partial_rollouts)
+        store.publish(start_step, self.model)
+        self.async_worker = worker
+        worker.start()
+        busy_before = 0.0
+        try:
+            for step in range(start_step + 1, steps + 1):
+                t_step = time.perf_counter()
+                batch = worker.next_batch(step)
+                t_wait = time.perf_counter() - t_step
+                step_prompts, data_state = drawn.pop(step)
+                task_indices = [p for p in step_prompts for _ in range(r.samples_per_prompt)]
+                rec = self.update(step, batch.trajectories, task_indices, optimizer, scheduler, behaviour=True)
+                store.publish(step, self.model)
+                busy = worker.times.generate
+                rec.update({"gen_tokens": batch.gen_tokens, "time_wait": t_wait, "rollout_busy": busy - busy_before,
+                            "time_step": time.perf_counter() - t_step})
+                busy_before = busy
+                self._after_step(progress, step, rec, optimizer, scheduler, data_state)
+        finally:
+            worker.stop()
 
     def _reference_model(self) -> torch.nn.Module:
         ref = load_policy(self.cfg.model, self.tokenizer, self.cfg.seed)
