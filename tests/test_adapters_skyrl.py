@@ -17,12 +17,14 @@ from skyrl_gym.envs.base_text_env import BaseTextEnv  # noqa: E402
 from rlf_envs.adapters.skyrl import RlfSkyRLEnv, register_skyrl  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parent / "assets" / "qwen3_chat_template.jinja"
-TOKENIZER = Path(__file__).resolve().parent.parent / "rlf_train" / "src" / "rlf_train" / "assets" / "tiny_tokenizer.json"
+ASSETS = Path(__file__).resolve().parent.parent / "rlf_train" / "src" / "rlf_train" / "assets"
+TOKENIZER = ASSETS / "tiny_tokenizer.json"
 CALC = {"env_id": "rlf/Calculator-v0"}
 
 
 def call(expr: str) -> str:
-    return '<tool_call>\n{"name": "calculator", "arguments": %s}\n</tool_call>' % json.dumps({"expression": expr})
+    args = json.dumps({"expression": expr})
+    return f'<tool_call>\n{{"name": "calculator", "arguments": {args}}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,10 @@ class AdapterInfo:
 ADAPTERS: dict[str, AdapterInfo] = {
     "trl": AdapterInfo("rlf_envs.adapters.trl", "trl", "trl"),
     "verifiers": AdapterInfo("rlf_envs.adapters.verifiers", "verifiers", "verifiers"),
+    "skyrl": AdapterInfo("rlf_envs.adapters.skyrl", "skyrl_gym", "skyrl"),
+    "verl": AdapterInfo("rlf_envs.adapters.verl", "verl", "verl"),
+    "nemo_gym": AdapterInfo("rlf_envs.adapters.nemo_gym", "nemo_gym", "nemo-gym"),
+    "openenv": AdapterInfo("rlf_envs.adapters.openenv", "openenv", "openenv"),
 }
 
 

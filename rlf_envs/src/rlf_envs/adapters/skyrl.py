@@ -30,9 +30,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from rlf_envs.adapters.support import chatml_messages, import_trainer
 from rlf_envs.adapters.episode import make_tool_env
-from rlf_envs.types import Message, Task
+from rlf_envs.adapters.support import chatml_messages, import_trainer, task_options
 
 log = logging.getLogger(__name__)
 SKYRL_ID = "rlf"
@@ -57,24 +56,6 @@ def _plain(cfg: Any) -> dict[str, Any]:
     except ImportError:
         pass
     return dict(cfg)
-
-
-def task_from_extras(extras: Mapping[str, Any], prompt: list[dict[str, str]] | None) -> dict[str, Any] | None:
-    """rlf reset options from a SkyRL row's env extras: `task` (an rlf task dict), `task_index`, or SkyRL's
-    `reward_spec.ground_truth` with the row's prompt messages (None: the env picks a task)."""
-    if "task" in extras:
-        return {"task": extras["task"]}
-    if "task_index" in extras:
-        return {"task_index": int(extras["task_index"])}
-    spec = extras.get("reward_spec") or {}
-    if "ground_truth" in spec:
-        if not prompt:
-            raise ValueError("a SkyRL row with reward_spec.ground_truth needs its prompt messages (env.init(prompt))")
-        question = next((m["content"] for m in reversed(prompt) if m.get("role") == "user"), prompt[-1]["content"])
-        msgs = tuple(Message(m["role"], m["content"]) for m in prompt)
-        return {"task": Task(id=str(extras.get("uid", "skyrl")), question=question,
-                             ground_truth=spec["ground_truth"], messages=msgs)}
-    return None
 
 
 class RlfSkyRLEnv(BaseTextEnv):  # type: ignore[misc, valid-type]
@@ -103,7 +84,9 @@ class RlfSkyRLEnv(BaseTextEnv):  # type: ignore[misc, valid-type]
 
     def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, Any]]:
         """Start an episode on the task named by the row's extras; returns rlf's prompt as chat messages."""
-        options = task_from_extras(self.extras, list(prompt or []))
+        spec = self.extras.get("reward_spec") or {}
+        options = task_options(self.extras, list(prompt or []), spec.get("ground_truth"),
+                               task_id=str(self.extras.get("uid", "skyrl")))
         seed = self.extras.get("seed")
         _, info = self.env.reset(seed=None if seed is None else int(seed), options=options)
         self.turns = 0
@@ -159,4 +142,4 @@ def register_skyrl(env_id: str = SKYRL_ID, **defaults: Any) -> str:
     return env_id
 
 
-__all__ = ["SKYRL_ID", "RlfSkyRLEnv", "register_skyrl", "task_from_extras"]
+__all__ = ["SKYRL_ID", "RlfSkyRLEnv", "register_skyrl"]

@@ -13,10 +13,13 @@ base-model prompt) becomes one user message holding it verbatim.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from rlf_envs.extras import MissingDependency
+from rlf_envs.types import Message, Task
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
@@ -73,3 +76,22 @@ def observation_content(text: str) -> str:
     if not split.chatml:
         return text
     return "\n".join(m["content"] for m in split.messages if m["role"] != "assistant")
+
+
+def task_options(fields: Mapping[str, Any], prompt: Sequence[Mapping[str, str]] | None = None, ground_truth: Any = None,
+                 task_id: str = "row") -> dict[str, Any] | None:
+    """rlf reset options from a trainer's dataset row: `fields["task"]` (an rlf task dict), `fields["task_index"]`,
+    or the trainer's own ground truth with the row's prompt messages (kept verbatim as the task's messages; the
+    last user message is its question). None: the env picks one of its tasks."""
+    if fields.get("task") is not None:
+        return {"task": fields["task"]}
+    if fields.get("task_index") is not None:
+        return {"task_index": int(fields["task_index"])}
+    if ground_truth is not None:
+        if not prompt:
+            raise ValueError("a row with a ground truth but no task needs its prompt messages to make the rlf task")
+        msgs = tuple(Message(str(m["role"]), str(m["content"])) for m in prompt)
+        question = next((m.content for m in reversed(msgs) if m.role == "user"), msgs[-1].content)
+        gt = ground_truth.tolist() if hasattr(ground_truth, "tolist") else ground_truth  # numpy from parquet rows
+        return {"task": Task(id=task_id, question=question, ground_truth=gt, messages=msgs)}
+    return None
