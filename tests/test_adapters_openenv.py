@@ -39,7 +39,8 @@ def free_port() -> int:
 def serve(app) -> Iterator[str]:  # type: ignore[no-untyped-def]
     """Run `app` with uvicorn on a free loopback port in a thread; wait until it accepts; stop it in finally."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets-sansio"))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets-sansio")
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
