@@ -76,7 +76,8 @@ def env_masks(rollout: RlfRollout, seen: dict[tuple[int, ...], list[int]]) -> No
         seen[tuple(traj.token_ids[n:])] = list(traj.loss_mask[n:])
 
 
-def train(tok: PreTrainedTokenizerFast, tmp_path: Path, rollout: RlfRollout, **kw: Any) -> tuple[CapturingTrainer, dict]:
+def train(tok: PreTrainedTokenizerFast, tmp_path: Path, rollout: RlfRollout,
+          **kw: Any) -> tuple[CapturingTrainer, dict]:
     env_seen: dict[tuple[int, ...], list[int]] = {}
     inner = rollout.__call__
 

@@ -30,9 +30,9 @@ from typing import Any
 
 from rlf_envs.adapters import require_trainer
 from rlf_envs.adapters.episode import (
-    Generation,
     GenerateBatchFn,
     GenerateFn,
+    Generation,
     TokenEpisode,
     make_tool_env,
     run_token_episodes_sync,
@@ -157,7 +157,7 @@ class RlfRollout:
             self._envs.append(make_tool_env(self.env_id, tokenizer=tokenizer, **self.env_kwargs))
         return self._envs[:n]
 
-    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any]]:
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, list[Any] | None]:
         if not prompts:
             raise ValueError("TRL called the rollout function with no prompts")
         tasks = [self._index.task(p) for p in prompts]
