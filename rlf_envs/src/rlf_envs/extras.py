@@ -18,7 +18,6 @@ EXTRA_FOR: dict[str, str] = {
     "torch": "search",
     "tqdm": "search",
     "trl": "trl",  # rlf_envs.adapters (one extra per trainer)
-    "verifiers": "verifiers",
 }
 GPU_NOTE = {"faiss": " (or 'rlf-envs[search-gpu]' for faiss on CUDA 12)"}
 

@@ -7,7 +7,6 @@ token-mode episodes driven by any generate function (`run_token_episodes`).
 | trainer | module | extra |
 |---|---|---|
 | TRL (GRPOTrainer) | `rlf_envs.adapters.trl` | `rlf-envs[trl]` |
-| verifiers (PrimeIntellect) | `rlf_envs.adapters.verifiers` | `rlf-envs[verifiers]` |
 
 See docs/integrations/index.md for what each keeps (token exact, per-turn rewards, parallel tools, MCP).
 """
@@ -36,7 +35,6 @@ class AdapterInfo:
 
 ADAPTERS: dict[str, AdapterInfo] = {
     "trl": AdapterInfo("rlf_envs.adapters.trl", "trl", "trl"),
-    "verifiers": AdapterInfo("rlf_envs.adapters.verifiers", "verifiers", "verifiers"),
     "skyrl": AdapterInfo("rlf_envs.adapters.skyrl", "skyrl_gym", "skyrl"),
     "verl": AdapterInfo("rlf_envs.adapters.verl", "verl", "verl"),
     "nemo_gym": AdapterInfo("rlf_envs.adapters.nemo_gym", "nemo_gym", "nemo-gym"),

@@ -190,14 +190,16 @@ async def run_token_episodes(
     seeds: Sequence[int | None] | None = None,
     max_tokens_per_turn: int = 512,
     max_length: int | None = None,
+    max_completion_tokens: int | None = None,
     catch_env_errors: bool = False,
 ) -> list[TokenEpisode]:
     """One token-mode episode on each env (env k reset with `options[k]`, e.g. `{"task_index": 3}` or
     `{"task": Task(...)}`), all in lock-step; see the module docstring. Give exactly one of `generate`
     (called concurrently, once per active episode per turn) or `generate_batch` (once per turn).
 
-    `max_length` caps the whole sequence (prompt + completion): each env's total budget is lowered to it
-    and each generation asks for at most what is left. A generate function's exception propagates (the
+    `max_length` caps the whole sequence (prompt + completion), `max_completion_tokens` what follows the
+    prompt (actions + observations): each env's total budget is lowered to fit and each generation asks for
+    at most what is left. A generate function's exception propagates (the
     trainer's to see). An exception from an env step (a bug) propagates too, unless `catch_env_errors`:
     then the episodes of that step end with `error` set, reward 0, and the others go on.
     """
@@ -207,7 +209,7 @@ async def run_token_episodes(
         raise ValueError(f"max_tokens_per_turn must be >= 1, got {max_tokens_per_turn}")
     venv = _as_vector(envs)
     n = venv.num_envs
-    opts = list(options) if options is not None else [None] * n
+    opts: list[dict[str, Any] | None] = list(options) if options is not None else [None] * n
     if len(opts) != n:
         raise ValueError(f"got {len(opts)} options for {n} envs")
     if seeds is not None and len(seeds) != n:
@@ -216,12 +218,36 @@ async def run_token_episodes(
         if not e.token_mode:
             raise ValueError("run_token_episodes needs token-mode envs: make them with a tokenizer "
                              "(make_tool_env(env_id, tokenizer=...))")
-        if max_length is not None:
-            e.max_total_tokens = min(e.max_total_tokens, max_length)
-    resets = await venv.areset_envs(dict(enumerate(opts)),
-                                    seeds=None if seeds is None else dict(enumerate(seeds)))
+    budgets = [e.max_total_tokens for e in venv.envs]
+    try:
+        return await _drive(venv, opts, seeds, generate, generate_batch, max_tokens_per_turn, max_length,
+                            max_completion_tokens, catch_env_errors)
+    finally:  # the budgets were lowered for these episodes only
+        for e, b in zip(venv.envs, budgets, strict=True):
+            e.max_total_tokens = b
+
+
+async def _drive(
+    venv: ToolVectorEnv,
+    opts: list[dict[str, Any] | None],
+    seeds: Sequence[int | None] | None,
+    generate: GenerateFn | None,
+    generate_batch: GenerateBatchFn | None,
+    max_tokens_per_turn: int,
+    max_length: int | None,
+    max_completion_tokens: int | None,
+    catch_env_errors: bool,
+) -> list[TokenEpisode]:
+    n = venv.num_envs
+    resets = await venv.areset_envs(dict(enumerate(opts)), seeds=None if seeds is None else dict(enumerate(seeds)))
     contexts = {i: _ids(obs) for i, (obs, _) in resets.items()}
     n_prompt = {i: len(c) for i, c in contexts.items()}
+    unlimited = 1 << 62
+    limit = {i: min(max_length if max_length is not None else unlimited,
+                    n_prompt[i] + max_completion_tokens if max_completion_tokens is not None else unlimited)
+             for i in range(n)}
+    for i, e in enumerate(venv.envs):
+        e.max_total_tokens = min(e.max_total_tokens, limit[i])
     logprobs: dict[int, list[float] | None] = {i: [0.0] * len(c) for i, c in contexts.items()}
     length_stops = dict.fromkeys(range(n), 0)
     ends: dict[int, str | None] = dict.fromkeys(range(n))
@@ -229,8 +255,7 @@ async def run_token_episodes(
     stop = list(venv.envs[0].format.stop_strings)
     active = list(range(n))
     while active:
-        room = {i: max_tokens_per_turn if max_length is None
-                else min(max_tokens_per_turn, max_length - len(contexts[i])) for i in active}
+        room = {i: min(max_tokens_per_turn, limit[i] - len(contexts[i])) for i in active}
         for i in [i for i in active if room[i] <= 0]:  # only when the prompt alone fills max_length
             ends[i] = MAX_LENGTH
         active = [i for i in active if room[i] > 0]
@@ -279,6 +304,7 @@ async def run_token_episodes(
                                "trajectory ids (an env that re-tokenises?)")
         out.append(_episode(env, n_prompt[i], logprobs[i], length_stops[i], ends[i], errors[i]))
     return out
+
 
 
 async def run_token_episode(
