@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.adapters
 pytest.importorskip("resources_servers.gymnasium", reason="needs nemo-gym (Python >= 3.12; tox -e adapters-rl-nemo)")
 uvicorn = pytest.importorskip("uvicorn")
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.adapters
 pytest.importorskip("openenv.core.env_server", reason="needs openenv-core (tox -e adapters-rl)")
 uvicorn = pytest.importorskip("uvicorn")
 tokenizers = pytest.importorskip("tokenizers")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.adapters
 skyrl_gym = pytest.importorskip("skyrl_gym", reason="needs skyrl-gym (tox -e adapters-rl)")
 transformers = pytest.importorskip("transformers", reason="needs transformers (tox -e adapters-rl)")
 

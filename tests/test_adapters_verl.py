@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.adapters
 pytest.importorskip("verl", reason="needs verl (tox -e adapters-rl)")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
