@@ -9,12 +9,15 @@ Cases run interleaved, `--rounds` times each; the table gives the median episode
 baseline's median. A case whose trainer package is not installed is reported as skipped.
 
 Adding an adapter: write `def my_case(bench: Bench) -> int` (run `bench.episodes` episodes through the adapter,
-return how many finished) and decorate it with `@case("name", needs="package")`.
+return how many it solved; raise `Skip(reason)` if it cannot run with these arguments; keep what you build
+across rounds in `bench.state`, stop servers through `CLEANUP`) and decorate it with `@case("name",
+needs="package")`. `--env` is rlf/Search-v0 or rlf/Calculator-v0 (`SCRIPTS`: one tool call, then the answer).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
@@ -140,7 +143,66 @@ def trl_rollout(bench: Bench) -> int:
     return sum(r == 1.0 for r in out["rlf_reward"])
 
 
+def _calculator_script(t: Any) -> tuple[str, str]:
+    call = {"name": "calculator", "arguments": {"expression": t.question[len("What is "):-1]}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>", f"<answer>{t.gold_answers[0]}</answer><|im_end|>"
+
+
+#: env id -> the scripted episode (first action, second action) for a task: one tool call, then the right answer
+SCRIPTS: dict[str, Callable[[Any], tuple[str, str]]] = {
+    "rlf/Search-v0": lambda t: (f"<search> {t.question.rstrip('?').split()[-1]} </search>",
+                                f"<answer> {t.gold_answers[0]} </answer>"),
+    "rlf/Calculator-v0": _calculator_script,
+}
+
+
+@case("verifiers (Env.run_episode, loopback chat server)", needs="verifiers")
+def verifiers_episodes(bench: Bench) -> int:
+    """verifiers' Python entry (load_environment + Env.run_episode inside Env.serving) with a scripted
+    OpenAI-compatible server on loopback that makes the same tool call and answer (Calculator only): every
+    model turn is two HTTP round trips (verifiers' interception, then the server), which the other paths
+    do not have."""
+    if bench.env_id != "rlf/Calculator-v0":
+        raise Skip("the loopback chat server plays rlf/Calculator-v0 only (--env rlf/Calculator-v0)")
+    import verifiers.v1 as vf
+    from verifiers.v1.utils.loaders import load_environment, resolve_env_config
+
+    st = bench.state.get("verifiers")
+    if st is None:
+        sys.path.insert(0, str(ROOT))
+        from tests.servers.fake_openai import FakeChatServer, RunningServer
+
+        os.environ.setdefault("PRIME_API_KEY", "unused-on-loopback")
+        fake = FakeChatServer(mode="native")
+        server = RunningServer(fake)
+        cfg = resolve_env_config({"taskset": {"id": "rlf_verifiers", "env_id": bench.env_id,
+                                              "env_kwargs": bench.env_kwargs},
+                                  "agent": {"runtime": {"type": "subprocess"}}})
+        env = load_environment(cfg)
+        ids = {t.id for t in bench.tasks}
+        tasks = [t for t in env.taskset if t.data.id in ids]
+        st = bench.state["verifiers"] = (env, tasks, server,
+                                         vf.ModelContext(model="fake", client=vf.EvalClientConfig(base_url=fake.url)))
+        CLEANUP.append(server.stop)
+    env, tasks, _, ctx = st
+
+    async def run() -> list[Any]:
+        async with env.serving():
+            return list(await asyncio.gather(*(env.run_episode(t, ctx) for t in tasks)))
+
+    return sum(ep.traces[0].rewards["rlf"].score == 1.0 for ep in asyncio.run(run()))
+
+
+class Skip(Exception):
+    """A case that cannot run with these arguments."""
+
+
+CLEANUP: list[Callable[[], None]] = []
+
+
 def setup(env_id: str, env_kwargs: dict[str, Any], episodes: int) -> Bench:
+    if env_id not in SCRIPTS:
+        raise SystemExit(f"--env {env_id}: no scripted policy here; one of {sorted(SCRIPTS)}")
     tok = tokenizers.Tokenizer.from_file(str(TOKENIZER))
     probe = make_tool_env(env_id, tokenizer=tok, **env_kwargs)
     seen: set[str] = set()
@@ -154,9 +216,9 @@ def setup(env_id: str, env_kwargs: dict[str, Any], episodes: int) -> Bench:
     prompts = {}
     for t in tasks:
         obs, _ = probe.reset(options={"task": t})
-        search = tok.encode(f"<search> {t.question.rstrip('?').split()[-1]} </search>", add_special_tokens=False).ids
-        answer = tok.encode(f"<answer> {t.gold_answers[0]} </answer>", add_special_tokens=False).ids
-        prompts[tuple(obs.astype(np.int64).tolist())] = (search, answer)
+        first, second = SCRIPTS[env_id](t)
+        prompts[tuple(obs.astype(np.int64).tolist())] = (tok.encode(first, add_special_tokens=False).ids,
+                                                         tok.encode(second, add_special_tokens=False).ids)
     probe.close()
     return Bench(env_id, env_kwargs, len(tasks), tok, ScriptedPolicy(tok, prompts), tasks)
 
@@ -164,18 +226,27 @@ def setup(env_id: str, env_kwargs: dict[str, Any], episodes: int) -> Bench:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--env", default="rlf/Search-v0")
-    p.add_argument("--env-kwargs", type=json.loads, default={"topk": 1, "max_turns": 3})
+    p.add_argument("--env-kwargs", type=json.loads, default=None,
+                   help='JSON for gymnasium.make (default for rlf/Search-v0: {"topk": 1, "max_turns": 3})')
     p.add_argument("--episodes", type=int, default=64)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", type=Path)
     a = p.parse_args()
+    if a.env_kwargs is None:
+        a.env_kwargs = {"topk": 1, "max_turns": 3} if a.env == "rlf/Search-v0" else {}
     bench = setup(a.env, a.env_kwargs, a.episodes)
     runnable = {n: fn for n, (fn, needs) in CASES.items() if needs is None or importlib.util.find_spec(needs)}
     skipped = [n for n in CASES if n not in runnable]
+    reasons = {n: f"{CASES[n][1]} is not installed" for n in skipped}
     rates: dict[str, list[float]] = {n: [] for n in runnable}
     solved: dict[str, int] = {}
-    for name, fn in runnable.items():  # warm-up: builds envs and indexes, fills tokenizer caches
-        solved[name] = fn(bench)
+    for name, fn in list(runnable.items()):  # warm-up: builds envs and indexes, fills tokenizer caches
+        try:
+            solved[name] = fn(bench)
+        except Skip as e:
+            skipped.append(name)
+            reasons[name] = str(e)
+            del runnable[name], rates[name]
     for _ in range(a.rounds):
         for name, fn in runnable.items():
             t0 = time.perf_counter()
@@ -185,14 +256,14 @@ def main() -> None:
     load = os.getloadavg()
     print(f"{a.env} {a.env_kwargs}: {bench.episodes} episodes at once, scripted policy, median of {a.rounds} "
           f"rounds (load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f})")
-    print(f"{'path':40s} {'episodes/s':>11s} {'vs bare':>8s} {'solved':>7s}")
+    print(f"{'path':52s} {'episodes/s':>11s} {'vs bare':>8s} {'solved':>7s}")
     rows = {}
     for name, rs in rates.items():
         med = statistics.median(rs)
         rows[name] = {"episodes_per_s": med, "ratio_vs_bare": med / base, "rounds": rs, "solved": solved[name]}
-        print(f"{name:40s} {med:11.1f} {med / base:8.2f} {solved[name]:4d}/{bench.episodes}")
+        print(f"{name:52s} {med:11.1f} {med / base:8.2f} {solved[name]:4d}/{bench.episodes}")
     for name in skipped:
-        print(f"{name:40s} skipped: {CASES[name][1]} is not installed")
+        print(f"{name:52s} skipped: {reasons[name]}")
     if len({s for s in solved.values()}) != 1:
         raise SystemExit(f"the paths solved different numbers of episodes: {solved}")
     if a.json:
@@ -203,4 +274,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        for stop in CLEANUP:
+            stop()
