@@ -258,7 +258,8 @@ def test_adapters_package_imports_no_trainer() -> None:
             "bad = [m for m in ('torch', 'transformers', 'trl', 'verifiers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    assert "trl" in ADAPTERS
+    assert set(ADAPTERS) >= {"trl", "verifiers"}
+    assert ADAPTERS["trl"].install == rlf_envs.extras.install_hint("trl")
     assert rlf_envs.extras.install_hint("trl") == "pip install 'rlf-envs[trl]'"
 
 
@@ -268,3 +269,6 @@ def test_a_missing_trainer_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setitem(sys.modules, "trl", None)  # as if not installed
     with pytest.raises(MissingDependency, match=r"pip install 'rlf-envs\[trl\]'"):
         require_trainer("trl")
+    monkeypatch.setitem(sys.modules, "verifiers.v1", None)
+    with pytest.raises(MissingDependency, match=r"pip install --no-deps verifiers==0.4.0"):
+        require_trainer("verifiers")

@@ -28,6 +28,7 @@ rendered back as `<tool_call>` blocks for the qwen3/hermes format (other formats
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from collections import OrderedDict
@@ -35,13 +36,14 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr
 
+from rlf_envs.adapters import require_trainer
 from rlf_envs.adapters.episode import make_tool_env
-from rlf_envs.adapters.support import chatml_messages, import_trainer, observation_content, task_options
+from rlf_envs.adapters.support import chatml_messages, observation_content, task_options
 from rlf_envs.env.tool_env import ToolEnv
 
 log = logging.getLogger(__name__)
-_gym = import_trainer("resources_servers.gymnasium", "nemo-gym")
-_base = import_trainer("nemo_gym.base_resources_server", "nemo-gym")
+_gym = require_trainer("nemo_gym")
+_base = importlib.import_module("nemo_gym.base_resources_server")
 GymnasiumServer = _gym.GymnasiumServer
 extract_text = _gym.extract_text
 HERMES_FORMATS = ("qwen3", "hermes")

@@ -23,18 +23,20 @@ messages (`messages`) for clients that template themselves.
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import Field
 
+from rlf_envs.adapters import require_trainer
 from rlf_envs.adapters.episode import make_tool_env
-from rlf_envs.adapters.support import chatml_messages, import_trainer
+from rlf_envs.adapters.support import chatml_messages
 from rlf_envs.env.tool_env import ToolEnv
 
-_server = import_trainer("openenv.core.env_server", "openenv")
-_client = import_trainer("openenv.core.env_client", "openenv")
-_types = import_trainer("openenv.core.client_types", "openenv")
+_server = require_trainer("openenv")
+_client = importlib.import_module("openenv.core.env_client")
+_types = importlib.import_module("openenv.core.client_types")
 
 
 class RlfAction(_server.Action):  # type: ignore[misc, name-defined]

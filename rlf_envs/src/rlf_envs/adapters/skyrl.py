@@ -30,14 +30,15 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from rlf_envs.adapters import require_trainer
 from rlf_envs.adapters.episode import make_tool_env
-from rlf_envs.adapters.support import chatml_messages, import_trainer, task_options
+from rlf_envs.adapters.support import chatml_messages, task_options
 
 log = logging.getLogger(__name__)
 SKYRL_ID = "rlf"
 ObservationMode = Literal["messages", "raw"]
 
-_base = import_trainer("skyrl_gym.envs.base_text_env", "skyrl")
+_base = require_trainer("skyrl")
 BaseTextEnv = _base.BaseTextEnv
 BaseTextEnvStepOutput = _base.BaseTextEnvStepOutput
 
@@ -135,7 +136,8 @@ def register_skyrl(env_id: str = SKYRL_ID, **defaults: Any) -> str:
     """Register `RlfSkyRLEnv` with `skyrl_gym.register` under `env_id` (default "rlf"); `defaults` are the
     env_config keys used when a make() call gives none (e.g. `env_config={"env_id": "rlf/Search-v0"}`).
     Idempotent for the same id."""
-    skyrl_gym = import_trainer("skyrl_gym", "skyrl")
+    import skyrl_gym
+
     if env_id in skyrl_gym.registry:
         return env_id
     skyrl_gym.register(id=env_id, entry_point=f"{__name__}:RlfSkyRLEnv", kwargs=defaults)

@@ -1,5 +1,5 @@
-"""Helpers of the SkyRL, verl, NeMo-Gym and OpenEnv adapters: importing a trainer lazily, and rlf text as chat
-messages for trainers whose env protocol speaks messages (SkyRL-Gym, NeMo-Gym, OpenEnv).
+"""Helpers of the SkyRL, verl, NeMo-Gym and OpenEnv adapters: a trainer row's task as rlf reset options, and rlf
+text as chat messages for trainers whose env protocol speaks messages (SkyRL-Gym, NeMo-Gym, OpenEnv).
 
 An rlf env renders its whole context as text: the prompt (tool schemas in the system turn, the user turn, the
 generation prompt) and, after each policy turn, an observation that closes the policy's turn and opens the
@@ -12,26 +12,13 @@ base-model prompt) becomes one user message holding it verbatim.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
-from rlf_envs.extras import MissingDependency
 from rlf_envs.types import Message, Task
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-
-
-def import_trainer(module: str, extra: str) -> ModuleType:
-    """Import a trainer's module, or raise MissingDependency naming the rlf-envs extra that installs a tested
-    version of it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise MissingDependency(f"this rlf adapter needs `{module}` ({e}); install it with: "
-                                f"pip install 'rlf-envs[{extra}]'") from e
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,14 +34,15 @@ from collections.abc import Mapping
 from typing import Any
 from uuid import uuid4
 
+from rlf_envs.adapters import require_trainer
 from rlf_envs.adapters.episode import Generation, TokenEpisode, make_tool_env, run_token_episode
-from rlf_envs.adapters.support import import_trainer, task_options
+from rlf_envs.adapters.support import task_options
 from rlf_envs.env.tool_env import ToolEnv
 
 log = logging.getLogger(__name__)
 AGENT_NAME = "rlf_agent"
 
-_agent_loop = import_trainer("verl.experimental.agent_loop.agent_loop", "verl")
+_agent_loop = require_trainer("verl")
 AgentLoopBase = _agent_loop.AgentLoopBase
 AgentLoopOutput = _agent_loop.AgentLoopOutput
 _warned: set[str] = set()
@@ -123,10 +124,10 @@ class RlfAgentLoop(AgentLoopBase):  # type: ignore[misc, valid-type]
         budget = env.max_total_tokens
         request_id = uuid4().hex
         timing = {"generate": 0.0}
-        stop = [s for s in env.format.stop_strings if s]
+        stop_strings = [s for s in env.format.stop_strings if s]
         n_prompt: list[int] = []
 
-        async def generate(context: list[int], max_tokens: int, _stop: list[str]) -> Generation:
+        async def generate(context: list[int], max_tokens: int, stop: list[str]) -> Generation:
             if not n_prompt:  # first turn: the context is the env's prompt; cap the episode at verl's lengths
                 if len(context) > self.prompt_length:
                     raise ValueError(f"the rlf prompt has {len(context)} tokens, more than verl's "
@@ -136,8 +137,8 @@ class RlfAgentLoop(AgentLoopBase):  # type: ignore[misc, valid-type]
                 env.max_total_tokens = min(budget, len(context) + self.response_length)
             params = dict(sampling_params)
             params["max_tokens"] = max(1, min(max_tokens, env.max_total_tokens - len(context)))
-            if stop and "stop" not in params:
-                params.update(stop=stop, include_stop_str_in_output=True)
+            if stop_strings and "stop" not in params:
+                params.update(stop=stop_strings, include_stop_str_in_output=True)
             t0 = time.perf_counter()
             out = await self.server_manager.generate(request_id=request_id, prompt_ids=context,
                                                      sampling_params=params)
