@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,13 @@ from openenv.core.env_server import Environment  # noqa: E402
 from openenv.core.generic_client import GenericEnvClient  # noqa: E402
 
 from rlf_envs.adapters.episode import make_tool_env  # noqa: E402
-from rlf_envs.adapters.openenv import RlfAction, RlfEnvClient, RlfEnvironment, create_rlf_app  # noqa: E402
+from rlf_envs.adapters.openenv import (
+    RlfAction,
+    RlfEnvClient,
+    RlfEnvironment,
+    create_rlf_app,
+    environment_factory,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "rlf_train" / "src" / "rlf_train" / "assets"
 TOKENIZER = ASSETS / "tiny_tokenizer.json"
@@ -70,6 +77,18 @@ def test_environment_is_openenvs_base_class() -> None:
     assert obs.text == env.env.trajectory.prompt and obs.messages[-1]["role"] == "user" and obs.token_ids is None
     obs = env.step(RlfAction(text="<answer>353195</answer>"))
     assert obs.done and obs.reward == 1.0 and env.state.end_reason == "answer" and env.state.step_count == 1
+
+
+def test_sessions_reuse_envs_and_build_them_one_at_a_time() -> None:
+    """OpenEnv builds a session's env in its executor threads and closes it when the session ends: the factory
+    hands a closed session's rlf env to the next session, and many sessions starting at once all get one."""
+    factory = environment_factory("rlf/Calculator-v0")
+    first = factory()
+    first.close()
+    assert factory().env is first.env
+    with ThreadPoolExecutor(16) as pool:
+        envs = list(pool.map(lambda _: factory(), range(32)))
+    assert len({id(e.env) for e in envs}) == 32
 
 
 def test_typed_client_plays_an_episode_over_websocket(text_server: str) -> None:

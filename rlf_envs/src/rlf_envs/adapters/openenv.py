@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -82,9 +83,10 @@ class RlfEnvironment(_server.Environment):  # type: ignore[misc, name-defined]
 
     SUPPORTS_CONCURRENT_SESSIONS = True
 
-    def __init__(self, env: ToolEnv) -> None:
+    def __init__(self, env: ToolEnv, release: Callable[[ToolEnv], None] | None = None) -> None:
         super().__init__()
         self.env = env
+        self._release = release
         self._episode_id: str | None = None
         self._steps = 0
 
@@ -116,7 +118,12 @@ class RlfEnvironment(_server.Environment):  # type: ignore[misc, name-defined]
                         loss_mask=None if traj.loss_mask is None else list(traj.loss_mask))
 
     def close(self) -> None:
+        """OpenEnv closes a session's environment when the session ends: the rlf env goes back to the factory's
+        pool (sessions come and go with connections; an rlf env costs its task list and toolbox to build)."""
         self.env.close()
+        release, self._release = self._release, None
+        if release is not None:
+            release(self.env)
 
     # -- helpers -----------------------------------------------------------------------------------
     @staticmethod
@@ -160,11 +167,21 @@ class RlfEnvironment(_server.Environment):  # type: ignore[misc, name-defined]
 
 
 def environment_factory(env_id: str, tokenizer: Any = None, **env_kwargs: Any) -> Callable[[], RlfEnvironment]:
-    """The factory OpenEnv's server calls once per session: a new rlf env of `env_id` each time."""
-    make_tool_env(env_id, tokenizer=tokenizer, **env_kwargs).close()  # a bad id or kwargs fails here, not per session
+    """The factory OpenEnv's server calls once per session (in its executor threads): an rlf env of `env_id`,
+    reused from earlier sessions when one is free. Envs are built one at a time (building one in several threads
+    at once is not safe: CPython 3.11's `ast.parse`, used by rlf/Calculator-v0's task generator, can fail with
+    "AST constructor recursion depth mismatch" when run concurrently)."""
+    lock = threading.Lock()
+    idle = [make_tool_env(env_id, tokenizer=tokenizer, **env_kwargs)]  # a bad id or kwargs fails here
+
+    def release(env: ToolEnv) -> None:
+        with lock:
+            idle.append(env)
 
     def factory() -> RlfEnvironment:
-        return RlfEnvironment(make_tool_env(env_id, tokenizer=tokenizer, **env_kwargs))
+        with lock:
+            env = idle.pop() if idle else make_tool_env(env_id, tokenizer=tokenizer, **env_kwargs)
+        return RlfEnvironment(env, release)
 
     return factory
 
