@@ -23,7 +23,7 @@ from openenv.core.env_server import Environment  # noqa: E402
 from openenv.core.generic_client import GenericEnvClient  # noqa: E402
 
 from rlf_envs.adapters.episode import make_tool_env  # noqa: E402
-from rlf_envs.adapters.openenv import (
+from rlf_envs.adapters.openenv import (  # noqa: E402
     RlfAction,
     RlfEnvClient,
     RlfEnvironment,
