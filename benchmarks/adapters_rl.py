@@ -17,51 +17,21 @@ What each case measures beyond the env:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
-import time
-from collections.abc import Iterator
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import adapters as base  # benchmarks/adapters.py: the harness, the baseline and the scripted policy
-from adapters import SCRIPTS, Bench, case
+from adapters import ROOT, SCRIPTS, Bench, case
 
-READY_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def _serve(app: Any) -> Iterator[str]:
-    import uvicorn
-
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           ws="websockets-sansio"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + READY_S
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("benchmark server did not start")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+sys.path.insert(0, str(ROOT))
+from tests.servers.asgi import serve
 
 
 def _keep_serving(bench: Bench, key: str, app: Any) -> str:
     """Start `app` once for the whole benchmark; stopped at exit through adapters.CLEANUP."""
     if key not in bench.state:
-        cm = _serve(app)
+        cm = serve(app)
         bench.state[key] = cm.__enter__()
         base.CLEANUP.append(lambda: cm.__exit__(None, None, None))
     return str(bench.state[key])
@@ -88,12 +58,12 @@ def verl_case(bench: Bench) -> int:
 
         cfg = DictConfigWrap(OmegaConf.create({"actor_rollout_ref": {"rollout": {
             "prompt_length": 4096, "response_length": 2048}}, "data": {}}))
-        st = bench.state["verl"] = (hf, Server(), cfg)
-    hf, server, cfg = st
+        st = bench.state["verl"] = (hf, Server(), cfg, DictConfigWrap(OmegaConf.create({})))
+    hf, server, cfg, data_cfg = st
 
     async def run() -> list[Any]:
         loops = [RlfAgentLoop(trainer_config=cfg, server_manager=server, tokenizer=hf, processor=None,
-                              dataset_cls=None, data_config=DictConfigWrap(OmegaConf.create({})),
+                              dataset_cls=None, data_config=data_cfg,
                               env_id=bench.env_id, env_kwargs=bench.env_kwargs) for _ in bench.tasks]
         return list(await asyncio.gather(*(lp.run({"logprobs": True}, raw_prompt=[], extra_info={"task": t})
                                            for lp, t in zip(loops, bench.tasks, strict=True))))

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +19,7 @@ pytest.importorskip("resources_servers.gymnasium", reason="needs nemo-gym (Pytho
 uvicorn = pytest.importorskip("uvicorn")
 
 import aiohttp  # noqa: E402
+from asgi_support import free_port, serve  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from nemo_gym import server_utils  # noqa: E402
 from nemo_gym.base_resources_server import BaseResourcesServerConfig  # noqa: E402
@@ -39,32 +37,7 @@ from responses_api_agents.gymnasium_agent.app import GymnasiumAgent, GymnasiumAg
 
 from rlf_envs.adapters.nemo_gym import RlfGymnasiumServer, RlfGymnasiumServerConfig, dataset_rows  # noqa: E402
 
-READY_DEADLINE_S = 60.0
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def serve(app: FastAPI, port: int) -> Iterator[str]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + READY_DEADLINE_S
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError(f"a NeMo-Gym test server did not start within {READY_DEADLINE_S}s")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "a NeMo-Gym test server did not stop"
 
 
 def response(text: str = "", calls: list[dict[str, str]] | None = None) -> dict[str, Any]:

@@ -4,10 +4,6 @@ WebSocket `EnvClient`/`GenericEnvClient`), on a loopback server started here and
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +15,7 @@ pytest.importorskip("openenv.core.env_server", reason="needs openenv-core (tox -
 uvicorn = pytest.importorskip("uvicorn")
 tokenizers = pytest.importorskip("tokenizers")
 
+from asgi_support import serve  # noqa: E402
 from openenv.core.env_server import Environment  # noqa: E402
 from openenv.core.generic_client import GenericEnvClient  # noqa: E402
 
@@ -34,34 +31,6 @@ from rlf_envs.adapters.openenv import (  # noqa: E402
 ASSETS = Path(__file__).resolve().parent.parent / "rlf_train" / "src" / "rlf_train" / "assets"
 TOKENIZER = ASSETS / "tiny_tokenizer.json"
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
-READY_DEADLINE_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def serve(app) -> Iterator[str]:  # type: ignore[no-untyped-def]
-    """Run `app` with uvicorn on a free loopback port in a thread; wait until it accepts; stop it in finally."""
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets-sansio")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + READY_DEADLINE_S
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError(f"the OpenEnv server did not start within {READY_DEADLINE_S}s")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the OpenEnv server did not stop"
 
 
 @pytest.fixture(scope="module")
