@@ -24,8 +24,8 @@ from typing import Any
 import adapters as base  # benchmarks/adapters.py: the harness, the baseline and the scripted policy
 from adapters import ROOT, SCRIPTS, Bench, case
 
-sys.path.insert(0, str(ROOT))
-from tests.servers.asgi import serve
+sys.path.insert(0, str(ROOT / "tests"))  # verl's wheel ships a top-level `tests` package: import by file
+from asgi_support import serve
 
 
 def _keep_serving(bench: Bench, key: str, app: Any) -> str:
