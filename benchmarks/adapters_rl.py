@@ -154,7 +154,7 @@ def nemo_case(bench: Bench) -> int:
         return b
 
     async def play(task: Any) -> float:
-        async with aiohttp.ClientSession() as s:  # one cookie jar (NeMo-Gym session) per episode
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as s:  # NeMo-Gym session cookie
             async with s.post(f"{url}/reset", json={**body(), "task": _task_dict(task)}) as r:
                 r.raise_for_status()
             reward = 0.0
