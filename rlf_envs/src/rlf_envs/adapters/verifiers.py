@@ -40,10 +40,10 @@ except ImportError:
     require_trainer("verifiers")  # raises MissingDependency saying how to install it
     raise
 
-from rlf_envs.adapters.episode import make_tool_env  # noqa: E402
-from rlf_envs.env.tool_env import ToolEnv  # noqa: E402
-from rlf_envs.eval import ChatPolicy, ChatProtocol  # noqa: E402
-from rlf_envs.types import Task  # noqa: E402
+from rlf_envs.adapters.episode import make_tool_env
+from rlf_envs.env.tool_env import ToolEnv
+from rlf_envs.eval import ChatPolicy, ChatProtocol
+from rlf_envs.types import Task
 
 log = logging.getLogger(__name__)
 REWARD_NAME = "rlf"
