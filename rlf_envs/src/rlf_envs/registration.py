@@ -55,10 +55,36 @@ def register_env(env_id: str, entry: str) -> None:
     gym.register(id=env_id, entry_point=entry, vector_entry_point=_vector_entry(entry), disable_env_checker=True)
 
 
+def make_tool_env(env_id: str, tokenizer: Any = None, **env_kwargs: Any) -> Any:
+    """`gymnasium.make(env_id, tokenizer=..., **env_kwargs)` unwrapped to the rlf ToolEnv it must be (any
+    registered id: rlf's own or an installed env package's); a tokenizer puts it in token mode. Bad ids and
+    kwargs are a ValueError naming the id."""
+    from rlf_envs.env.tool_env import ToolEnv
+
+    register_envs()
+    kwargs = dict(env_kwargs)
+    if tokenizer is not None:
+        kwargs["tokenizer"] = tokenizer
+    try:
+        env = gym.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+    except gym.error.Error as e:
+        raise ValueError(f"env id {env_id!r}: {e}") from None
+    if not isinstance(env, ToolEnv):
+        raise ValueError(f"env id {env_id!r} makes a {type(env).__name__}, not an rlf ToolEnv")
+    return env
+
+
+_packages_loaded = False
+
+
 def register_envs() -> None:
+    """rlf's ids and (once per process) the installed env packages'."""
+    global _packages_loaded
     for env_id, entry in ENVS.items():
         register_env(env_id, entry)
-    load_env_packages()
+    if not _packages_loaded:
+        _packages_loaded = True
+        load_env_packages()
 
 
 def _register_package(ep: EntryPoint) -> list[str]:

@@ -33,7 +33,13 @@ import numpy as np
 
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.env.vector import ToolVectorEnv
+from rlf_envs.registration import make_tool_env
 from rlf_envs.types import EndReason, Trajectory
+
+__all__ = [
+    "ENV_ERROR", "MAX_LENGTH", "GenerateBatchFn", "GenerateFn", "Generation", "TokenEpisode", "make_tool_env",
+    "run_token_episode", "run_token_episodes", "run_token_episodes_sync",
+]
 
 #: end reasons beyond rlf's EndReason: the sequence reached the caller's `max_length` before the env ended,
 #: or the env raised (a bug in an env; rlf's own never raise from a step)
@@ -114,25 +120,6 @@ class TokenEpisode:
             "end_answer": float(self.end_reason == EndReason.ANSWER.value),
             "env_error": float(self.error is not None),
         }
-
-
-def make_tool_env(env_id: str, tokenizer: Any = None, **env_kwargs: Any) -> ToolEnv:
-    """`gymnasium.make(env_id, tokenizer=..., **env_kwargs)` unwrapped to the rlf ToolEnv it must be (any
-    registered id: rlf's own or an installed env package's). A tokenizer puts it in token mode."""
-    import gymnasium
-
-    import rlf_envs  # noqa: F401  (registers rlf's ids and installed env packages')
-
-    kwargs = dict(env_kwargs)
-    if tokenizer is not None:
-        kwargs["tokenizer"] = tokenizer
-    try:
-        env = gymnasium.make(env_id, disable_env_checker=True, **kwargs).unwrapped
-    except gymnasium.error.Error as e:
-        raise ValueError(f"env id {env_id!r}: {e}") from None
-    if not isinstance(env, ToolEnv):
-        raise ValueError(f"env id {env_id!r} makes a {type(env).__name__}, not an rlf ToolEnv")
-    return env
 
 
 def _ids(obs: Any) -> list[int]:
