@@ -326,16 +326,9 @@ def summarize(args: EvalArgs, results: Sequence[EpisodeResult], wall_s: float) -
 
 
 def make_env(env_id: str, env_kwargs: dict[str, Any]) -> ToolEnv:
-    import gymnasium
+    from rlf_envs.registration import make_tool_env
 
-    import rlf_envs  # noqa: F401  (registers the rlf ids)
-
-    try:
-        env = gymnasium.make(env_id, disable_env_checker=True, **env_kwargs).unwrapped
-    except gymnasium.error.Error as e:
-        raise ValueError(f"--env {env_id!r}: {e}") from None
-    if not isinstance(env, ToolEnv):
-        raise ValueError(f"--env {env_id!r} makes a {type(env).__name__}, not an rlf ToolEnv")
+    env: ToolEnv = make_tool_env(env_id, **env_kwargs)
     if env.token_mode:
         raise ValueError("rlf_envs.eval drives envs in text mode: do not pass a tokenizer in --env-kwargs")
     return env

