@@ -43,7 +43,7 @@ Process tree and why
 
 The trainer's own side holds a deadline (run deadline + a grace for start-up) and kills the supervisor's
 session in `finally`; the worker has `PR_SET_PDEATHSIG`, so it dies with the supervisor.
-What this does not confine is listed in the README ("Threat model: running untrusted code").
+What this does not confine is listed in docs/security.md ("Threat model: running untrusted code").
 """
 
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult
