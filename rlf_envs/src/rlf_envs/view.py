@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot serve on {args.host}:{args.port}: {e} (try --port 0)", file=sys.stderr)
         return 2
     host, port = server.server_address[:2]
+    if isinstance(host, bytes):  # typeshed allows bytes for AF_UNIX-style addresses; ours is an IP
+        host = host.decode()
     print(f"serving {args.run_dir} at http://{host}:{port}/  (Ctrl-C to stop)", flush=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
