@@ -1,43 +1,25 @@
 """Trajectory records of a real short training run, and the viewer on them in a real headless browser
 (Debian's `chromium`): the page loads, lists the run's episodes, the filters work, the same task is shown at
-two steps, hostile trajectory text stays text, and a screenshot is taken."""
+two steps, and a screenshot is taken. The viewer itself (and its no-torch tests) is in rlf_envs: test_envs_view.py."""
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
-import subprocess
-import tempfile
 import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rlf_envs.records import TrajectoryRecord, list_steps, read_records, write_records
-from rlf_envs.types import Action, ActionKind, EndReason, Task, ToolCall, ToolResult, ToolStatus, Trajectory, Turn
+from rlf_envs.records import list_steps, read_records
+from rlf_envs.view import ViewError, load_run, main, make_server
 from rlf_train.trainer import Trainer
-from rlf_train.view import ViewError, load_run, main, make_server, render_html
+from tests.test_envs_view import chromium, dump, needs_browser
 from tests.test_train_loop import _cfg, register
 
 pytestmark = pytest.mark.train
-
-
-def find_chromium() -> str | None:
-    for name in (os.environ.get("RLF_CHROMIUM"), "chromium", "chromium-browser", "google-chrome", "chrome"):
-        if name and (path := shutil.which(name)):
-            return path
-    return None
-
-
-CHROMIUM = find_chromium()
-needs_browser = pytest.mark.skipif(
-    CHROMIUM is None, reason="no chromium found (apt-get install chromium, or set RLF_CHROMIUM); browser tests skipped")
 
 
 @pytest.fixture(scope="module")
@@ -88,94 +70,6 @@ def test_load_run_and_errors(run_dir: Path, tmp_path: Path) -> None:
         load_run(tmp_path)
 
 
-# ------------------------------------------------------------------------------------------ hostile text
-PWN = "<img id=pwn src=x onerror=\"document.title='pwned'\">"
-CLOSE = "</script><script>document.title='pwned'</script><!--"
-HOSTILE = [PWN, CLOSE, "\u2028\u2029", "'\"><svg id=pwn2 onload=\"document.title='pwned'\">", "&lt;b&gt;&amp;"]
-
-
-def hostile_run(root: Path) -> Path:
-    """Records with markup in every text field a policy or tool could fill."""
-    text = " ".join(HOSTILE)
-    recs = []
-    for k in range(3):
-        task = Task(id=f"t{k}{CLOSE}", question=f"Q{k} {text}", ground_truth=[text])
-        call = ToolCall(f"search{PWN}", {"query": text, PWN: CLOSE})
-        turns = [
-            Turn(Action(ActionKind.TOOL_CALLS, f"<search>{text}</search>", calls=(call,)),
-                 results=[ToolResult(call, f"Doc 1 {text}", ToolStatus.ERROR, 0.01)], observation=text, reward=0.5),
-            Turn(Action(ActionKind.INVALID, text, error=text), observation=text),
-            Turn(Action(ActionKind.ANSWER, f"<answer>{text}</answer>", answer=text)),
-        ]
-        traj = Trajectory(task=task, prompt=f"prompt {text}", turns=turns, answer=text, end=EndReason.ANSWER,
-                          reward=float(k == 0))
-        recs.append(TrajectoryRecord.from_trajectory(traj, source=f"eval{CLOSE}", step=k % 2, index=k, error=text))
-    write_records(root / "trajectories" / "step_0.jsonl", [r for r in recs if r.step == 0])
-    write_records(root / "trajectories" / "step_1.jsonl", [r for r in recs if r.step == 1])
-    (root / "metrics.jsonl").write_text('{"stage": "rl", "step": 1, "reward_mean": 0.5, "note": "' +
-                                        PWN.replace('"', "'") + '"}\n{torn line')
-    return root
-
-
-def test_page_source_never_holds_raw_markup_from_records(tmp_path: Path) -> None:
-    html = render_html(load_run(hostile_run(tmp_path)))
-    assert html.count("</script>") == 2  # the data block's and the script's own
-    assert "<img" not in html and "<svg" not in html and "\u2028" not in html
-    csp = re.search(r'http-equiv="Content-Security-Policy" content="([^"]+)"', html)
-    assert csp and "default-src 'none'" in csp.group(1) and "unsafe-inline" not in csp.group(1).split(";")[1]
-
-
-# ------------------------------------------------------------------------------------------ the browser
-class DOM(HTMLParser):
-    """The few things the tests read from a dumped DOM."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[dict[str, str]] = []
-        self.body: dict[str, str] = {}
-        self.ids: set[str] = set()
-        self.tags: list[str] = []
-        self.title = ""
-        self._in_title = False
-        self.text: list[str] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        a = {k: v or "" for k, v in attrs}
-        self.tags.append(tag)
-        if "id" in a:
-            self.ids.add(a["id"])
-        if tag == "tr" and "data-key" in a:
-            self.rows.append(a)
-        if tag == "body":
-            self.body = a
-        self._in_title = tag == "title"
-
-    def handle_endtag(self, tag: str) -> None:
-        self._in_title = False
-
-    def handle_data(self, data: str) -> None:
-        if self._in_title:
-            self.title += data
-        self.text.append(data)
-
-
-def chromium(args: list[str], url: str) -> str:
-    assert CHROMIUM is not None
-    with tempfile.TemporaryDirectory() as profile:
-        cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-               "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--virtual-time-budget=10000", *args, url]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc.stdout
-
-
-def dump(url: str) -> DOM:
-    dom = DOM()
-    dom.feed(chromium(["--dump-dom"], url))
-    assert dom.body.get("data-ready") == "1", "the page's script did not finish rendering"
-    return dom
-
-
 @pytest.fixture(scope="module")
 def page(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("html") / "run.html"
@@ -213,17 +107,6 @@ def test_browser_shows_the_runs_episodes_and_filters_work(run_dir: Path, page: P
     assert "step 0 · eval_greedy" in " ".join(dom.text) and "step 2 · eval_greedy" in " ".join(dom.text)
 
 
-@needs_browser
-def test_browser_keeps_hostile_text_as_text(tmp_path: Path) -> None:
-    out = tmp_path / "h.html"
-    assert main([str(hostile_run(tmp_path / "run")), "--out", str(out)]) == 0
-    for frag in ("", "#step=1&source=*", "#filter=tool_errors&source=*"):
-        dom = dump(out.as_uri() + frag)
-        assert dom.title.startswith("rlf viewer") and "pwned" not in dom.title
-        assert "pwn" not in dom.ids and "pwn2" not in dom.ids and "img" not in dom.tags
-        assert dom.rows, "the hostile episodes are listed"
-        assert PWN in "".join(dom.text)  # shown, as text
-
 
 @needs_browser
 def test_served_page_and_screenshot(run_dir: Path, tmp_path: Path) -> None:
@@ -247,11 +130,8 @@ def test_served_page_and_screenshot(run_dir: Path, tmp_path: Path) -> None:
         thread.join(10)
 
 
-def test_an_api_eval_dir_is_viewable(tmp_path: Path) -> None:
-    """`python -m rlf_envs.eval` writes records and a summary.json, no metrics.jsonl: the viewer shows both."""
-    hostile_run(tmp_path)
-    (tmp_path / "metrics.jsonl").unlink()
-    (tmp_path / "summary.json").write_text('{"success_rate": 0.25, "reward_mean": 0.5}')
-    data = load_run(tmp_path)
-    assert data["metrics"]["eval"] == [{"step": 0, "success_api": 0.25, "reward_api": 0.5}]
-    assert len(data["episodes"]) == 3
+def test_rlf_train_view_still_imports_the_viewer() -> None:
+    """Old scripts use `rlf_train.view`; it re-exports the viewer that moved to rlf_envs."""
+    import rlf_train.view as legacy
+
+    assert legacy.main is main and legacy.load_run is load_run

@@ -6,7 +6,7 @@ a deadline (`--request-timeout`) and a bounded number of retries (`--max-retries
 backoff on connection errors, timeouts, 429 and 5xx), every episode has a deadline (`--episode-timeout`).
 An episode whose policy fails for good is recorded with `end_reason: "policy_error"` and reward 0, and the
 run goes on. Output in `--out` (default `runs/eval-<model>`): `trajectories/step_0.jsonl` (the same records as
-training writes, source "api_eval"; `python -m rlf_train.view DIR` shows them) and `summary.json`
+training writes, source "api_eval"; `python -m rlf_envs.view DIR` shows them) and `summary.json`
 (success, reward, tool calls, errors, tokens, latency).
 
 How an env's text protocol meets a chat API (`ChatProtocol`):

@@ -1,7 +1,7 @@
 """Trajectory records: one JSON line per episode, the format every rlf tool writes and reads.
 
 Training (`runs/X/trajectories/step_K.jsonl`), `python -m rlf_train.eval`, `python -m rlf_envs.eval` and the
-viewer (`python -m rlf_train.view`) all use `TrajectoryRecord`. Build one from an env's finished
+viewer (`python -m rlf_envs.view`) all use `TrajectoryRecord`. Build one from an env's finished
 `Trajectory` with `TrajectoryRecord.from_trajectory`, write with `write_records` / `append_step_records`
 (atomic: a reader never sees a half-written file) and read back with `read_records`.
 

@@ -1,7 +1,7 @@
 """`python -m rlf_train.eval --config X.yaml [--checkpoint DIR] [--json OUT]`: held-out EM / reward /
 tool stats (greedy and sampled) on the eval split, as JSON. Sampled episodes go to the run dir's
 `trajectories/step_K.jsonl` (K: the checkpoint's RL step) as sources `offline_eval_greedy` / `_sampled`,
-for `python -m rlf_train.view`."""
+for `python -m rlf_envs.view`."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The solution runs in an isolated, resource-limited worker process; the tests run in a separate trusted
 supervisor process that calls the solution's functions with plain data and decides each verdict itself,
 so nothing inside the solution can read the expected values or forge a pass, and nothing it does reaches
-the scoring process. See `rlf_envs/sandbox/__init__.py` for the design and README's threat model for
+the scoring process. See `rlf_envs/sandbox/__init__.py` for the design and docs/security.md (threat model) for
 what is and is not confined.
 """
 

@@ -47,7 +47,8 @@ session in `finally`; the worker has `PR_SET_PDEATHSIG`, so it dies with the sup
 Warm pool (the default; `pool=False` or `RLF_SANDBOX_POOL=0` for the cold path above): the supervisor is not
 a new interpreter but a fork of a trusted zygote that never runs code (`rlf_envs.sandbox.pool`), and the
 worker is a fork of the supervisor made before it reads the run's private part (nonce, tests); same guards.
-What this does and does not confine, and how it is tested: docs/security-sandbox.md.
+What this does and does not confine, and how it is tested: docs/security-sandbox.md; the
+whole threat model: docs/security.md ("Threat model: running untrusted code").
 """
 
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult

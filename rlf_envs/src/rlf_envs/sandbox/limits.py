@@ -20,7 +20,8 @@ class SandboxLimits(BaseModel):
     max_output_bytes: int = Field(65_536, ge=1024, description="cap on captured stdout and on stderr; the "
                                   "run is killed when exceeded")
     max_processes: int = Field(64, ge=1, description="RLIMIT_NPROC, enforced through a uid of the run's own "
-                               "(as root) or a user namespace; see the README's threat model")
+                               "(as root) or a user namespace; see docs/security.md, 'Threat model: running "
+                               "untrusted code'")
     max_open_files: int = Field(64, ge=16, description="RLIMIT_NOFILE")
     namespaces: bool = Field(True, description="use pid/mount/net/ipc/uts namespaces (user namespace when not "
                              "root) where the OS allows")

@@ -2,7 +2,8 @@
 
 Files persist between calls of one episode (a fresh work dir per episode, removed when the episode ends
 or the tool is closed); processes do not (each call's whole process tree is killed when it returns).
-The work dir is per-episode state, so give each env its own instance (see README, "Per-episode state"), or
+The work dir is per-episode state, so give each env its own instance (see docs/guides/own-tools.md,
+"Per-episode state"), or
 let the env own it: an env that binds a `SandboxDir` under `WORKDIR_ARG` to each call (as rlf/Code-v0 does)
 shares one instance across all its copies, and the tool then runs in that dir and keeps none of its own.
 """

@@ -6,7 +6,7 @@ both unless they leave on purpose; `killpg` reaches them even after the leader i
 that moved to another group of the same session, and anything that still holds one of the server's pipes
 (e.g. a daemon started with `setsid` that inherited stdout, which would keep the pipe open for ever),
 are found through /proc and killed too. A process that leaves the session *and* closes the inherited
-pipes escapes; only a container or cgroup confines that (see the README's threat model).
+pipes escapes; only a container or cgroup confines that (see docs/security.md, "Threat model: hostile policies").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """rlf's offline search data set: an invented-world corpus with single- and two-hop questions.
 
 Files (regenerate with `python -m rlf_envs.data.search.generate`): `corpus.jsonl` (wiki-18 format),
-`train.jsonl` and `test.jsonl` (rlf JSONL task format). See README.md.
+`train.jsonl` and `test.jsonl` (rlf JSONL task format). See README.md in this directory.
 """
 
 from pathlib import Path
