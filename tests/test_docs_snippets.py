@@ -107,6 +107,10 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     if block.no_run is not None:
         pytest.skip(f"{block.id}: docs: no-run ({block.no_run})")  # listed in the report's skip summary (-ra)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    # A block runs as from a checkout's root (paths to shipped files such as configs/ or the tokenizers under
+    # rlf_train/src/.../assets resolve), but in a scratch directory, so what it writes never lands in the repo.
+    for name in ("rlf_envs", "rlf_train", "configs", "servers", "templates"):
+        (tmp_path / name).symlink_to(ROOT / name)
     try:
         proc = subprocess.run([sys.executable, "-c", block.code], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=DEADLINE_S)
