@@ -18,6 +18,7 @@ from rlf_envs import runtime
 from rlf_envs.env import ToolEnv
 from rlf_envs.tools import CallerConfig, ToolCaller, close_mcp_servers, load_mcp_config, mcp_tools
 from rlf_envs.types import ToolCall, ToolStatus
+from tests.procs_support import leftover_children
 
 pytestmark = pytest.mark.envs
 
@@ -25,7 +26,7 @@ SERVER = str(Path(__file__).parent / "servers" / "misbehaving_mcp.py")
 
 
 def children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+    return leftover_children()
 
 
 @pytest.fixture()

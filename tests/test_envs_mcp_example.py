@@ -22,6 +22,7 @@ from rlf_envs.env import ToolVectorEnv
 from rlf_envs.rewards.config import VerifierConfigError
 from rlf_envs.tools import close_mcp_servers
 from rlf_envs.tools.base import ToolCrashed
+from tests.procs_support import leftover_children
 
 pytestmark = pytest.mark.envs
 
@@ -30,7 +31,7 @@ CONFIG = ROOT / "configs" / "mcp_example.yaml"
 
 
 def children() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != "zombie"]
+    return leftover_children()
 
 
 @pytest.fixture(scope="module")
