@@ -51,9 +51,14 @@ def test_sampled_distribution_is_the_tempered_truncated_softmax(temp: float, top
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n = 40_000
     gen = torch.Generator().manual_seed(1234)
-    draws = _sample(logits.expand(n, -1), SamplingParams(temperature=temp, top_p=top_p), gen)
+    draws, behaviour = _sample(logits.expand(n, -1), SamplingParams(temperature=temp, top_p=top_p), gen,
+                               with_logprob=True)
     freq = np.bincount(draws.numpy(), minlength=6) / n
     want = exact_dist(logits.double().numpy(), temp, top_p)
+    # the behaviour log-prob recorded with each draw (async RL's correction) is that token's log-prob under the
+    # same tempered, truncated distribution
+    assert behaviour is not None
+    np.testing.assert_allclose(behaviour.double().numpy(), np.log(want[draws.numpy()]), rtol=0, atol=1e-5)
     assert np.all(freq[want == 0] == 0), (freq, want)  # never a token outside the nucleus
     # total variation: the sampling noise of 40k draws is ~0.005; any other temperature/top-p is >= 0.03 away
     assert 0.5 * np.abs(freq - want).sum() < 0.015, (freq, want)
@@ -61,7 +66,7 @@ def test_sampled_distribution_is_the_tempered_truncated_softmax(temp: float, top
 
 def test_greedy_is_argmax() -> None:
     logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(_sample(logits, SamplingParams(temperature=0.0), None), logits.argmax(-1))
+    assert torch.equal(_sample(logits, SamplingParams(temperature=0.0), None)[0], logits.argmax(-1))
 
 
 def rollout_cfg(run_dir: Path, extra: list[str] | None = None) -> TrainConfig:
