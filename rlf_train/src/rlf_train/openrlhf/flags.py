@@ -46,6 +46,15 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "eval.before_rl": (False, "OpenRLHF evaluates every eval.every steps, not before the first one "
                               "(set eval.before_rl: false)"),
     "logging.progress": (True, "OpenRLHF always shows its own progress bars (remove the key)"),
+    # the local backend's asynchronous mode (docs/guides/async-rl.md); OpenRLHF has its own
+    "rollout.mode": ("sync", "backend openrlhf trains asynchronously with openrlhf.async_train "
+                             "(--train.async_enable); rollout.mode is the local backend's"),
+    "rollout.max_staleness": (1, "OpenRLHF bounds staleness with openrlhf.async_queue_size "
+                                 "(--train.async_queue_size); remove the key"),
+    "rollout.async_worker": ("process", "OpenRLHF places rollouts on its own vLLM actors (remove the key)"),
+    "rollout.partial_rollouts": (True, "use openrlhf.partial_rollout (--train.partial_rollout_enable) with "
+                                       "openrlhf.async_train"),
+    "algorithm.is_cap": (2.0, "the local backend's async correction; OpenRLHF applies its own (remove the key)"),
 }
 
 _ESTIMATOR = {"grpo": "group_norm", "dr_grpo": "dr_grpo", "ppo": "gae"}
