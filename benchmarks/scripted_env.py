@@ -22,6 +22,11 @@ def tool_call(name: str, **args: Any) -> str:
     return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call><|im_end|>"
 
 
+#: the clock a rate is measured on: wall time, or `time.process_time` (CPU seconds of this process, all its
+#: threads) for steps per CPU-second, which a loaded shared box disturbs far less (`--cpu` of sql_env.py)
+CLOCK: Callable[[], float] = time.perf_counter
+
+
 def scripted_rate(
     venv: gym.vector.VectorEnv,
     seconds: float,
@@ -32,7 +37,7 @@ def scripted_rate(
     step; every plan has the same length); `check` sees each episode's final rewards. The envs are closed after."""
     envs = [e.unwrapped for e in venv.envs]  # type: ignore[attr-defined]
     steps, seed = 0, 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), CLOCK()
     while time.perf_counter() - t0 < seconds or steps == 0:
         venv.reset(seed=seed)
         seed += 1
@@ -42,7 +47,7 @@ def scripted_rate(
             steps += len(envs)
         if check is not None:
             check(rewards)
-    rate = steps / (time.perf_counter() - t0)
+    rate = steps / (CLOCK() - c0)
     venv.close()
     return rate
 

@@ -276,3 +276,35 @@ def test_vector_env_runs_episodes_on_their_own_databases() -> None:
     obs, rewards, term, trunc, info = venv.step([answer("SELECT 1")] * 3)
     assert term.all() and (rewards == 0.0).all()
     venv.close()
+
+
+def test_each_tool_call_sees_the_database_file_as_it_is_now(tmp_path: Path) -> None:
+    """A call takes the file's identity once (one stat shared by its queries); the next call takes it again,
+    so a database replaced between two calls is seen at once, and a vanished one is a tool error."""
+    import asyncio
+    import os
+
+    from rlf_envs.envs.sql import Database
+    from rlf_envs.tools.base import ToolError
+
+    def make(p: Path, names: list[str]) -> None:
+        con = sqlite3.connect(p)
+        con.execute("CREATE TABLE t (name TEXT)")
+        con.executemany("INSERT INTO t VALUES (?)", [(n,) for n in names])
+        con.commit()
+        con.close()
+
+    db, new = tmp_path / "a.sqlite", tmp_path / "b.sqlite"
+    make(db, ["old"])
+    make(new, ["new", "newer"])
+    describe = {t.name: t for t in sql_tools()}["describe_table"]
+    run = {t.name: t for t in sql_tools()}["run_query"]
+    bound = {DB_ARG: Database(str(db))}
+    assert "old" in asyncio.run(describe.call({"table": "t", **bound}))
+    assert asyncio.run(run.call({"sql": "SELECT count(*) FROM t", **bound})) == "1"
+    os.replace(new, db)  # a new database put in place between two calls
+    assert asyncio.run(run.call({"sql": "SELECT count(*) FROM t", **bound})) == "2"
+    assert "newer" in asyncio.run(describe.call({"table": "t", **bound}))
+    db.unlink()
+    with pytest.raises(ToolError, match="not found"):
+        asyncio.run(run.call({"sql": "SELECT count(*) FROM t", **bound}))

@@ -201,6 +201,18 @@ def _open(path: Path) -> sqlite3.Connection:
     return conn
 
 
+def database_key(path: str) -> _Key:
+    """The identity of the database file now (path, device, inode, size, mtime): a replaced or modified file
+    gets a new key, so neither a reused connection nor a remembered result of the old one is used for it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        raise FileNotFoundError(f"SQLite database not found: {path}")
+    return (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 @functools.lru_cache(maxsize=4096)
 def _analyse(sql: str) -> tuple[bool, bool]:
     """(starts like a read-only query, uses no volatile function), from the text outside string literals."""
@@ -221,23 +233,19 @@ def run_readonly_query(
     reuse: bool = True,
     cache: bool = True,
     _budget_s: float | None = None,
+    _key: _Key | None = None,
 ) -> list[tuple[Any, ...]]:
     """Run one read-only SELECT and return up to `max_rows` rows (at most `max_result_bytes` in all); raise
     `SqlQueryError` otherwise (blocking). `reuse`: take an idle connection to this database and give it back
     after a clean query (see the module docstring); False opens and closes one for this query. `cache`: answer
     a deterministic query (no random/date/time/changes functions) asked before of the same unchanged
-    database file from memory; errors are never cached (the query runs again)."""
+    database file from memory; errors are never cached (the query runs again). `_key`: the file's
+    `database_key`, taken once by a caller that runs several queries of one call (one `stat`, not one each)."""
     readonly, deterministic = _analyse(sql)
     if not readonly:
         raise SqlQueryError("denied", "only read-only queries starting with SELECT, WITH or VALUES are allowed")
     path = os.fspath(db_path)
-    try:
-        st = os.stat(path)
-    except OSError:
-        st = None
-    if st is None or not stat.S_ISREG(st.st_mode):
-        raise FileNotFoundError(f"SQLite database not found: {path}")
-    key: _Key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    key = _key if _key is not None and _key[0] == path else database_key(path)
     result_key = (key, sql, max_rows, max_value_bytes, max_result_bytes)
     cacheable = cache and deterministic
     if cacheable and (hit := _RESULTS.get(result_key)) is not None:
@@ -332,6 +340,8 @@ def results_equal(
     float_digits: int | None = 6,
 ) -> bool:
     """Compare result sets: in order if `ordered`, else as multisets (or sets)."""
+    if pred == gold:  # the same rows in the same order are equal in every mode (SQLite returns no NaN)
+        return True
     p = [tuple(_norm_value(v, float_digits) for v in r) for r in pred]
     g = [tuple(_norm_value(v, float_digits) for v in r) for r in gold]
     if ordered:
@@ -383,13 +393,13 @@ class SqlVerifier(ConfiguredVerifier[SqlConfig]):
         super().__init__(config, **kwargs)
         self._gate = LoopSemaphore(self.cfg.max_concurrency)
 
-    async def _run(self, db: str, sql: str) -> list[tuple[Any, ...]]:
+    async def _run(self, db: str, sql: str, key: _Key | None = None) -> list[tuple[Any, ...]]:
         c = self.cfg
         async with self._gate.get():
             return await run_readonly_query_async(
                 db, sql, inline_s=c.inline_s, timeout_s=c.timeout_s, max_rows=c.max_rows,
                 max_value_bytes=c.max_value_bytes, max_result_bytes=c.max_result_bytes, reuse=c.reuse_connections,
-                cache=c.cache_results,
+                cache=c.cache_results, _key=key,
             )
 
     async def score(self, trajectory: Trajectory, task: Task) -> Score:
@@ -402,12 +412,13 @@ class SqlVerifier(ConfiguredVerifier[SqlConfig]):
             raise ValueError(f"task {task.id!r}: gold SQL missing or not a string: {gold_sql!r}")
         if trajectory.answer is None or not extract_sql(trajectory.answer):
             return self.result(0.0, {"no_answer": 1.0})
+        key = database_key(str(db))  # gold and answer run on the same file identity (one stat)
         try:
-            gold = await self._run(str(db), extract_sql(gold_sql))
+            gold = await self._run(str(db), extract_sql(gold_sql), key)
         except SqlQueryError as e:
             raise ValueError(f"task {task.id!r}: gold query failed ({e.kind}): {e}") from None
         try:
-            pred = await self._run(str(db), extract_sql(trajectory.answer))
+            pred = await self._run(str(db), extract_sql(trajectory.answer), key)
         except SqlQueryError as e:
             return self.result(0.0, {f"pred_{e.kind}": 1.0})
         ordered = c.order == "ordered" or (c.order == "auto" and has_top_level_order_by(gold_sql))
