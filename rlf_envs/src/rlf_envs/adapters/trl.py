@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from rlf_envs import runtime
 from rlf_envs.adapters import require_trainer
 from rlf_envs.adapters.episode import (
     GenerateBatchFn,
@@ -39,7 +40,6 @@ from rlf_envs.adapters.episode import (
     make_tool_env,
     run_token_episodes_sync,
 )
-from rlf_envs import runtime
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.types import Task, ToolSpec
 
