@@ -144,6 +144,37 @@ def trl_rollout(bench: Bench) -> int:
     return sum(r == 1.0 for r in out["rlf_reward"])
 
 
+@case("TRL environment_factory (TRL's tool loop)", needs="trl")
+def trl_environment_factory(bench: Bench) -> int:
+    """The class `environment_factory` builds, driven as TRL's tool loop drives it: per rollout `reset(row)`, the
+    scripted tool call as a method call (one rollout after another: TRL calls sync tools in a loop), then
+    `rlf_env_reward` on the answer. TRL's chat templating, tokenising and parsing are not in the loop."""
+    import warnings
+
+    from rlf_envs.adapters.trl import environment_factory, rlf_env_reward
+
+    st = bench.state.get("trl_env")
+    if st is None:
+        env_cls = environment_factory(bench.env_id, bench.env_kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the degradation warning, once
+            envs = [env_cls() for _ in bench.tasks]
+        probe = make_tool_env(bench.env_id, **bench.env_kwargs)
+        plans = []
+        for t in bench.tasks:
+            first, second = SCRIPTS[bench.env_id](t)
+            (call,) = probe.format.parse(first).calls
+            plans.append((t.id, call.name, dict(call.arguments), second))
+        probe.close()
+        st = bench.state["trl_env"] = (envs, plans)
+    envs, plans = st
+    for env, (task_id, tool, args, _) in zip(envs, plans, strict=True):
+        env.reset(rlf_task_id=task_id)
+        getattr(env, tool)(**args)
+    rewards = rlf_env_reward([[{"role": "assistant", "content": p[3]}] for p in plans], envs)
+    return sum(r == 1.0 for r in rewards)
+
+
 def _calculator_script(t: Any) -> tuple[str, str]:
     call = {"name": "calculator", "arguments": {"expression": t.question[len("What is "):-1]}}
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call><|im_end|>", f"<answer>{t.gold_answers[0]}</answer><|im_end|>"

@@ -178,3 +178,110 @@ def test_bad_setups_are_refused(tok: PreTrainedTokenizerFast, tmp_path: Path) ->
 
     with pytest.raises(NotImplementedError, match="use_vllm=True"):
         transformers_generate_batch(Fake(), tok)
+
+
+# -- TRL's own tool loop: GRPOTrainer(environment_factory=...) ---------------------------------------------------
+
+from rlf_envs.adapters.trl import (  # noqa: E402
+    TOOL_LOOP_DEGRADES,
+    RlfToolEnvironment,
+    environment_factory,
+    rlf_env_reward,
+)
+
+QWEN3_TEMPLATE = Path(__file__).resolve().parent / "assets" / "qwen3_chat_template.jinja"
+
+
+@pytest.fixture(scope="module")
+def chat_tok(tok: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    """The tiny tokenizer with Qwen3's chat template: TRL's tool loop needs a template it can parse tool calls of."""
+    raw = tokenizers.Tokenizer.from_file(str(ASSETS / "tiny_tokenizer.json"))
+    hf = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    hf.padding_side = "left"
+    hf.chat_template = QWEN3_TEMPLATE.read_text()
+    return hf
+
+
+class ScriptedToolLoop(GRPOTrainer):
+    """TRL's GRPOTrainer whose generation is scripted (everything else, tool-call parsing, tool execution,
+    masks, rewards and the update, is TRL's): first a Qwen3 tool call searching the question's entity, after a
+    tool response an answer, right for every other completion of a question. Records each generation context."""
+
+    gold: dict[str, str]
+    entity: dict[str, str]
+    contexts: list[str]
+
+    def _generate_single_turn(self, prompt_ids: list[list[int]], *args: Any, **kwargs: Any) -> Any:
+        out, lps = [], []
+        for ids in prompt_ids:
+            text = self.processing_class.decode(ids)
+            self.contexts.append(text)
+            question = next(q for q in self.gold if q in text)
+            if "<tool_response>" not in text:
+                entity = self.entity[question]
+                action = f'<tool_call>\n{{"name": "search", "arguments": {{"query": "{entity}"}}}}\n</tool_call>'
+            else:
+                k = self.answers[question] = self.answers.get(question, -1) + 1
+                action = f"<answer> {self.gold[question] if k % 2 == 0 else 'nobody'} </answer>"
+            # ends at Qwen3's end of turn (with a further EOS, transformers' parser returns an empty message)
+            toks = self.processing_class.encode(action + "<|im_end|>", add_special_tokens=False)
+            out.append(toks)
+            lps.append([-0.5] * len(toks))
+        return out, lps
+
+
+def test_environment_factory_trains_with_trls_tool_loop(chat_tok: PreTrainedTokenizerFast, tmp_path: Path) -> None:
+    env_cls = environment_factory("rlf/Search-v0", ENV_KWARGS)
+    assert issubclass(env_cls, RlfToolEnvironment) and callable(env_cls.search)
+    model = tiny_model(chat_tok)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(UserWarning, match="not rlf's token-exact trajectory"):
+        trainer = ScriptedToolLoop(model=model, reward_funcs=rlf_env_reward, processing_class=chat_tok,
+                                   environment_factory=env_cls, train_dataset=env_cls.dataset(n=8),
+                                   args=grpo_args(tmp_path, max_completion_length=160))
+    trainer.gold = {t.question: t.gold_answers[0] for t in env_cls._index.tasks[:8]}
+    trainer.entity = {t.question: t.meta["entity"] for t in env_cls._index.tasks[:8]}
+    trainer.contexts, trainer.answers = [], {}
+    trainer.train()
+    # the model saw the env's tool in TRL's rendering of the prompt, and rlf's search results after its call
+    assert any('"name": "search"' in c for c in trainer.contexts)
+    results = [c for c in trainer.contexts if "<tool_response>" in c]
+    assert results and all(f'Doc 1(Title: "{trainer.entity[q]}")' in c for c in results for q in trainer.gold if q in c)
+    envs = trainer.environments
+    assert envs and all(isinstance(e, env_cls) and e.tool_calls == 1 and e.tool_errors == 0 for e in envs)
+    assert sorted(e.reward for e in envs) == [0.0, 0.0, 1.0, 1.0], "rewards are the env verifier's"
+    logged = [h for h in trainer.state.log_history if "tools/call_frequency" in h]
+    assert logged and all(h["tools/call_frequency"] == 1.0 and h["tools/failure_frequency"] == 0.0 for h in logged)
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)), "no update"
+
+
+def test_environment_factory_tools_and_bad_input() -> None:
+    env_cls = environment_factory("rlf/Search-v0", ENV_KWARGS)
+    from transformers.utils import get_json_schema
+    with pytest.warns(UserWarning) as warned:
+        env = env_cls()
+        env_cls()
+    assert len(warned) == 1 and str(warned[0].message) == TOOL_LOOP_DEGRADES  # once per class
+    schema = get_json_schema(env.search)["function"]
+    assert schema["name"] == "search" and schema["parameters"]["required"] == ["query"]
+    assert set(schema["parameters"]["properties"]) == {"query", "topk"}
+    with pytest.raises(RuntimeError, match="before reset"):
+        env.search(query="Gruvir")
+    with pytest.raises(KeyError, match="no task with id"):
+        env.reset(rlf_task_id="nope", prompt=[{"role": "user", "content": "x"}])
+    task = env_cls._index.tasks[0]
+    env.reset(prompt=[{"role": "user", "content": task.question}])  # found by its question without an id
+    assert env.task is task
+    with pytest.raises(RuntimeError, match="query"):  # rlf's argument validation, raised so TRL counts a failure
+        env.search(topk=2)
+    assert (env.tool_calls, env.tool_errors) == (1, 1)
+    assert f'Doc 1(Title: "{task.meta["entity"]}")' in env.search(query=task.meta["entity"])
+    gold = task.gold_answers[0]
+    assert rlf_env_reward([[{"role": "assistant", "content": f"<answer> {gold} </answer>"}]], [env]) == [1.0]
+    with pytest.raises(ValueError, match="environments"):
+        rlf_env_reward(["x"])
+    with pytest.raises(ValueError, match="tokenizer"):
+        environment_factory("rlf/Search-v0", {"tokenizer": "x"})
+    with pytest.raises(TypeError, match="environment_factory"):
+        RlfToolEnvironment()
+    env._close()

@@ -23,11 +23,14 @@ warning says so once when they are non-zero).
 
 from __future__ import annotations
 
+import inspect
+import keyword
 import logging
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from rlf_envs import runtime
 from rlf_envs.adapters import require_trainer
 from rlf_envs.adapters.episode import (
     GenerateBatchFn,
@@ -38,7 +41,7 @@ from rlf_envs.adapters.episode import (
     run_token_episodes_sync,
 )
 from rlf_envs.env.tool_env import ToolEnv
-from rlf_envs.types import Task
+from rlf_envs.types import Task, ToolSpec
 
 log = logging.getLogger(__name__)
 
@@ -261,3 +264,180 @@ def _stop_at(row: list[int], stop: Sequence[str], eos: int | None, tokenizer: An
         if _ends(row[: k + 1], stop, eos, tokenizer):
             return k + 1
     return len(row)
+
+
+# -- TRL's own tool loop: `GRPOTrainer(environment_factory=...)` --------------------------------------------------
+
+#: what TRL's tool loop loses against `RlfRollout` (warned once per class when an instance is built)
+TOOL_LOOP_DEGRADES = (
+    "TRL's tool loop (environment_factory) is not rlf's token-exact trajectory: TRL renders tool calls and results "
+    "with the model's chat template and tokenises them itself, the env's format and observation rendering are not "
+    "used, a turn's tool calls run one after another (TRL calls sync tools in a loop), the env's max_turns and "
+    "per-turn rewards do not apply (TRL's max_tool_calling_iterations caps the loop), and the verifier scores the "
+    "last assistant message alone. Use RlfRollout (rollout_func) for exact token masks and parallel tools."
+)
+
+_JSON_TO_PY: dict[str, type] = {"string": str, "integer": int, "number": float, "boolean": bool, "array": list,
+                                "object": dict}
+
+
+def _tool_method(spec: ToolSpec) -> Any:
+    """A method named after the rlf tool, with a signature, type hints and a Google-style docstring built from its
+    JSON schema (TRL reads them with transformers' `get_json_schema` to show the tool to the model); calling it runs
+    the tool through the env's rlf tool caller (validation, deadline, retries, output cap, MCP)."""
+    name = spec.name
+    if not name.isidentifier() or keyword.iskeyword(name) or name.startswith("_") or name in ("reset", "get_reward"):
+        raise ValueError(f"rlf tool {name!r} cannot be a method of TRL's environment class (TRL exposes public "
+                         "methods as tools by name): rename the tool, or use RlfRollout (rollout_func)")
+    props: dict[str, Any] = dict(spec.parameters.get("properties") or {})
+    required = set(spec.parameters.get("required") or ())
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    hints: dict[str, Any] = {}
+    doc_args = []
+    for pname in sorted(props, key=lambda n: n not in required):  # required first, as Python needs
+        pdef = props[pname] if isinstance(props[pname], dict) else {}
+        if not pname.isidentifier() or keyword.iskeyword(pname):
+            raise ValueError(f"rlf tool {name!r}: argument {pname!r} is not a Python identifier, so TRL's tool "
+                             "loop cannot call it; use RlfRollout (rollout_func)")
+        jtype = pdef.get("type")
+        py = _JSON_TO_PY.get(jtype, str) if isinstance(jtype, str) else str
+        hints[pname] = py
+        default = inspect.Parameter.empty if pname in required else pdef.get("default")
+        params.append(inspect.Parameter(pname, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=py))
+        desc = " ".join(str(pdef.get("description") or pname).split())
+        doc_args.append(f"    {pname}: {desc}")
+    hints["return"] = str
+
+    def method(self: RlfToolEnvironment, **arguments: Any) -> str:
+        return self._call_tool(name, arguments)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = " ".join((spec.description or f"Call the {name} tool.").split()) + (
+        "\n\nArgs:\n" + "\n".join(doc_args) if doc_args else "")
+    method.__annotations__ = hints
+    method.__signature__ = inspect.Signature(params, return_annotation=str)  # type: ignore[attr-defined]
+    return method
+
+
+class RlfToolEnvironment:
+    """Base of the classes `environment_factory` builds: one rlf env (text mode) per instance; TRL calls `reset`
+    with the dataset row, the env's tools as methods, and `rlf_env_reward` scores the final answer."""
+
+    env_id: str = ""
+    env_kwargs: dict[str, Any] = {}
+    _index: _TaskIndex
+    _by_id: dict[str, Task] = {}
+    _warned = False
+
+    def __init__(self) -> None:
+        cls = type(self)
+        if not cls.env_id:
+            raise TypeError("build the class with rlf_envs.adapters.trl.environment_factory(env_id, ...)")
+        if not cls._warned:
+            cls._warned = True
+            warnings.warn(TOOL_LOOP_DEGRADES, stacklevel=2)
+        self._env = make_tool_env(cls.env_id, **cls.env_kwargs)
+        self.task: Task | None = None
+        self.tool_calls = 0
+        self.tool_errors = 0
+        self.reward: float | None = None
+        self.answer: str | None = None  # the text the verifier scored
+
+    @classmethod
+    def dataset(cls, n: int | None = None) -> Any:
+        """A `datasets.Dataset` for TRL's `train_dataset`: `prompt` (one user message: the task's question; TRL
+        adds the tool schemas with the chat template) and `rlf_task_id` (what `reset` finds the task by)."""
+        require_trainer("trl")
+        import datasets
+        tasks = cls._index.tasks[:n] if n is not None else cls._index.tasks
+        return datasets.Dataset.from_dict({"prompt": [[{"role": "user", "content": t.question}] for t in tasks],
+                                           "rlf_task_id": [t.id for t in tasks]})
+
+    def reset(self, **row: Any) -> None:
+        """Start an episode on the row's task (`rlf_task_id`, else its prompt's question). Returns None: the
+        prompt is the row's."""
+        tid = row.get("rlf_task_id")
+        if tid is not None:
+            task = type(self)._by_id.get(str(tid))
+            if task is None:
+                raise KeyError(f"{self.env_id} has no task with id {tid!r}; build the dataset with "
+                               f"{type(self).__name__}.dataset()")
+        elif "prompt" in row:
+            task = type(self)._index.task(row["prompt"])
+        else:
+            raise KeyError("the dataset row has neither rlf_task_id nor prompt")
+        self._env.reset(options={"task": task})
+        self.task, self.tool_calls, self.tool_errors, self.reward, self.answer = task, 0, 0, None, None
+
+    def _call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        if self.task is None:
+            raise RuntimeError("a tool was called before reset()")
+        result = runtime.run(self._env.toolbox.call(name, arguments))
+        self.tool_calls += 1
+        self.tool_errors += not result.ok
+        if not result.ok:  # TRL counts a raised exception as a failed call and shows its text to the model
+            raise RuntimeError(result.content)
+        return result.content
+
+    # every public method is a tool to TRL: the rest is private
+    def _score(self, answer: str) -> float:
+        """The env's verifier on the final answer (the env's format parses it: e.g. `<answer>...</answer>`)."""
+        if self.task is None:
+            raise RuntimeError("the answer was scored before reset()")
+        if self.reward is None:
+            self.answer = answer
+            _, reward, _, _, _ = self._env.step(answer)
+            self.reward = float(reward)
+        return self.reward
+
+    def _close(self) -> None:
+        self._env.close()
+
+
+def environment_factory(env_id: str, env_kwargs: dict[str, Any] | None = None) -> type[RlfToolEnvironment]:
+    """A class for `GRPOTrainer(environment_factory=...)` (TRL >= 1.16): each of the env's tools is a method of it,
+    so TRL's tool loop calls rlf's tools; score with `reward_funcs=rlf_env_reward`. Not token exact: see
+    `TOOL_LOOP_DEGRADES` (warned when the first instance is built)."""
+    kwargs = dict(env_kwargs or {})
+    if "tokenizer" in kwargs:
+        raise ValueError("env_kwargs must not hold a tokenizer: in TRL's tool loop TRL tokenises, the env runs "
+                         "in text mode")
+    index = _TaskIndex(env_id, kwargs)
+    probe = make_tool_env(env_id, **kwargs)
+    try:
+        specs = list(probe.toolbox.specs)
+    finally:
+        probe.close()
+    if not specs:
+        raise ValueError(f"{env_id} has no tools: TRL's tool loop needs at least one")
+    attrs: dict[str, Any] = {"env_id": env_id, "env_kwargs": kwargs, "_index": index,
+                             "_by_id": {t.id: t for t in index.tasks}, "_warned": False}
+    for spec in specs:
+        attrs[spec.name] = _tool_method(spec)
+    name = "Rlf" + "".join(c for c in env_id.split("/")[-1].title() if c.isalnum()) + "Environment"
+    return type(name, (RlfToolEnvironment,), attrs)
+
+
+def _final_answer(completion: Any) -> str:
+    if isinstance(completion, str):
+        return completion
+    for msg in reversed(list(completion)):
+        if isinstance(msg, dict) and msg.get("role", "assistant") == "assistant":
+            content = msg.get("content")
+            if isinstance(content, list):
+                content = "".join(b.get("text", "") for b in content if isinstance(b, dict))
+            return str(content or "")
+    return ""
+
+
+def rlf_env_reward(completions: Sequence[Any], environments: Sequence[Any] | None = None, **kwargs: Any) -> list[float]:
+    """TRL reward function for `environment_factory`: each rollout's env verifies its last assistant message."""
+    if environments is None or len(environments) != len(completions):
+        raise ValueError("rlf_env_reward needs TRL's environments (GRPOTrainer(environment_factory="
+                         "rlf_envs.adapters.trl.environment_factory(...)))")
+    out = []
+    for completion, env in zip(completions, environments, strict=True):
+        if not isinstance(env, RlfToolEnvironment):
+            raise TypeError(f"rlf_env_reward got a {type(env).__name__}, not an environment_factory() instance")
+        out.append(env._score(_final_answer(completion)))
+    return out
