@@ -12,8 +12,11 @@ git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 cp --parents -t "$SCRATCH")
 # mutmut imports the mutated code from ./src (its module keys are paths under it): the package moves there,
 # and the rlf_train/ project dir goes (it would shadow the package as a namespace package from the cwd)
 mkdir -p "$SCRATCH/src" && mv "$SCRATCH/rlf_train/src/rlf_train" "$SCRATCH/src/" && rm -rf "$SCRATCH/rlf_train"
-# the fast train tests that exercise the trainer (a few seconds each); extend per file in tests.txt
-TESTS=$(tr '\n' ' ' < "$REPO/tests/mutation/tests.txt")
+# the fast tests that pin the file's specification: tests-<file>.txt beside this script when there is one
+# (sft.py, checkpoint.py, rollout.py, trainer.py), else tests.txt (the spec tests of grpo.py)
+LIST="$REPO/tests/mutation/tests-${FILE%.py}.txt"
+[ -f "$LIST" ] || LIST="$REPO/tests/mutation/tests.txt"
+TESTS=$(tr '\n' ' ' < "$LIST")
 cat >> "$SCRATCH/pyproject.toml" <<TOML
 
 [tool.mutmut]

@@ -155,5 +155,5 @@ def sft_loss(model: torch.nn.Module, trajs: Sequence[Trajectory], pad_id: int) -
     from rlf_train.grpo import masked_logprobs
 
     lp, _ = masked_logprobs(model, ids, attn, tgt, mask)
-    n = mask.sum().clamp(min=1.0)
-    return -(lp * mask).sum() / n, float(n)
+    n = mask.sum()
+    return -(lp * mask).sum() / n.clamp(min=1.0), float(n)
