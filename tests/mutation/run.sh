@@ -30,6 +30,9 @@ timeout_constant = 30.0
 TOML
 cd "$SCRATCH"
 export PYTHONPATH="$SCRATCH/rlf_envs/src${PYTHONPATH:+:$PYTHONPATH}"
+# one intra-op thread per mutant process: with MAX_CHILDREN=2 on 2 cores, torch's default (one thread per
+# core) oversubscribes and a tiny forward goes from ~1 ms to ~100 ms
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 nice -n 10 "$PYTHON" -m mutmut run --max-children "${MAX_CHILDREN:-1}" "${@:3}" || true
 "$PYTHON" -m mutmut results --all true > "$SCRATCH/results.txt" || true
 grep -c ': killed' "$SCRATCH/results.txt" || true

@@ -1,0 +1,137 @@
+"""The trainer's bookkeeping pinned to its specification (rlf_train.trainer), each against an independent
+reference:
+
+- token_returns: every target position carries the episode return (final reward, plus the turn rewards with
+  per-turn rewards on); with per-turn rewards, the targets of turn k's action tokens (target t = token t + 1)
+  carry the return-to-go from turn k (final reward + turn rewards k..end); episode returns = the totals.
+- episode_stats / is_success: each logged statistic is its plain definition over the episodes (success =
+  reward >= SUCCESS_THRESHOLD), zeros for an empty batch.
+- the prompt order: epochs over the train tasks, each epoch a fresh seeded permutation; the same seed gives
+  the same order; the data state saved in a checkpoint continues the order exactly (resume).
+- the batch a GRPO update gets is refused when its masks do not fit its tokens (checked at run time).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_train_spec_grpo import spec_cfg
+
+from rlf_envs.records import SUCCESS_THRESHOLD
+from rlf_envs.types import Action, ActionKind, Task, Trajectory, Turn
+from rlf_train.sft import pad_batch
+from rlf_train.trainer import Trainer, episode_stats, is_success, token_returns
+
+
+def random_traj(rng: random.Random, T: int) -> Trajectory:
+    n = rng.randrange(2, T + 4)  # some longer than T: positions past T are cut
+    t = Trajectory(task=Task("t", "q"), prompt="", token_ids=[rng.randrange(5, 50) for _ in range(n)],
+                   loss_mask=[0] * n, reward=rng.choice([0.0, 1.0, 0.25, -0.5]))
+    pos = rng.randrange(0, 2)  # the first action may start at token 0 (no prompt)
+    while pos < n:
+        if rng.random() < 0.2:
+            span = None
+        else:
+            e = min(n, pos + rng.randrange(1, 4))
+            span = (pos, e)
+            for p in range(pos, e):
+                t.loss_mask[p] = 1  # type: ignore[index]
+            pos = e
+        t.turns.append(Turn(action=Action(ActionKind.ANSWER, ""), reward=rng.choice([0.0, 0.0, 0.1, -0.3]),
+                            action_span=span))
+        pos += rng.randrange(1, 3)  # an observation
+    return t
+
+
+def reference_returns(trajs: list[Trajectory], T: int, per_turn: bool) -> tuple[np.ndarray, np.ndarray]:
+    ret = np.zeros((len(trajs), T))
+    ep = np.zeros(len(trajs))
+    for i, tr in enumerate(trajs):
+        turn_r = [u.reward for u in tr.turns] if per_turn else [0.0] * len(tr.turns)
+        ep[i] = tr.reward + sum(turn_r)
+        ret[i, :] = ep[i]
+        for k, u in enumerate(tr.turns):
+            if u.action_span is None:
+                continue
+            togo = tr.reward + sum(turn_r[k:])
+            for p in range(*u.action_span):  # token p is the target of position p - 1
+                if 1 <= p <= T:
+                    ret[i, p - 1] = togo
+    return ret, ep
+
+
+@pytest.mark.parametrize("per_turn", [False, True])
+def test_token_returns(per_turn: bool) -> None:
+    rng = random.Random(4)
+    T = 9
+    trajs = [random_traj(rng, T) for _ in range(40)]
+    assert sum(any(u.reward for u in t.turns) for t in trajs) > 10
+    ret, ep = token_returns(trajs, T, per_turn)
+    want_ret, want_ep = reference_returns(trajs, T, per_turn)
+    assert ret.shape == (40, T) and ep.shape == (40,)
+    np.testing.assert_allclose(ep.numpy(), want_ep, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(ret.numpy(), want_ret, rtol=0, atol=1e-6)
+
+
+def test_episode_stats_are_their_definitions() -> None:
+    rng = random.Random(1)
+    trajs = []
+    for k in range(7):
+        t = random_traj(rng, 8)
+        t.reward = [SUCCESS_THRESHOLD, np.nextafter(SUCCESS_THRESHOLD, 0.0), 1.0, 0.0, 0.5, 2.0, -1.0][k]
+        t.turns[0].stats.calls = [0, 2, 1, 0, 3, 0, 1][k]  # tool calls / errors: summed over the turns
+        t.turns[-1].stats.calls += [0, 0, 0, 0, 1, 0, 0][k]
+        t.turns[0].stats.errors = [0, 1, 0, 0, 2, 0, 0][k]
+        t.answer = None if k in (1, 4) else "x"
+        trajs.append(t)
+    trajs[3].token_ids = None
+    trajs[3].loss_mask = None
+    assert [is_success(t) for t in trajs] == [True, False, True, False, False, True, False]
+    r = np.array([t.reward for t in trajs])
+    want = {
+        "reward_mean": r.mean(), "reward_std": r.std(), "success_rate": 3 / 7, "turns_mean": np.mean(
+            [len(t.turns) for t in trajs]),
+        "tool_calls_mean": 8 / 7, "tool_errors_mean": 3 / 7, "search_rate": 4 / 7, "answered_rate": 5 / 7,
+        "tokens_total_mean": np.mean([len(t.token_ids or []) for t in trajs]),
+        "tokens_policy_mean": np.mean([sum(t.loss_mask or []) for t in trajs]),
+    }
+    got = episode_stats(trajs)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k] == pytest.approx(float(v), rel=1e-12, abs=1e-12), k
+    assert episode_stats([]) == dict.fromkeys(want, 0.0)
+
+
+def test_prompt_order_is_seeded_epochs_and_resumes(tmp_path: Path) -> None:
+    tr = Trainer(spec_cfg(tmp_path / "a"))
+    n = len(tr.train_tasks)
+    assert n >= 3
+    first = tr._next_tasks(n + 1) + tr._next_tasks(2 * n - 1)  # draws that straddle epoch boundaries
+    for e in range(3):
+        assert sorted(first[e * n:(e + 1) * n]) == list(range(n)), "each epoch visits every task once"
+    assert len({tuple(first[e * n:(e + 1) * n]) for e in range(3)}) == 3, "each epoch reshuffles"
+    saved = tr._data_state()
+    py, torch_rng, gen = random.getstate(), torch.get_rng_state(), tr.gen.get_state()
+    cont = tr._next_tasks(2 * n + 1)
+    draws = (random.random(), float(torch.rand(1)), float(torch.rand(1, generator=tr.gen)))
+    tr2 = Trainer(spec_cfg(tmp_path / "b"))
+    assert tr2._next_tasks(3 * n) == first  # the same seed: the same order
+    tr2._restore_rng({**saved, "python_rng": py, "torch_rng": torch_rng, "gen": gen})
+    assert tr2._next_tasks(2 * n + 1) == cont  # resumed: continues where the saved state was
+    assert (random.random(), float(torch.rand(1)), float(torch.rand(1, generator=tr2.gen))) == draws
+    other = Trainer(spec_cfg(tmp_path / "c", ["seed=6"]))
+    assert other._next_tasks(3 * n) != first
+
+
+def test_masks_must_fit_the_tokens() -> None:
+    def t(ids: list[int], mask: list[int]) -> Trajectory:
+        return Trajectory(task=Task("t", "q"), prompt="", token_ids=ids, loss_mask=mask)
+
+    with pytest.raises(ValueError, match=r"trajectory 1: 3 token ids but 2 loss-mask entries"):
+        pad_batch([t([1, 2], [0, 1]), t([1, 2, 3], [0, 1])], 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"trajectory 0: loss mask values must be 0 or 1, got \[2\]"):
+        pad_batch([t([1, 2], [0, 2])], 0, torch.device("cpu"))
