@@ -72,6 +72,41 @@ def test_weights_round_trip(tmp_path: Path, tied: bool) -> None:
         assert torch.equal(src(input_ids=ids).logits, dst(input_ids=ids).logits)
 
 
+class Shared(torch.nn.Module):
+    """A shared weight in the middle of the state dict (not only a tied head at its end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+        self.c = torch.nn.Linear(3, 2)
+
+
+def test_shared_tensors_are_stored_once_and_nothing_else_is_dropped(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    m = Shared()
+    save_weights(m, tmp_path / WEIGHTS)
+    stored = load_file(str(tmp_path / WEIGHTS))
+    assert sorted(stored) == ["a.bias", "a.weight", "b.bias", "c.bias", "c.weight"]
+    for k, v in stored.items():
+        assert torch.equal(v, m.state_dict()[k]), k
+
+
+class NoTieConfig(torch.nn.Module):
+    """A model whose config does not say whether it ties its embeddings: its head is its own."""
+
+    def __init__(self, head: bool) -> None:
+        from transformers import PretrainedConfig
+
+        super().__init__()
+        self.config = PretrainedConfig()
+        self.embed = torch.nn.Embedding(5, 3)
+        if head:
+            self.lm_head = torch.nn.Linear(3, 5, bias=False)
+
+
 def test_load_refuses_another_architecture(tmp_path: Path) -> None:
     (tmp_path / "two").mkdir()
     (tmp_path / "untied").mkdir()
@@ -88,6 +123,11 @@ def test_load_refuses_another_architecture(tmp_path: Path) -> None:
         load_weights(tiny(2, tied=False), tmp_path / "tied")
     with pytest.raises(FileNotFoundError, match=f"no {WEIGHTS} in checkpoint"):
         load_weights(tiny(2), tmp_path)
+    assert not hasattr(NoTieConfig(True).config, "tie_word_embeddings")
+    (tmp_path / "headless").mkdir()
+    save_weights(NoTieConfig(False), tmp_path / "headless" / WEIGHTS)
+    with pytest.raises(ValueError, match=r"missing=\['lm_head\.weight'\]"):
+        load_weights(NoTieConfig(True), tmp_path / "headless")
 
 
 def test_save_checkpoint_contents_latest_and_replace(tmp_path: Path) -> None:
@@ -122,6 +162,51 @@ def test_save_checkpoint_contents_latest_and_replace(tmp_path: Path) -> None:
     meta3, st3 = read_checkpoint(p)
     assert meta3.sft_done is False and st3 == {"order": []}
     assert sorted(x.name for x in (run / "checkpoints").iterdir()) == ["latest", "step_3", "step_4"]
+    # a tokenizer object that cannot save itself is skipped, not an error
+    save_checkpoint(run, "step_4", m2, {}, CheckpointMeta("rl", 4, True), keep_last=5, tokenizer=object())
+    assert not (q / "tokenizer.json").exists()
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    import os
+
+    run = tmp_path / "run"
+    m = tiny(1)
+    good = save_checkpoint(run, "step_1", m, {"order": [1]}, CheckpointMeta("rl", 1, True), keep_last=3)
+    # a temp dir left by a crashed save of this process: cleared, not mixed into the new checkpoint
+    stale = run / "checkpoints" / f".tmp_step_2_{os.getpid()}"
+    stale.mkdir()
+    (stale / "junk").write_text("x")
+    p = save_checkpoint(run, "step_2", m, {"order": [2]}, CheckpointMeta("rl", 2, True), keep_last=3)
+    assert not (p / "junk").exists() and not stale.exists()
+    with pytest.raises((AttributeError, TypeError), match="pickle"):  # an unpicklable trainer state
+        save_checkpoint(run, "step_1", m, {"fn": lambda: 0}, CheckpointMeta("rl", 1, True), keep_last=3)
+    assert sorted(x.name for x in (run / "checkpoints").iterdir()) == ["latest", "step_1", "step_2"]
+    assert read_checkpoint(good)[1] == {"order": [1]} and latest_checkpoint(run) == p
+
+
+def test_reads_back_the_trainer_state(tmp_path: Path) -> None:
+    """What the trainer saves (optimizer and scheduler, torch / numpy / python RNG states, data order) is
+    read back equal, on the CPU."""
+    from test_train_spec_grpo import spec_cfg
+
+    from rlf_train.trainer import Trainer
+
+    tr = Trainer(spec_cfg(tmp_path / "run"))
+    opt = torch.optim.AdamW(tr.model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
+    tr.model(input_ids=torch.tensor([[1, 2]])).logits.sum().backward()
+    opt.step()
+    sched.step()
+    tr._next_tasks(2)
+    p = tr._save("step_1", "rl", 1, opt, sched)
+    meta, state = read_checkpoint(p)
+    assert meta == CheckpointMeta("rl", 1, True)
+    assert state["order_pos"] == 2 and state["order"] == tr.order and state["data_rng"] == tr._data_state()["data_rng"]
+    assert torch.equal(state["torch_rng"], torch.get_rng_state())
+    assert state["scheduler"] == sched.state_dict()
+    for k, v in opt.state_dict()["state"][0].items():
+        assert torch.equal(state["optimizer"]["state"][0][k], v) and state["optimizer"]["state"][0][k].device.type == "cpu"
 
 
 def test_keep_last_per_series_by_number(tmp_path: Path) -> None:
@@ -160,6 +245,8 @@ def test_prepare_run_dir(tmp_path: Path) -> None:
     run = tmp_path / "a" / "b"
     prepare_run_dir(run)
     assert run.is_dir() and list(run.iterdir()) == []  # the write probe is removed
+    prepare_run_dir(run)  # an existing run dir is fine (resume)
     (tmp_path / "file").write_text("x")
-    with pytest.raises(ConfigError, match=r"logging\.run_dir: cannot write to .*file/run .*writable directory"):
+    with pytest.raises(ConfigError, match=r"^logging\.run_dir: cannot write to .*file/run \(Not a directory\); set "
+                                          r"logging\.run_dir \(or name\) to a writable directory$"):
         prepare_run_dir(tmp_path / "file" / "run")

@@ -5,7 +5,8 @@
   trajectories without token ids or loss mask are refused with the fix (token mode).
 - sft_loss: token-mean cross-entropy over exactly the policy tokens (value and gradient equal a plain
   per-sequence reference), and the count it returns is the number of policy targets (0 when there are none,
-  with a zero loss, not a NaN).
+  with a zero loss, not a NaN);
+- a loss mask that does not fit its token ids (length, values other than 0/1) is refused.
 """
 
 from __future__ import annotations
@@ -41,8 +42,19 @@ def test_pad_batch_layout() -> None:
     # a meta device shows the tensors are moved to the device asked for (the model's)
     assert {t.device.type for t in pad_batch([A, B], PAD, torch.device("meta"))} == {"meta"}
     for bad in (traj(None, [0, 1]), traj([1, 2], None)):
-        with pytest.raises(ValueError, match="token mode"):
+        with pytest.raises(ValueError, match=r"^trajectories lack token_ids/loss_mask: run the env in token mode "
+                                             r"\(pass a tokenizer\)$"):
             pad_batch([A, bad], PAD, torch.device("cpu"))
+
+
+def test_masks_must_fit_the_tokens() -> None:
+    """Checked at run time (the trainer's batches go through pad_batch too): a mask that does not fit its
+    tokens would train on the wrong tokens without any error."""
+    with pytest.raises(ValueError, match=r"^trajectory 1: 3 token ids but 2 loss-mask entries; the env must give "
+                                         r"one mask entry per token \(1 = policy token\)$"):
+        pad_batch([traj([1, 2], [0, 1]), traj([1, 2, 3], [0, 1])], 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^trajectory 0: loss mask values must be 0 or 1, got \[2\]$"):
+        pad_batch([traj([1, 2], [0, 2])], 0, torch.device("cpu"))
 
 
 def reference_loss(model: torch.nn.Module, trajs: list[Trajectory]) -> tuple[torch.Tensor, int]:
@@ -71,7 +83,12 @@ def test_sft_loss_value_and_gradient_are_token_mean_ce() -> None:
         assert torch.allclose(got[k], p.grad.float(), rtol=1e-3, atol=1e-7), k
 
 
-def test_sft_loss_without_policy_tokens() -> None:
-    loss, n = sft_loss(tiny(3), [traj([5, 6, 7], [1, 0, 0])], PAD)  # the only 1 is on the first token: no target
+def test_sft_loss_with_zero_and_one_policy_token() -> None:
+    model = tiny(3)
+    loss, n = sft_loss(model, [traj([5, 6, 7], [1, 0, 0])], PAD)  # the only 1 is on the first token: no target
     assert n == 0
     assert loss.item() == 0.0
+    one = traj([5, 6, 7], [0, 0, 1])
+    loss, n = sft_loss(model, [one], PAD)
+    ref, n_ref = reference_loss(model, [one])
+    assert n == n_ref == 1 and loss.item() == pytest.approx(ref.item(), rel=1e-5)

@@ -8,7 +8,6 @@ reference:
   reward >= SUCCESS_THRESHOLD), zeros for an empty batch.
 - the prompt order: epochs over the train tasks, each epoch a fresh seeded permutation; the same seed gives
   the same order; the data state saved in a checkpoint continues the order exactly (resume).
-- the batch a GRPO update gets is refused when its masks do not fit its tokens (checked at run time).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from test_train_spec_grpo import spec_cfg
 
 from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.types import Action, ActionKind, Task, Trajectory, Turn
-from rlf_train.sft import pad_batch
 from rlf_train.trainer import Trainer, episode_stats, is_success, token_returns
 
 
@@ -126,12 +124,3 @@ def test_prompt_order_is_seeded_epochs_and_resumes(tmp_path: Path) -> None:
     other = Trainer(spec_cfg(tmp_path / "c", ["seed=6"]))
     assert other._next_tasks(3 * n) != first
 
-
-def test_masks_must_fit_the_tokens() -> None:
-    def t(ids: list[int], mask: list[int]) -> Trajectory:
-        return Trajectory(task=Task("t", "q"), prompt="", token_ids=ids, loss_mask=mask)
-
-    with pytest.raises(ValueError, match=r"trajectory 1: 3 token ids but 2 loss-mask entries"):
-        pad_batch([t([1, 2], [0, 1]), t([1, 2, 3], [0, 1])], 0, torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"trajectory 0: loss mask values must be 0 or 1, got \[2\]"):
-        pad_batch([t([1, 2], [0, 2])], 0, torch.device("cpu"))
