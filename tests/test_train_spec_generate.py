@@ -23,7 +23,7 @@ import torch
 from rlf_train.config import load_config
 from rlf_train.grpo import sampling_logits
 from rlf_train.model import load_tokenizer
-from rlf_train.rollout import SamplingParams, StopChecker, generate, generate_batched, length_buckets
+from rlf_train.rollout import SamplingParams, StopChecker, _sample, generate, generate_batched, length_buckets
 
 _CACHE: dict[str, Any] = {}
 
@@ -139,6 +139,15 @@ def test_sampled_logprobs_are_the_tempered_nucleus_logprobs(batch_size: int) -> 
             assert lp[k] == pytest.approx(float(want), abs=2e-4), (k, t)
 
 
+def test_sample_returns_logprobs_only_when_asked() -> None:
+    logits = torch.randn(3, 11, generator=torch.Generator().manual_seed(0))
+    for params in (SamplingParams(0.0), SamplingParams(0.8, 0.9)):
+        tok, lp = _sample(logits, params, torch.Generator().manual_seed(1))
+        assert lp is None and tok.shape == (3,)
+        tok2, lp2 = _sample(logits, params, torch.Generator().manual_seed(1), with_logprob=True)
+        assert torch.equal(tok, tok2) and lp2 is not None and lp2.shape == (3,)
+
+
 def test_stop_checker() -> None:
     tok, _ = setup()
     assert SamplingParams() == SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=48)
@@ -150,6 +159,10 @@ def test_stop_checker() -> None:
         [True, False, True, True]
     assert StopChecker(tok, [], None).stop_ids.tolist() == []
     multi = "the end"
+    both = StopChecker(tok, ["</answer>", multi], None)
+    e = tok.encode(multi, add_special_tokens=False)
+    # row 0 stops on the id, row 1 on the text: every row asked about is checked
+    assert both.hit(torch.tensor([a[0], e[-1]]), [[a[0]], [4, *e]], [0, 1]).tolist() == [True, True]
     ids = tok.encode(multi, add_special_tokens=False)
     assert len(ids) > 1
     st = StopChecker(tok, [multi], None)

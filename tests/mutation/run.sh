@@ -16,6 +16,9 @@ mkdir -p "$SCRATCH/src" && mv "$SCRATCH/rlf_train/src/rlf_train" "$SCRATCH/src/"
 # (sft.py, checkpoint.py, rollout.py, trainer.py), else tests.txt (the spec tests of grpo.py)
 LIST="$REPO/tests/mutation/tests-${FILE%.py}.txt"
 [ -f "$LIST" ] || LIST="$REPO/tests/mutation/tests.txt"
+# mutmut 3 does not mutate decorated functions: the scratch copy drops `@torch.no_grad()` (rollout.generate)
+# so that they are mutated too. Values are unchanged (the tests check values; grad mode is not under test).
+sed -i '/^@torch\.no_grad()$/d' "$SCRATCH/src/rlf_train/$FILE"
 TESTS=$(tr '\n' ' ' < "$LIST")
 cat >> "$SCRATCH/pyproject.toml" <<TOML
 
