@@ -206,7 +206,8 @@ def test_reads_back_the_trainer_state(tmp_path: Path) -> None:
     assert torch.equal(state["torch_rng"], torch.get_rng_state())
     assert state["scheduler"] == sched.state_dict()
     for k, v in opt.state_dict()["state"][0].items():
-        assert torch.equal(state["optimizer"]["state"][0][k], v) and state["optimizer"]["state"][0][k].device.type == "cpu"
+        got = state["optimizer"]["state"][0][k]
+        assert torch.equal(got, v) and got.device.type == "cpu"
 
 
 def test_keep_last_per_series_by_number(tmp_path: Path) -> None:

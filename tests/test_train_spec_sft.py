@@ -1,8 +1,8 @@
 """SFT's batch layout and loss pinned to their specification (rlf_train.sft).
 
 - pad_batch: the sequences right-padded with pad_id to the longest, inputs = that [:, :-1] with attention 1
-  exactly on real tokens, targets = that [:, 1:], target_mask[t] = loss_mask[t + 1] and 0 on padding, all on the model's device;
-  trajectories without token ids or loss mask are refused with the fix (token mode).
+  exactly on real tokens, targets = that [:, 1:], target_mask[t] = loss_mask[t + 1] and 0 on padding, all
+  on the model's device; trajectories without token ids or loss mask are refused with the fix (token mode).
 - sft_loss: token-mean cross-entropy over exactly the policy tokens (value and gradient equal a plain
   per-sequence reference), and the count it returns is the number of policy targets (0 when there are none,
   with a zero loss, not a NaN);
