@@ -124,3 +124,36 @@ def test_prompt_order_is_seeded_epochs_and_resumes(tmp_path: Path) -> None:
     other = Trainer(spec_cfg(tmp_path / "c", ["seed=6"]))
     assert other._next_tasks(3 * n) != first
 
+
+
+@pytest.mark.parametrize("warm", [0, 2])
+def test_rl_stage_optimizer_scheduler_and_reference(tmp_path: Path, warm: int) -> None:
+    """AdamW with the configured betas / weight decay / LR, the LR after step k = lr * min(1, (k + 1) / warmup)
+    (lr without warmup), a frozen reference exactly when kl_coef > 0, the env hook called with the train envs."""
+    import json
+
+    from test_train_spec_rollout import rollout_cfg
+
+    kl = 0.5 if warm else 0.0
+    cfg = rollout_cfg(tmp_path / "run", ["rollout.max_turns=1", "env.kwargs={max_turns: 1}", "algorithm.steps=3",
+                                         f"optim.warmup_steps={warm}", "optim.lr=1e-2", "optim.betas=[0.8, 0.95]",
+                                         "optim.weight_decay=0.3", f"algorithm.kl_coef={kl}", "eval.num_tasks=1",
+                                         "eval.sampled=false"])
+    tr = Trainer(cfg)
+    hooked: list[object] = []
+    tr.train_env_hook = hooked.append
+    tr.run()
+    assert hooked == [tr.train_envs]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r.get("stage") == "rl"]
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    want = [1e-2 * (min(1.0, (k + 1) / warm) if warm else 1.0) for k in (1, 2, 3)]
+    assert [r["lr"] for r in rl] == pytest.approx(want, rel=1e-9)
+    from rlf_train.checkpoint import read_checkpoint
+
+    _, state = read_checkpoint(tmp_path / "run" / "checkpoints" / "step_3")
+    g = state["optimizer"]["param_groups"][0]
+    assert tuple(g["betas"]) == (0.8, 0.95) and g["weight_decay"] == 0.3
+    assert (tr.ref_model is not None) is (kl > 0)
+    if kl:
+        assert rl[0]["kl"] == 0.0 and rl[-1]["kl"] > 0.0  # the policy moves away from the frozen reference
