@@ -102,6 +102,19 @@ def test_episode_stats_are_their_definitions() -> None:
     for k, v in want.items():
         assert got[k] == pytest.approx(float(v), rel=1e-12, abs=1e-12), k
     assert episode_stats([]) == dict.fromkeys(want, 0.0)
+    one = episode_stats(trajs[:1])  # rates over one episode
+    assert one["success_rate"] == 1.0 and one["answered_rate"] == 1.0 and one["reward_mean"] == SUCCESS_THRESHOLD
+
+
+def test_group_check_names_the_mixed_groups() -> None:
+    from rlf_train.trainer import check_groups
+
+    ids = ["a", "b", "c", "c", "d", "e", "f", "g", "h", "i", "j", "k"]  # groups 0, 2, 3, 4, 5 mix tasks
+    msg = ("GRPO group layout broken: 12 rows, group size 2, groups [0, 2, 3, 4] mix tasks ([['a', 'b'], "
+           "['d', 'e']]): advantages would compare samples of different prompts")
+    with pytest.raises(RuntimeError) as e:
+        check_groups(ids, 2)
+    assert str(e.value) == msg
 
 
 def test_prompt_order_is_seeded_epochs_and_resumes(tmp_path: Path) -> None:
