@@ -106,6 +106,18 @@ def test_episode_stats_are_their_definitions() -> None:
     assert one["success_rate"] == 1.0 and one["answered_rate"] == 1.0 and one["reward_mean"] == SUCCESS_THRESHOLD
 
 
+def test_update_refuses_trajectories_out_of_prompt_order(tmp_path: Path) -> None:
+    tr = Trainer(spec_cfg(tmp_path / "run"))
+    tasks = tr.train_tasks
+    got, want = [0, 1] * 5, [0] * 5 + [1] * 5  # 10 rows: the message shows the first 8 of each
+    trajs = [Trajectory(task=tasks[i], prompt="", token_ids=[1, 2], loss_mask=[0, 1]) for i in got]
+    with pytest.raises(RuntimeError) as e:
+        tr.update(1, trajs, want, None, None, behaviour=False)  # type: ignore[arg-type]
+    ids = [t.id for t in tasks]
+    assert str(e.value) == (f"rollout returned trajectories out of prompt order (tasks {[ids[i] for i in got[:8]]}"
+                            f"..., expected {[ids[i] for i in want[:8]]}...): GRPO groups would mix prompts")
+
+
 def test_group_check_names_the_mixed_groups() -> None:
     from rlf_train.trainer import check_groups
 
@@ -151,12 +163,17 @@ def test_rl_stage_optimizer_scheduler_and_reference(tmp_path: Path, warm: int) -
     cfg = rollout_cfg(tmp_path / "run", ["rollout.max_turns=1", "env.kwargs={max_turns: 1}", "algorithm.steps=3",
                                          f"optim.warmup_steps={warm}", "optim.lr=1e-2", "optim.betas=[0.8, 0.95]",
                                          "optim.weight_decay=0.3", f"algorithm.kl_coef={kl}", "eval.num_tasks=1",
-                                         "eval.sampled=false"])
+                                         "eval.sampled=false", "logging.trajectories_every=2"])
     tr = Trainer(cfg)
     hooked: list[object] = []
     tr.train_env_hook = hooked.append
     tr.run()
     assert hooked == [tr.train_envs]
+    stored = {}  # the viewer's episodes: the train batch every `logging.trajectories_every` steps, and the evals
+    for p in sorted((tmp_path / "run" / "trajectories").glob("step_*.jsonl")):
+        recs = [json.loads(x) for x in p.read_text().splitlines()]
+        stored[p.name] = sorted({(r["source"], r["step"]) for r in recs})
+    assert stored == {"step_2.jsonl": [("train", 2)], "step_3.jsonl": [("eval_greedy", 3)]}
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r.get("stage") == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3]
