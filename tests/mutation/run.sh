@@ -12,8 +12,14 @@ git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 cp --parents -t "$SCRATCH")
 # mutmut imports the mutated code from ./src (its module keys are paths under it): the package moves there,
 # and the rlf_train/ project dir goes (it would shadow the package as a namespace package from the cwd)
 mkdir -p "$SCRATCH/src" && mv "$SCRATCH/rlf_train/src/rlf_train" "$SCRATCH/src/" && rm -rf "$SCRATCH/rlf_train"
-# the fast train tests that exercise the trainer (a few seconds each); extend per file in tests.txt
-TESTS=$(tr '\n' ' ' < "$REPO/tests/mutation/tests.txt")
+# the fast tests that pin the file's specification: tests-<file>.txt beside this script when there is one
+# (sft.py, checkpoint.py, rollout.py, trainer.py), else tests.txt (the spec tests of grpo.py)
+LIST="$REPO/tests/mutation/tests-${FILE%.py}.txt"
+[ -f "$LIST" ] || LIST="$REPO/tests/mutation/tests.txt"
+# mutmut 3 does not mutate decorated functions: the scratch copy drops `@torch.no_grad()` (rollout.generate)
+# so that they are mutated too. Values are unchanged (the tests check values; grad mode is not under test).
+sed -i '/^@torch\.no_grad()$/d' "$SCRATCH/src/rlf_train/$FILE"
+TESTS=$(tr '\n' ' ' < "$LIST")
 cat >> "$SCRATCH/pyproject.toml" <<TOML
 
 [tool.mutmut]
@@ -27,6 +33,9 @@ timeout_constant = 30.0
 TOML
 cd "$SCRATCH"
 export PYTHONPATH="$SCRATCH/rlf_envs/src${PYTHONPATH:+:$PYTHONPATH}"
+# one intra-op thread per mutant process: with MAX_CHILDREN=2 on 2 cores, torch's default (one thread per
+# core) oversubscribes and a tiny forward goes from ~1 ms to ~100 ms
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 nice -n 10 "$PYTHON" -m mutmut run --max-children "${MAX_CHILDREN:-1}" "${@:3}" || true
 "$PYTHON" -m mutmut results --all true > "$SCRATCH/results.txt" || true
 grep -c ': killed' "$SCRATCH/results.txt" || true

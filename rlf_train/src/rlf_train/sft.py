@@ -136,6 +136,12 @@ def pad_batch(trajs: Sequence[Trajectory], pad_id: int, device: torch.device
     masks = [t.loss_mask for t in trajs]
     if any(s is None for s in seqs) or any(m is None for m in masks):
         raise ValueError("trajectories lack token_ids/loss_mask: run the env in token mode (pass a tokenizer)")
+    for i, (s, m) in enumerate(zip(seqs, masks, strict=True)):  # cheap, and a wrong mask trains silently
+        if len(s) != len(m):  # type: ignore[arg-type]
+            raise ValueError(f"trajectory {i}: {len(s)} token ids but {len(m)} loss-mask entries; the env must "  # type: ignore[arg-type]
+                             "give one mask entry per token (1 = policy token)")
+        if bad := sorted(set(m) - {0, 1}):  # type: ignore[arg-type]
+            raise ValueError(f"trajectory {i}: loss mask values must be 0 or 1, got {bad}")
     T = max(len(s) for s in seqs)  # type: ignore[arg-type]
     B = len(seqs)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -155,5 +161,5 @@ def sft_loss(model: torch.nn.Module, trajs: Sequence[Trajectory], pad_id: int) -
     from rlf_train.grpo import masked_logprobs
 
     lp, _ = masked_logprobs(model, ids, attn, tgt, mask)
-    n = mask.sum().clamp(min=1.0)
-    return -(lp * mask).sum() / n, float(n)
+    n = mask.sum()
+    return -(lp * mask).sum() / n.clamp(min=1.0), float(n)
