@@ -88,6 +88,19 @@ class RolloutConfig(_Section):
     partial_rollouts: bool = Field(True, description="async: an episode in flight at a weight update continues with "
                                                      "the new weights (False: it keeps the weights it started with); "
                                                      "backend openrlhf: --train.partial_rollout_enable")
+    engine: Literal["local", "vllm"] = Field(
+        "local", description="what generates the local backend's rollouts and evals: local (rlf's KV-cache sampler) "
+                             "or vllm (a vllm.LLM in the trainer's process, weights reloaded after every update; "
+                             "needs vLLM, rollout.mode sync; rlf_train.vllm_engine)")
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="engine vllm on a GPU: the share of "
+                                                                                  "GPU memory vLLM may take")
+
+    @model_validator(mode="after")
+    def _engine(self) -> RolloutConfig:
+        if self.engine == "vllm" and self.mode != "sync":
+            raise ValueError("rollout.engine: vllm runs with rollout.mode: sync (the async worker generates with "
+                             "rlf's sampler); set one of them back")
+        return self
 
 
 class SFTConfig(_Section):

@@ -44,6 +44,7 @@ from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, 
 from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
 from rlf_train.rollout import RolloutStats, SamplingParams, rollout
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
+from rlf_train.vllm_engine import VllmRollout, check_policy_shape
 
 
 def make_envs(cfg: TrainConfig, tokenizer: Any, stage: Stage, n: int) -> ToolVectorEnv:
@@ -152,6 +153,13 @@ class Trainer:
         random.seed(cfg.seed)
         self.model = load_policy(cfg.model, self.tokenizer, cfg.seed, weights_dir=ckpt)
         self.device = next(self.model.parameters()).device
+        # rollout.engine vllm: built at the first rollout, its weights reloaded whenever policy_version moved on
+        # (every update, the end of SFT)
+        self.policy_version = 0
+        self.vllm: VllmRollout | None = None
+        if r.engine == "vllm":
+            mc = self.model.config
+            check_policy_shape(mc.hidden_size, mc.num_attention_heads, self.device.type == "cpu")
         self.gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.data_rng = np.random.default_rng(cfg.seed + 2)
         self.order: list[int] = []
@@ -247,6 +255,15 @@ class Trainer:
     def rollouts(self, venv: ToolVectorEnv, task_indices: Sequence[int], params: SamplingParams,
                  seed_base: int, gen: torch.Generator | None) -> tuple[list[Trajectory], RolloutStats]:
         seeds = [seed_base + i for i in range(len(task_indices))]
+        if self.cfg.rollout.engine == "vllm":
+            if self.vllm is None:
+                r = self.cfg.rollout
+                self.vllm = VllmRollout(self.model, self.tokenizer, self.run_dir / "vllm", version=self.policy_version,
+                                        seed=self.cfg.seed, max_model_len=r.max_total_tokens,
+                                        gpu_memory_utilization=r.vllm_gpu_memory_utilization)
+            self.vllm.sync(self.model, self.policy_version)
+            trajs, stats = self.vllm.rollout(venv, task_indices, params, seeds, gen)
+            return [copy.copy(t) for t in trajs], stats
         trajs, stats = rollout(venv, task_indices, self.model, self.tokenizer, params, seeds=seeds,
                                batch_size=self.cfg.rollout.batch_size, gen=gen)
         return [copy.copy(t) for t in trajs], stats
@@ -339,6 +356,7 @@ class Trainer:
                 self._save(f"sft_{step}", "sft", step, opt, sft_done=False, sft_rng=rng)
         self._save("sft", "sft", c.steps, None)
         remove_checkpoints(self.run_dir, "sft_")
+        self.policy_version += 1
 
     # ---------------------------------------------------------------- GRPO
     def _logprobs(self, model: torch.nn.Module, trajs: Sequence[Trajectory], grad: bool
@@ -477,6 +495,7 @@ class Trainer:
             "groups_with_signal": float((groups.std(dim=1) > 0).float().mean()),
             "time_train": now - t_train,
         })
+        self.policy_version += 1
         if behaviour:
             stale = [step - 1 - t.policy_version for tr in trajs for t in tr.turns if t.policy_version is not None]
             rec.update({"staleness_mean": float(np.mean(stale)) if stale else 0.0,
@@ -593,6 +612,12 @@ class Trainer:
         return ref
 
     # ---------------------------------------------------------------- entry
+    def close_engine(self) -> None:
+        """Shut rollout.engine vllm's engine down (no-op otherwise)."""
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
@@ -613,12 +638,19 @@ class Trainer:
                 self.run_sft(progress)
             if m is None or m.stage == "sft":
                 if cfg.eval.before_rl:
-                    self._record_eval(self.evaluate(0), progress)
+                    try:
+                        self._record_eval(self.evaluate(0), progress)
+                    except BaseException:
+                        self.close_engine()
+                        raise
                 if cfg.algorithm.steps > 0 and cfg.logging.save_every:
                     self._save("step_0", "rl", 0, None)
             else:
                 start_step = m.step
-            self.run_rl(progress, start_step)
+            try:
+                self.run_rl(progress, start_step)
+            finally:
+                self.close_engine()
         self.logger.close()
         plot_reward_curve(self.run_dir)
         summary = {"run_dir": str(self.run_dir), "seconds": time.perf_counter() - t0, "evals": self.evals}

