@@ -196,14 +196,18 @@ def _same(env: ToolEnv) -> ToolEnv:
     return env
 
 
-def _check_generation(g: Any, max_tokens: int) -> Generation:
+def _check_generation(g: Any, left: int) -> Generation:
+    """A generation's type and lengths; `left` is what the episode's sequence limit (max_length,
+    max_completion_tokens) leaves. A generation longer than the turn's `max_tokens` but within that limit is
+    the generate function's own business (the env's budgets still hold)."""
     if not isinstance(g, Generation):
         raise TypeError(f"the generate function must return rlf_envs.adapters.episode.Generation, got "
                         f"{type(g).__name__}")
     if g.logprobs is not None and len(g.logprobs) != len(g.ids):
         raise ValueError(f"the generate function returned {len(g.ids)} ids but {len(g.logprobs)} logprobs")
-    if len(g.ids) > max_tokens:
-        raise ValueError(f"the generate function returned {len(g.ids)} ids, more than the {max_tokens} asked for")
+    if len(g.ids) > left:
+        raise ValueError(f"the generate function returned {len(g.ids)} ids, more than the {left} left before "
+                         "max_length / max_completion_tokens")
     return g
 
 
@@ -311,7 +315,7 @@ async def _drive(
         stats.turns += len(active)
         actions: dict[int, list[int]] = {}
         for i, g in zip(active, gens, strict=True):
-            g = _check_generation(g, room[i])
+            g = _check_generation(g, limit[i] - len(contexts[i]))
             actions[i] = [int(x) for x in g.ids]
             stats.gen_tokens += len(g.ids)
             finish[i] = g.finish_reason
