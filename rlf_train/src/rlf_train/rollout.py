@@ -237,7 +237,8 @@ async def run_episodes(
         await run_token_episodes(
             venv, generate_batch=generate_batch, num_episodes=n, stats=drive,
             options=[{"task_index": int(ti)} for ti in task_indices],
-            seeds=None if seeds is None else [int(s) for s in seeds], max_tokens_per_turn=params.max_new_tokens)
+            seeds=None if seeds is None else [int(s) for s in seeds], max_tokens_per_turn=params.max_new_tokens,
+            check_turn_length=False)
     finally:
         model.train(was_training)
     stats = RolloutStats(gen_seconds=drive.gen_seconds, env_seconds=drive.env_seconds,

@@ -196,18 +196,14 @@ def _same(env: ToolEnv) -> ToolEnv:
     return env
 
 
-def _check_generation(g: Any, left: int) -> Generation:
-    """A generation's type and lengths; `left` is what the episode's sequence limit (max_length,
-    max_completion_tokens) leaves. A generation longer than the turn's `max_tokens` but within that limit is
-    the generate function's own business (the env's budgets still hold)."""
+def _check_generation(g: Any, max_tokens: int) -> Generation:
     if not isinstance(g, Generation):
         raise TypeError(f"the generate function must return rlf_envs.adapters.episode.Generation, got "
                         f"{type(g).__name__}")
     if g.logprobs is not None and len(g.logprobs) != len(g.ids):
         raise ValueError(f"the generate function returned {len(g.ids)} ids but {len(g.logprobs)} logprobs")
-    if len(g.ids) > left:
-        raise ValueError(f"the generate function returned {len(g.ids)} ids, more than the {left} left before "
-                         "max_length / max_completion_tokens")
+    if len(g.ids) > max_tokens:
+        raise ValueError(f"the generate function returned {len(g.ids)} ids, more than the {max_tokens} asked for")
     return g
 
 
@@ -224,6 +220,7 @@ async def run_token_episodes(
     catch_env_errors: bool = False,
     num_episodes: int | None = None,
     stats: DriveStats | None = None,
+    check_turn_length: bool = True,
 ) -> list[TokenEpisode]:
     """One token-mode episode on each env (env k reset with `options[k]`, e.g. `{"task_index": 3}` or
     `{"task": Task(...)}`), all in lock-step; see the module docstring. Give exactly one of `generate`
@@ -237,6 +234,8 @@ async def run_token_episodes(
 
     `num_episodes` runs only on the first that many envs of a bigger `ToolVectorEnv` (a trainer's pool);
     `stats` (a `DriveStats`) receives the seconds spent generating and stepping, the generated ids and turns.
+    `check_turn_length=False` lets a (trusted) generate function return more than a turn's `max_tokens`, as
+    long as the sequence stays within `max_length` / `max_completion_tokens` (rlf's trainer: scripted actions).
     """
     if (generate is None) == (generate_batch is None):
         raise TypeError("give exactly one of generate= or generate_batch=")
@@ -258,7 +257,8 @@ async def run_token_episodes(
     budgets = [e.max_total_tokens for e in venv.envs[:n]]
     try:
         return await _drive(venv, n, opts, seeds, generate, generate_batch, max_tokens_per_turn, max_length,
-                            max_completion_tokens, catch_env_errors, stats if stats is not None else DriveStats())
+                            max_completion_tokens, catch_env_errors, stats if stats is not None else DriveStats(),
+                            check_turn_length)
     finally:  # the budgets were lowered for these episodes only
         for e, b in zip(venv.envs[:n], budgets, strict=True):
             e.max_total_tokens = b
@@ -276,6 +276,7 @@ async def _drive(
     max_completion_tokens: int | None,
     catch_env_errors: bool,
     stats: DriveStats,
+    check_turn_length: bool,
 ) -> list[TokenEpisode]:
     envs = venv.envs[:n]
     t = time.perf_counter()
@@ -315,7 +316,7 @@ async def _drive(
         stats.turns += len(active)
         actions: dict[int, list[int]] = {}
         for i, g in zip(active, gens, strict=True):
-            g = _check_generation(g, limit[i] - len(contexts[i]))
+            g = _check_generation(g, room[i] if check_turn_length else limit[i] - len(contexts[i]))
             actions[i] = [int(x) for x in g.ids]
             stats.gen_tokens += len(g.ids)
             finish[i] = g.finish_reason
