@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 
 from rlf_envs import runtime
+from rlf_envs.adapters.episode import DriveStats, Generation, obs_ids, run_token_episodes
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
 from rlf_train.grpo import sampling_logits
@@ -195,10 +195,7 @@ class RolloutStats:
     turns: int = 0
 
 
-def _as_ids(obs: Any) -> list[int]:
-    if isinstance(obs, np.ndarray):
-        return obs.astype(np.int64).tolist()
-    return [int(x) for x in obs]
+_as_ids = obs_ids  # the name async_rollout imports
 
 
 async def run_episodes(
@@ -212,46 +209,40 @@ async def run_episodes(
     batch_size: int = 64,
     gen: torch.Generator | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
-    """One episode on each of the first len(task_indices) envs (env i on task_indices[i]) with the policy.
+    """One episode on each of the first len(task_indices) envs (env i on task_indices[i]) with the policy:
+    rlf's token-episode driver (`rlf_envs.adapters.episode.run_token_episodes`) with `generate_batched`.
 
     Call it on rlf's loop (`rollout()` does); from another loop each env phase hops threads."""
     n = len(task_indices)
     if not 0 < n <= venv.num_envs:
         raise ValueError(f"need 1..{venv.num_envs} task indices (one per env), got {n}")
-    stats = RolloutStats()
     t0 = time.perf_counter()
     stop = StopChecker(tokenizer, list(venv.envs[0].format.stop_strings), tokenizer.eos_token_id)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    async def generate_batch(contexts: list[list[int]], max_tokens: list[int], _stop: list[str]) -> list[Generation]:
+        out: list[Generation] = [Generation(())] * len(contexts)
+        for room in sorted(set(max_tokens)):  # one room (max_new_tokens) unless a budget is near its end
+            rows = [k for k, m in enumerate(max_tokens) if m == room]
+            p = params if room == params.max_new_tokens else replace(params, max_new_tokens=room)
+            outs = generate_batched(model, [contexts[k] for k in rows], p, stop, pad_id, gen, batch_size)
+            for k, ids in zip(rows, outs, strict=True):
+                out[k] = Generation(ids)
+        return out
+
+    drive = DriveStats()
     was_training = model.training
     model.eval()
-    t = time.perf_counter()
-    resets = await venv.areset_envs({i: {"task_index": int(ti)} for i, ti in enumerate(task_indices)},
-                                    seeds=None if seeds is None else {i: int(s) for i, s in enumerate(seeds)})
-    stats.env_seconds += time.perf_counter() - t
-    contexts = {i: _as_ids(obs) for i, (obs, _) in resets.items()}
-    active = list(range(n))
     try:
-        while active:
-            t = time.perf_counter()
-            outs = generate_batched(model, [contexts[i] for i in active], params, stop, pad_id, gen, batch_size)
-            actions = dict(zip(active, outs, strict=True))
-            stats.gen_tokens += sum(len(o) for o in outs)
-            stats.gen_seconds += time.perf_counter() - t
-            t = time.perf_counter()
-            results = await venv.astep_active(actions)
-            stats.env_seconds += time.perf_counter() - t
-            stats.turns += len(active)
-            still = []
-            for i in active:
-                r = results[i]
-                contexts[i].extend(actions[i])
-                if not r.done:
-                    contexts[i].extend(_as_ids(r.obs))
-                    still.append(i)
-            active = still
+        await run_token_episodes(
+            venv, generate_batch=generate_batch, num_episodes=n, stats=drive,
+            options=[{"task_index": int(ti)} for ti in task_indices],
+            seeds=None if seeds is None else [int(s) for s in seeds], max_tokens_per_turn=params.max_new_tokens,
+            check_turn_length=False)
     finally:
         model.train(was_training)
-    stats.total_seconds = time.perf_counter() - t0
+    stats = RolloutStats(gen_seconds=drive.gen_seconds, env_seconds=drive.env_seconds,
+                         total_seconds=time.perf_counter() - t0, gen_tokens=drive.gen_tokens, turns=drive.turns)
     return [venv.envs[i].trajectory for i in range(n)], stats
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -32,14 +34,16 @@ from typing import Any, Protocol
 import numpy as np
 
 from rlf_envs.env.tool_env import ToolEnv
-from rlf_envs.env.vector import ToolVectorEnv
+from rlf_envs.env.vector import StepResult, ToolVectorEnv
 from rlf_envs.registration import make_tool_env
 from rlf_envs.types import EndReason, Trajectory
 
 __all__ = [
-    "ENV_ERROR", "MAX_LENGTH", "GenerateBatchFn", "GenerateFn", "Generation", "TokenEpisode", "make_tool_env",
-    "run_token_episode", "run_token_episodes", "run_token_episodes_sync",
+    "ENV_ERROR", "MAX_LENGTH", "DriveStats", "GenerateBatchFn", "GenerateFn", "Generation", "TokenEpisode",
+    "make_tool_env", "obs_ids", "run_token_episode", "run_token_episodes", "run_token_episodes_sync",
 ]
+
+log = logging.getLogger("rlf_envs.adapters")
 
 #: end reasons beyond rlf's EndReason: the sequence reached the caller's `max_length` before the env ended,
 #: or the env raised (a bug in an env; rlf's own never raise from a step)
@@ -97,6 +101,7 @@ class TokenEpisode:
     tool_timeouts: int = 0
     invalid_turns: int = 0
     length_stops: int = 0  # turns the generate function ended with finish_reason "length"
+    finish_reason: str | None = None  # the generate function's finish_reason of the last turn
     error: str | None = None  # ENV_ERROR: what the env raised
     trajectory: Trajectory | None = field(default=None, repr=False)
 
@@ -122,12 +127,28 @@ class TokenEpisode:
         }
 
 
-def _ids(obs: Any) -> list[int]:
+@dataclass(slots=True)
+class DriveStats:
+    """Where a `run_token_episodes` call spent its time (pass one in as `stats=`; it is added to):
+    `gen_seconds` in the generate function(s), `env_seconds` in env resets and steps, `gen_tokens` the
+    generated ids, `turns` the generations asked for (one per active episode per turn)."""
+
+    gen_seconds: float = 0.0
+    env_seconds: float = 0.0
+    gen_tokens: int = 0
+    turns: int = 0
+
+
+def obs_ids(obs: Any) -> list[int]:
+    """A token-mode observation (numpy array or sequence of ids) as a list of Python ints."""
     return obs.astype(np.int64).tolist() if isinstance(obs, np.ndarray) else [int(x) for x in obs]
 
 
+_ids = obs_ids
+
+
 def _episode(env: ToolEnv, n_prompt: int, logprobs: list[float] | None, length_stops: int,
-             end: str | None, error: str | None) -> TokenEpisode:
+             end: str | None, error: str | None, finish: str | None = None) -> TokenEpisode:
     traj = env.trajectory
     ids = list(traj.token_ids or [])
     mask = list(traj.loss_mask or [])
@@ -139,17 +160,35 @@ def _episode(env: ToolEnv, n_prompt: int, logprobs: list[float] | None, length_s
         outcome=float(traj.reward), per_turn_rewards=[float(t.reward) for t in turns], turns=len(turns),
         end_reason=end or traj.end.value, task_id=traj.task.id, tool_calls=traj.num_tool_calls,
         tool_errors=traj.num_tool_errors, tool_timeouts=sum(t.stats.timeouts for t in turns),
-        invalid_turns=sum(t.stats.invalid for t in turns), length_stops=length_stops, error=error,
-        trajectory=traj,
+        invalid_turns=sum(t.stats.invalid for t in turns), length_stops=length_stops, finish_reason=finish,
+        error=error, trajectory=traj,
     )
 
 
-def _as_vector(envs: ToolVectorEnv | Sequence[ToolEnv]) -> ToolVectorEnv:
+class _OneEnv:
+    """One env stepped through its own `areset`/`astep` (what `ToolVectorEnv` offers the driver, without
+    building one per episode)."""
+
+    def __init__(self, env: ToolEnv) -> None:
+        self.envs = [env]
+        self.num_envs = 1
+
+    async def areset_envs(self, options: dict[int, dict[str, Any] | None],
+                          seeds: dict[int, int | None] | None = None) -> dict[int, tuple[Any, dict[str, Any]]]:
+        return {0: await self.envs[0].areset(seed=(seeds or {}).get(0), options=options[0])}
+
+    async def astep_active(self, actions: dict[int, list[int]]) -> dict[int, StepResult]:
+        return {0: StepResult(*await self.envs[0].astep(actions[0]))}
+
+
+def _as_vector(envs: ToolVectorEnv | Sequence[ToolEnv]) -> ToolVectorEnv | _OneEnv:
     if isinstance(envs, ToolVectorEnv):
         return envs
     envs = list(envs)
     if not envs:
         raise ValueError("run_token_episodes needs at least one env")
+    if len(envs) == 1:
+        return _OneEnv(envs[0])
     return ToolVectorEnv(env_fns=[functools.partial(_same, e) for e in envs])
 
 
@@ -179,6 +218,9 @@ async def run_token_episodes(
     max_length: int | None = None,
     max_completion_tokens: int | None = None,
     catch_env_errors: bool = False,
+    num_episodes: int | None = None,
+    stats: DriveStats | None = None,
+    check_turn_length: bool = True,
 ) -> list[TokenEpisode]:
     """One token-mode episode on each env (env k reset with `options[k]`, e.g. `{"task_index": 3}` or
     `{"task": Task(...)}`), all in lock-step; see the module docstring. Give exactly one of `generate`
@@ -188,34 +230,43 @@ async def run_token_episodes(
     prompt (actions + observations): each env's total budget is lowered to fit and each generation asks for
     at most what is left. A generate function's exception propagates (the
     trainer's to see). An exception from an env step (a bug) propagates too, unless `catch_env_errors`:
-    then the episodes of that step end with `error` set, reward 0, and the others go on.
+    then the episodes of that step end with `error` set, reward 0, and the others go on (and it is logged).
+
+    `num_episodes` runs only on the first that many envs of a bigger `ToolVectorEnv` (a trainer's pool);
+    `stats` (a `DriveStats`) receives the seconds spent generating and stepping, the generated ids and turns.
+    `check_turn_length=False` lets a (trusted) generate function return more than a turn's `max_tokens`, as
+    long as the sequence stays within `max_length` / `max_completion_tokens` (rlf's trainer: scripted actions).
     """
     if (generate is None) == (generate_batch is None):
         raise TypeError("give exactly one of generate= or generate_batch=")
     if max_tokens_per_turn < 1:
         raise ValueError(f"max_tokens_per_turn must be >= 1, got {max_tokens_per_turn}")
     venv = _as_vector(envs)
-    n = venv.num_envs
+    n = venv.num_envs if num_episodes is None else num_episodes
+    if not 0 < n <= venv.num_envs:
+        raise ValueError(f"num_episodes must be in 1..{venv.num_envs} (the number of envs), got {n}")
     opts: list[dict[str, Any] | None] = list(options) if options is not None else [None] * n
     if len(opts) != n:
         raise ValueError(f"got {len(opts)} options for {n} envs")
     if seeds is not None and len(seeds) != n:
         raise ValueError(f"got {len(seeds)} seeds for {n} envs")
-    for e in venv.envs:
+    for e in venv.envs[:n]:
         if not e.token_mode:
             raise ValueError("run_token_episodes needs token-mode envs: make them with a tokenizer "
                              "(make_tool_env(env_id, tokenizer=...))")
-    budgets = [e.max_total_tokens for e in venv.envs]
+    budgets = [e.max_total_tokens for e in venv.envs[:n]]
     try:
-        return await _drive(venv, opts, seeds, generate, generate_batch, max_tokens_per_turn, max_length,
-                            max_completion_tokens, catch_env_errors)
+        return await _drive(venv, n, opts, seeds, generate, generate_batch, max_tokens_per_turn, max_length,
+                            max_completion_tokens, catch_env_errors, stats if stats is not None else DriveStats(),
+                            check_turn_length)
     finally:  # the budgets were lowered for these episodes only
-        for e, b in zip(venv.envs, budgets, strict=True):
+        for e, b in zip(venv.envs[:n], budgets, strict=True):
             e.max_total_tokens = b
 
 
 async def _drive(
-    venv: ToolVectorEnv,
+    venv: ToolVectorEnv | _OneEnv,
+    n: int,
     opts: list[dict[str, Any] | None],
     seeds: Sequence[int | None] | None,
     generate: GenerateFn | None,
@@ -224,19 +275,24 @@ async def _drive(
     max_length: int | None,
     max_completion_tokens: int | None,
     catch_env_errors: bool,
+    stats: DriveStats,
+    check_turn_length: bool,
 ) -> list[TokenEpisode]:
-    n = venv.num_envs
+    envs = venv.envs[:n]
+    t = time.perf_counter()
     resets = await venv.areset_envs(dict(enumerate(opts)), seeds=None if seeds is None else dict(enumerate(seeds)))
+    stats.env_seconds += time.perf_counter() - t
     contexts = {i: _ids(obs) for i, (obs, _) in resets.items()}
     n_prompt = {i: len(c) for i, c in contexts.items()}
     unlimited = 1 << 62
     limit = {i: min(max_length if max_length is not None else unlimited,
                     n_prompt[i] + max_completion_tokens if max_completion_tokens is not None else unlimited)
              for i in range(n)}
-    for i, e in enumerate(venv.envs):
+    for i, e in enumerate(envs):
         e.max_total_tokens = min(e.max_total_tokens, limit[i])
     logprobs: dict[int, list[float] | None] = {i: [0.0] * len(c) for i, c in contexts.items()}
     length_stops = dict.fromkeys(range(n), 0)
+    finish: dict[int, str | None] = dict.fromkeys(range(n))
     ends: dict[int, str | None] = dict.fromkeys(range(n))
     errors: dict[int, str | None] = dict.fromkeys(range(n))
     stop = list(venv.envs[0].format.stop_strings)
@@ -248,6 +304,7 @@ async def _drive(
         active = [i for i in active if room[i] > 0]
         if not active:
             break
+        t = time.perf_counter()
         if generate_batch is not None:
             gens = list(await generate_batch([list(contexts[i]) for i in active], [room[i] for i in active], stop))
             if len(gens) != len(active):
@@ -255,24 +312,32 @@ async def _drive(
         else:
             assert generate is not None
             gens = list(await asyncio.gather(*(generate(list(contexts[i]), room[i], stop) for i in active)))
+        stats.gen_seconds += time.perf_counter() - t
+        stats.turns += len(active)
         actions: dict[int, list[int]] = {}
         for i, g in zip(active, gens, strict=True):
-            g = _check_generation(g, room[i])
-            actions[i] = [int(t) for t in g.ids]
+            g = _check_generation(g, room[i] if check_turn_length else limit[i] - len(contexts[i]))
+            actions[i] = [int(x) for x in g.ids]
+            stats.gen_tokens += len(g.ids)
+            finish[i] = g.finish_reason
             length_stops[i] += g.finish_reason == "length"
             lp = logprobs[i]
             if lp is not None and g.logprobs is None:
                 logprobs[i] = None
             elif lp is not None and g.logprobs is not None:
                 lp.extend(float(x) for x in g.logprobs)
+        t = time.perf_counter()
         try:
             results = await venv.astep_active(actions)
         except Exception as e:
             if not catch_env_errors:
                 raise
+            log.exception("rlf env step failed; %d episode(s) end with reward 0", len(active))
             for i in active:
                 errors[i], ends[i] = f"{type(e).__name__}: {str(e)[:300]}", ENV_ERROR
             break
+        finally:
+            stats.env_seconds += time.perf_counter() - t
         still = []
         for i in active:
             contexts[i].extend(actions[i])
@@ -285,13 +350,12 @@ async def _drive(
                 still.append(i)
         active = still
     out = []
-    for i, env in enumerate(venv.envs):
+    for i, env in enumerate(envs):
         if errors[i] is None and list(env.trajectory.token_ids or []) != contexts[i]:
             raise RuntimeError("rlf adapters: the context given to the generate function differs from the env's "
                                "trajectory ids (an env that re-tokenises?)")
-        out.append(_episode(env, n_prompt[i], logprobs[i], length_stops[i], ends[i], errors[i]))
+        out.append(_episode(env, n_prompt[i], logprobs[i], length_stops[i], ends[i], errors[i], finish[i]))
     return out
-
 
 
 async def run_token_episode(
