@@ -167,9 +167,8 @@ class VllmRollout:
             return gens
 
         t0 = time.perf_counter()
-        envs: ToolVectorEnv | list[Any] = venv if n == venv.num_envs else list(venv.envs[:n])
         episodes = runtime.run(run_token_episodes(
-            envs, generate_batch=generate_batch, options=[{"task_index": int(i)} for i in task_indices],
+            venv, num_episodes=n, generate_batch=generate_batch, options=[{"task_index": int(i)} for i in task_indices],
             seeds=[int(s) for s in seeds], max_tokens_per_turn=params.max_new_tokens))
         stats.total_seconds = time.perf_counter() - t0
         stats.env_seconds = stats.total_seconds - stats.gen_seconds
