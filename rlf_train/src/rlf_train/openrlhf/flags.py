@@ -54,6 +54,8 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "rollout.async_worker": ("process", "OpenRLHF places rollouts on its own vLLM actors (remove the key)"),
     "rollout.partial_rollouts": (True, "use openrlhf.partial_rollout (--train.partial_rollout_enable) with "
                                        "openrlhf.async_train"),
+    "rollout.async_schedule": ("free", "the local async worker's schedule; OpenRLHF schedules its own rollouts "
+                                       "(remove the key)"),
     "algorithm.is_cap": (2.0, "the local backend's async correction; OpenRLHF applies its own (remove the key)"),
 }
 
