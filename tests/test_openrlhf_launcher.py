@@ -160,6 +160,7 @@ def _other(key: str, value: Any) -> Any:
                "model.tiny.num_heads": 8, "model.tiny.num_kv_heads": 1, "model.tiny.hidden_size": 128,
                "rollout.max_total_tokens": 600, "rollout.max_new_tokens_per_turn": 20,
                "rollout.mode": "async", "rollout.async_worker": "thread", "rollout.engine": "vllm",
+               "rollout.async_schedule": "fixed",
                "model.tiny.tokenizer_vocab_size": 1000}  # below the shipped one: a tokenizer is trained
     if key in special:
         return special[key]

@@ -291,21 +291,31 @@ def test_async_worker_error_reaches_the_learner(tmp_path: Path, monkeypatch: pyt
 
 
 # ---------------------------------------------------------------- SIGKILL mid-async-run
-@pytest.fixture(scope="module", params=[pytest.param("thread", id="thread"),
-                                        pytest.param("process", id="process", marks=pytest.mark.slow)])
+FREE_0 = ["rollout.max_staleness=0"]
+FIXED_1 = ["rollout.max_staleness=1", "rollout.async_schedule=fixed"]
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(("thread", FREE_0), id="thread-free-s0"),
+    pytest.param(("thread", FIXED_1), id="thread-fixed-s1"),
+    pytest.param(("process", FREE_0), id="process-free-s0", marks=pytest.mark.slow),
+    pytest.param(("process", FIXED_1), id="process-fixed-s1", marks=pytest.mark.slow)])
 def strict(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path]:
-    """max_staleness 0 with the given worker kind, and an uninterrupted run of it."""
-    flags = ["rollout.mode=async", f"rollout.async_worker={request.param}", "rollout.max_staleness=0"]
-    run = tmp_path_factory.mktemp(f"full_async_{request.param}") / "run"
+    """A reproducible async setting (max_staleness 0, or the fixed schedule at max_staleness 1) with the given
+    worker kind, and an uninterrupted run of it."""
+    worker, extra = request.param
+    flags = ["rollout.mode=async", f"rollout.async_worker={worker}", *extra]
+    run = tmp_path_factory.mktemp(f"full_async_{worker}") / "run"
     Trainer(parity_cfg(run, STEPS, COMMON + flags)).run()
     return flags, run
 
 
 def test_async_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path: Path,
                                                                  strict: tuple[list[str], Path]) -> None:
-    """With max_staleness 0 an async run is reproducible (the worker's sampler is re-seeded per update), so a
-    run SIGKILLed after checkpoint step_2 (its rollout worker, a thread or a process, with it) and resumed
-    ends with the same metrics and bit-identical weights."""
+    """With max_staleness 0, or with the fixed schedule at max_staleness 1, an async run is reproducible (the
+    worker's sampler is re-seeded per update; under the fixed schedule update u's batch comes from weights
+    version max(0, u - 2), which the checkpoint keeps), so a run SIGKILLed after checkpoint step_2 (its rollout
+    worker, a thread or a process, with it) and resumed ends with the same metrics and bit-identical weights."""
     flags, uninterrupted_async = strict
     run = tmp_path / "run"
     at_kill = _run_until_parked_then_kill(run, tmp_path, "step_2",
@@ -325,5 +335,36 @@ def test_async_resume_after_sigkill_equals_the_uninterrupted_run(tmp_path: Path,
     keys = [(r["stage"], r["step"]) for r in got]
     assert len(keys) == len(set(keys)), "duplicate metrics rows after resume"
     assert got == want
+    if "rollout.async_schedule=fixed" in flags:  # update u trained on version max(0, u - 2): staleness 0, 1, 1, ...
+        assert [r["staleness_max"] for r in got if r["stage"] == "rl"] == [min(1, s - 1) for s in range(1, STEPS + 1)]
     wa, wb = final_weights(uninterrupted_async), final_weights(run)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_fixed_schedule_resume_refuses_a_checkpoint_without_the_older_weights(tmp_path: Path) -> None:
+    """Resuming with the fixed schedule needs the weights the worker generates the next batches with (versions
+    step - max_staleness .. step - 1), which only a fixed-schedule run's checkpoint holds: anything else is
+    refused with the fix, instead of silently generating with other weights."""
+    run = tmp_path / "run"
+    Trainer(parity_cfg(run, 2, [*ASYNC, "rollout.max_staleness=1", "logging.save_every=1"])).run()
+    cfg = parity_cfg(run, 3, [*ASYNC, "rollout.max_staleness=1", "rollout.async_schedule=fixed",
+                              "logging.save_every=1"])
+    with pytest.raises(ValueError, match="versions \\[1\\].*resume with rollout.async_schedule: free"):
+        Trainer(cfg, run_dir=run, resume=True).run()
+
+
+def test_weight_stores_keep_the_newest_versions_exactly() -> None:
+    """The fixed schedule reads an exact older version: both stores hold the `keep` newest, and only those."""
+    import multiprocessing
+
+    model = torch.nn.Linear(2, 2)
+    stores = [WeightStore(keep=2), async_mod.SharedWeights(model, multiprocessing.get_context("spawn"), slots=2)]
+    for store in stores:
+        for v in range(4):
+            with torch.no_grad():
+                model.weight.fill_(float(v))
+            store.publish(v, model)
+        assert store.get(1) is None and store.get(5) is None
+        assert float(store.get(2)["weight"][0, 0]) == 2.0 and float(store.get(3)["weight"][0, 0]) == 3.0
+        with pytest.raises(ValueError, match="versions must grow"):
+            store.publish(3, model)

@@ -88,6 +88,12 @@ class RolloutConfig(_Section):
     partial_rollouts: bool = Field(True, description="async: an episode in flight at a weight update continues with "
                                                      "the new weights (False: it keeps the weights it started with); "
                                                      "backend openrlhf: --train.partial_rollout_enable")
+    async_schedule: Literal["free", "fixed"] = Field(
+        "free", description="async: free: the worker generates with the newest weights it has (fastest; with "
+                            "max_staleness >= 1 which weights a token gets depends on timing). fixed: update u's "
+                            "batch is generated entirely by weights version max(0, u - 1 - max_staleness), one "
+                            "update after another (no partial rollouts): the run is a function of the seed and a "
+                            "SIGKILLed run resumes exactly (docs/guides/async-rl.md)")
     engine: Literal["local", "vllm"] = Field(
         "local", description="what generates the local backend's rollouts and evals: local (rlf's KV-cache sampler) "
                              "or vllm (a vllm.LLM in the trainer's process, weights reloaded after every update; "

@@ -557,17 +557,29 @@ class Trainer:
             drawn[u] = (self._next_tasks(r.prompts_per_step), self._data_state())
         prompts = {u: p for u, (p, _) in drawn.items()}
         self.admission = Admission(r.prompts_per_step, r.max_staleness)
+        fixed = r.async_schedule == "fixed"
+        keep = r.max_staleness + 1 if fixed else 1  # versions the worker may still need
+        # the fixed schedule's resume: the versions start_step - s .. start_step - 1 come from the checkpoint
+        history: dict[int, dict[str, torch.Tensor]] = {}
+        if fixed and start_step > 0:
+            saved = (self.state or {}).get("async_weights")
+            need = range(max(0, start_step - r.max_staleness), start_step)
+            if saved is None or any(v not in saved for v in need):
+                raise ValueError(f"resume at step {start_step} with rollout.async_schedule: fixed needs the weights "
+                                 f"of versions {list(need)} in the checkpoint, which was not written by a fixed-"
+                                 "schedule run with this max_staleness; resume with rollout.async_schedule: free")
+            history = {v: saved[v] for v in need}
         worker: AsyncRollout | ProcessRollout
         store: WeightStore | SharedWeights
         if r.async_worker == "process":
             import torch.multiprocessing as tmp
 
             ctx = tmp.get_context("spawn")
-            store = SharedWeights(self.model, ctx)
+            store = SharedWeights(self.model, ctx, slots=keep)
             spec = WorkerSpec(cfg.model_dump(mode="json"), prompts, start_step + 1, steps, self.train_env_hook)
             worker = ProcessRollout(spec, store, self.admission, ctx)
         else:
-            store = WeightStore()
+            store = WeightStore(keep=keep)
             worker_model = copy.deepcopy(self.model)
             for p in worker_model.parameters():
                 p.requires_grad_(False)
@@ -577,8 +589,23 @@ class Trainer:
                 seed_for=lambda u, row: self._seed_base(u) + row,
                 gen_seed_for=lambda u: sampler_seed(cfg.seed, u),
                 group_size=r.samples_per_prompt, first_update=start_step + 1, last_update=steps,
-                batch_size=r.batch_size, gen=self.gen, partial_rollouts=r.partial_rollouts)
-        store.publish(start_step, self.model)
+                batch_size=r.batch_size, gen=self.gen, partial_rollouts=r.partial_rollouts,
+                schedule=r.async_schedule)
+
+        def publish(version: int) -> None:
+            store.publish(version, self.model)
+            if fixed:  # a CPU copy of each version the worker may still need, for the checkpoint
+                history[version] = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+                for old in [v for v in history if v <= version - keep]:
+                    del history[old]
+
+        if history:
+            current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            for v in sorted(history):
+                self.model.load_state_dict(history[v])
+                store.publish(v, self.model)
+            self.model.load_state_dict(current)
+        publish(start_step)
         self.async_worker = worker
         worker.start()
         busy_before = 0.0
@@ -590,7 +617,9 @@ class Trainer:
                 step_prompts, data_state = drawn.pop(step)
                 task_indices = [p for p in step_prompts for _ in range(r.samples_per_prompt)]
                 rec = self.update(step, batch.trajectories, task_indices, optimizer, scheduler, behaviour=True)
-                store.publish(step, self.model)
+                publish(step)
+                if fixed:
+                    data_state = {**data_state, "async_weights": {v: w for v, w in history.items() if v < step}}
                 busy = worker.times.generate
                 rec.update({"gen_tokens": batch.gen_tokens, "time_wait": t_wait, "rollout_busy": busy - busy_before,
                             "time_step": time.perf_counter() - t_step})
