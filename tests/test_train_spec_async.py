@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_train_spec_grpo import expected_advantages
+from test_train_spec_grpo import expected_advantages, nucleus_logprobs
 from train_envs import PARITY_ID
 
 import rlf_train.trainer as trainer_mod
@@ -121,28 +121,8 @@ class AsyncRun:
 
 
 def np_logprobs(model: torch.nn.Module, t: Trajectory, strict: bool) -> torch.Tensor:
-    """numpy: log p of each policy token under softmax(logits / TEMP) truncated to the top-p nucleus (the
-    smallest prefix of the sorted probabilities whose mass reaches TOP_P) and renormalised. `strict`: the
-    token must lie in the nucleus (it was sampled from it); else (a token scored under newer weights) it is
-    added to the nucleus, as the update does so that its log-prob stays finite."""
-    out = []
-    with torch.no_grad():
-        ids = torch.tensor([t.token_ids], dtype=torch.long)
-        logits = model(input_ids=ids[:, :-1]).logits[0].double().numpy()
-    for pos, on in enumerate((t.loss_mask or [])[1:]):
-        if not on:
-            continue
-        z = logits[pos] / TEMP
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        order = np.argsort(-p, kind="stable")
-        keep = np.zeros_like(p, dtype=bool)
-        keep[order[np.cumsum(p[order]) - p[order] < TOP_P]] = True
-        tok = (t.token_ids or [])[pos + 1]
-        assert keep[tok] or not strict, "a sampled token outside the top-p nucleus of its version"
-        keep[tok] = True
-        out.append(np.log(p[tok] / p[keep].sum()))
-    return torch.tensor(out, dtype=torch.float32)
+    """numpy (test_train_spec_grpo's reference) at this file's TEMP / TOP_P: see `nucleus_logprobs`."""
+    return torch.tensor(nucleus_logprobs(model, t, TEMP, TOP_P, strict), dtype=torch.float32)
 
 
 def behaviour(run: AsyncRun, t: Trajectory) -> torch.Tensor:

@@ -256,27 +256,35 @@ def test_ratio_old_logprobs_and_kl(trainer: Any, monkeypatch: pytest.MonkeyPatch
     assert s.recs[0]["kl"] > 0 and s.recs[1]["kl"] > 0
 
 
-def behaviour_logprobs(model: torch.nn.Module, trajs: list[Trajectory], temp: float, top_p: float) -> torch.Tensor:
-    """numpy: log p of each sampled policy token under softmax(logits / temp) truncated to the top-p nucleus
-    (the smallest prefix of the sorted probabilities whose mass reaches top_p), renormalised."""
+def nucleus_logprobs(model: torch.nn.Module, t: Trajectory, temp: float, top_p: float,
+                     strict: bool = True) -> list[float]:
+    """numpy: log p of each policy token of `t` under softmax(logits / temp) truncated to the top-p nucleus
+    (the smallest prefix of the sorted probabilities whose mass reaches top_p), renormalised. `strict`: the
+    token must lie in the nucleus (it was sampled from it); else (a token scored under newer weights) it is
+    added to the nucleus, as the update does so that its log-prob stays finite."""
     out = []
     with torch.no_grad():
-        for t in trajs:
-            ids = torch.tensor([t.token_ids], dtype=torch.long)
-            logits = model(input_ids=ids[:, :-1]).logits[0].double().numpy()
-            for pos, on in enumerate(t.loss_mask[1:]):  # type: ignore[index]
-                if not on:
-                    continue
-                z = logits[pos] / temp
-                p = np.exp(z - z.max())
-                p /= p.sum()
-                order = np.argsort(-p, kind="stable")
-                before = np.cumsum(p[order]) - p[order]
-                nucleus = order[before < top_p]
-                tok = t.token_ids[pos + 1]  # type: ignore[index]
-                assert tok in nucleus, "a sampled token outside the top-p nucleus"
-                out.append(np.log(p[tok] / p[nucleus].sum()))
-    return torch.tensor(out, dtype=torch.float32)
+        ids = torch.tensor([t.token_ids], dtype=torch.long)
+        logits = model(input_ids=ids[:, :-1]).logits[0].double().numpy()
+    for pos, on in enumerate((t.loss_mask or [])[1:]):
+        if not on:
+            continue
+        z = logits[pos] / temp
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        keep = np.zeros_like(p, dtype=bool)
+        keep[order[np.cumsum(p[order]) - p[order] < top_p]] = True
+        tok = (t.token_ids or [])[pos + 1]
+        assert keep[tok] or not strict, "a sampled token outside the top-p nucleus"
+        keep[tok] = True
+        out.append(float(np.log(p[tok] / p[keep].sum())))
+    return out
+
+
+def behaviour_logprobs(model: torch.nn.Module, trajs: list[Trajectory], temp: float, top_p: float) -> torch.Tensor:
+    """`nucleus_logprobs` of every sampled policy token of `trajs`, in order."""
+    return torch.tensor([x for t in trajs for x in nucleus_logprobs(model, t, temp, top_p)], dtype=torch.float32)
 
 
 @pytest.mark.parametrize("clip", [1e-3, 1e6])

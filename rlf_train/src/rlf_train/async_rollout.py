@@ -42,9 +42,10 @@ from typing import Any
 import torch
 
 from rlf_envs import runtime
+from rlf_envs.adapters.episode import obs_ids
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
-from rlf_train.rollout import SamplingParams, StopChecker, _as_ids, generate_batched
+from rlf_train.rollout import SamplingParams, StopChecker, generate_batched
 
 
 class WeightStore:
@@ -278,7 +279,7 @@ class AsyncRollout:
                                                 seeds={s: self.seed_for(u, row) for s, row in zip(slots, rows,
                                                                                                   strict=True)})
                 self.admission.admit(next_group, self.version)
-                ready += [_Episode(next_group, row, s, _as_ids(resets[s][0])) for s, row in zip(slots, rows,
+                ready += [_Episode(next_group, row, s, obs_ids(resets[s][0])) for s, row in zip(slots, rows,
                                                                                                    strict=True)]
                 next_group += 1
             if ready:
@@ -321,7 +322,7 @@ class AsyncRollout:
                         self._done.setdefault(u, {})[ep.row] = traj
                         self._cond.notify_all()
                 else:
-                    ep.context.extend(_as_ids(res.obs))
+                    ep.context.extend(obs_ids(res.obs))
                     ready.append(ep)
 
     def fixed_version(self, update: int) -> int:
@@ -367,7 +368,7 @@ class AsyncRollout:
                                             seeds={row: self.seed_for(u, row) for row in rows})
             for j in range(B):
                 self.admission.admit((u - 1) * B + j, self.version)
-            active = [_Episode((u - 1) * B + row // G, row, row, _as_ids(resets[row][0])) for row in rows]
+            active = [_Episode((u - 1) * B + row // G, row, row, obs_ids(resets[row][0])) for row in rows]
             done: dict[int, Trajectory] = {}
             while active:
                 if self._stop:
@@ -389,7 +390,7 @@ class AsyncRollout:
                     if res[ep.slot].done:
                         done[ep.row] = copy.copy(traj)
                     else:
-                        ep.context.extend(_as_ids(res[ep.slot].obs))
+                        ep.context.extend(obs_ids(res[ep.slot].obs))
                         still.append(ep)
                 active = still
             with self._cond:

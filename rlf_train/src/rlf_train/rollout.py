@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from rlf_envs import runtime
-from rlf_envs.adapters.episode import DriveStats, Generation, obs_ids, run_token_episodes
+from rlf_envs.adapters.episode import DriveStats, GenerateBatchFn, Generation, TokenEpisode, run_token_episodes
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
 from rlf_train.grpo import sampling_logits
@@ -195,7 +195,33 @@ class RolloutStats:
     turns: int = 0
 
 
-_as_ids = obs_ids  # the name async_rollout imports
+
+async def drive_episodes(
+    venv: ToolVectorEnv,
+    task_indices: Sequence[int],
+    generate_batch: GenerateBatchFn,
+    params: SamplingParams,
+    *,
+    seeds: Sequence[int] | None = None,
+    check_turn_length: bool = True,
+) -> tuple[list[TokenEpisode], RolloutStats]:
+    """One episode on each of the first len(task_indices) envs (env i on task_indices[i]) through rlf's
+    token-episode driver (`rlf_envs.adapters.episode.run_token_episodes`), at most `params.max_new_tokens`
+    per turn, with any engine's `generate_batch`: the trainer's local sampler (`run_episodes`) and
+    `rlf_train.vllm_engine` both roll out here."""
+    n = len(task_indices)
+    if not 0 < n <= venv.num_envs:
+        raise ValueError(f"need 1..{venv.num_envs} task indices (one per env), got {n}")
+    t0 = time.perf_counter()
+    drive = DriveStats()
+    episodes = await run_token_episodes(
+        venv, generate_batch=generate_batch, num_episodes=n, stats=drive,
+        options=[{"task_index": int(ti)} for ti in task_indices],
+        seeds=None if seeds is None else [int(s) for s in seeds], max_tokens_per_turn=params.max_new_tokens,
+        check_turn_length=check_turn_length)
+    stats = RolloutStats(gen_seconds=drive.gen_seconds, env_seconds=drive.env_seconds,
+                         total_seconds=time.perf_counter() - t0, gen_tokens=drive.gen_tokens, turns=drive.turns)
+    return episodes, stats
 
 
 async def run_episodes(
@@ -210,13 +236,9 @@ async def run_episodes(
     gen: torch.Generator | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """One episode on each of the first len(task_indices) envs (env i on task_indices[i]) with the policy:
-    rlf's token-episode driver (`rlf_envs.adapters.episode.run_token_episodes`) with `generate_batched`.
+    `drive_episodes` with `generate_batched`.
 
     Call it on rlf's loop (`rollout()` does); from another loop each env phase hops threads."""
-    n = len(task_indices)
-    if not 0 < n <= venv.num_envs:
-        raise ValueError(f"need 1..{venv.num_envs} task indices (one per env), got {n}")
-    t0 = time.perf_counter()
     stop = StopChecker(tokenizer, list(venv.envs[0].format.stop_strings), tokenizer.eos_token_id)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -230,20 +252,14 @@ async def run_episodes(
                 out[k] = Generation(ids)
         return out
 
-    drive = DriveStats()
     was_training = model.training
     model.eval()
     try:
-        await run_token_episodes(
-            venv, generate_batch=generate_batch, num_episodes=n, stats=drive,
-            options=[{"task_index": int(ti)} for ti in task_indices],
-            seeds=None if seeds is None else [int(s) for s in seeds], max_tokens_per_turn=params.max_new_tokens,
-            check_turn_length=False)
+        episodes, stats = await drive_episodes(venv, task_indices, generate_batch, params, seeds=seeds,
+                                               check_turn_length=False)
     finally:
         model.train(was_training)
-    stats = RolloutStats(gen_seconds=drive.gen_seconds, env_seconds=drive.env_seconds,
-                         total_seconds=time.perf_counter() - t0, gen_tokens=drive.gen_tokens, turns=drive.turns)
-    return [venv.envs[i].trajectory for i in range(n)], stats
+    return [venv.envs[i].trajectory for i in range(len(episodes))], stats
 
 
 def rollout(

@@ -647,38 +647,39 @@ class Trainer:
             self.vllm.close()
             self.vllm = None
 
+    def _run_stages(self, progress: Progress) -> None:
+        """SFT (unless done), the eval before RL, then RL, each resumed from where the checkpoint left it."""
+        cfg = self.cfg
+        progress.print(f"run dir: {self.run_dir}  policy: {cfg.model.name_or_path} "
+                       f"({num_parameters(self.model) / 1e6:.2f}M params, vocab {len(self.tokenizer)})  "
+                       f"train tasks: {len(self.train_tasks)}")
+        start_step = 0
+        m = self.meta
+        if m is not None:
+            assert self.state is not None
+            self._restore_rng(self.state)
+            progress.print(f"resumed from the {m.stage} checkpoint at step {m.step}"
+                           + ("" if m.stage == "rl" or m.sft_done else " (SFT continues)"))
+        elif self.resume:
+            progress.print(f"--resume {self.run_dir}: no checkpoint yet, starting the run over")
+        if (m is None or (m.stage == "sft" and not m.sft_done)) and cfg.sft.enabled and cfg.sft.steps > 0:
+            self.run_sft(progress)
+        if m is None or m.stage == "sft":
+            if cfg.eval.before_rl:
+                self._record_eval(self.evaluate(0), progress)
+            if cfg.algorithm.steps > 0 and cfg.logging.save_every:
+                self._save("step_0", "rl", 0, None)
+        else:
+            start_step = m.step
+        self.run_rl(progress, start_step)
+
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         t0 = time.perf_counter()
         with Progress(cfg.logging.progress) as progress:
-            progress.print(f"run dir: {self.run_dir}  policy: {cfg.model.name_or_path} "
-                           f"({num_parameters(self.model) / 1e6:.2f}M params, vocab {len(self.tokenizer)})  "
-                           f"train tasks: {len(self.train_tasks)}")
-            start_step = 0
-            m = self.meta
-            if m is not None:
-                assert self.state is not None
-                self._restore_rng(self.state)
-                progress.print(f"resumed from the {m.stage} checkpoint at step {m.step}"
-                               + ("" if m.stage == "rl" or m.sft_done else " (SFT continues)"))
-            elif self.resume:
-                progress.print(f"--resume {self.run_dir}: no checkpoint yet, starting the run over")
-            if (m is None or (m.stage == "sft" and not m.sft_done)) and cfg.sft.enabled and cfg.sft.steps > 0:
-                self.run_sft(progress)
-            if m is None or m.stage == "sft":
-                if cfg.eval.before_rl:
-                    try:
-                        self._record_eval(self.evaluate(0), progress)
-                    except BaseException:
-                        self.close_engine()
-                        raise
-                if cfg.algorithm.steps > 0 and cfg.logging.save_every:
-                    self._save("step_0", "rl", 0, None)
-            else:
-                start_step = m.step
             try:
-                self.run_rl(progress, start_step)
-            finally:
+                self._run_stages(progress)
+            finally:  # rollout.engine vllm: the engine may have started in any stage that rolls out
                 self.close_engine()
         self.logger.close()
         plot_reward_curve(self.run_dir)

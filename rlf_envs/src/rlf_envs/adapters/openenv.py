@@ -31,7 +31,7 @@ from typing import Any
 from pydantic import Field
 
 from rlf_envs.adapters import require_trainer
-from rlf_envs.adapters.episode import make_tool_env
+from rlf_envs.adapters.episode import make_tool_env, obs_ids
 from rlf_envs.adapters.support import chatml_messages
 from rlf_envs.env.tool_env import ToolEnv
 
@@ -75,7 +75,7 @@ class RlfState(_server.State):  # type: ignore[misc, name-defined]
 
 
 def _ids(obs: Any) -> list[int] | None:
-    return None if isinstance(obs, str) else [int(x) for x in obs]
+    return None if isinstance(obs, str) else obs_ids(obs)
 
 
 class RlfEnvironment(_server.Environment):  # type: ignore[misc, name-defined]
