@@ -330,3 +330,52 @@ def test_a_forked_trainer_gets_its_own_default_pool() -> None:
     assert got == b"\x00"
     assert os.path.isdir(parent.base_dir) and parent.zygote_pid is not None  # the child's exit left them alone
     assert asyncio.run(run_python("print(6)", "", FAST)).stdout == "6\n"  # the parent's pool still works
+
+
+def _ns(pid: int, kind: str) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/{kind}")
+    except FileNotFoundError:  # exited (a zombie has no namespaces)
+        return None
+
+
+@pytest.mark.asyncio
+async def test_idle_supervisors_are_already_confined_and_other_jobs_get_their_own() -> None:
+    """Idle supervisors entered the default run's namespaces before any job; a job asking for the network or for
+    no namespaces gets a supervisor forked for it, and a pre-confined one refuses such a job loudly."""
+    with SandboxPool(size=2) as p:
+        r = await run_python("print(1)", "", FAST, pool=p)
+        if "pid_ns" not in r.guards:
+            pytest.skip(f"no namespaces here: {r.missing_guards.get('namespaces')}")
+        zygote = p.zygote_pid
+        assert zygote is not None
+        kinds = ("net", "ipc", "uts", "mnt")  # (pid_for_children has no link until the first fork)
+        confined: set[int] = set()
+        deadline = time.monotonic() + 10
+        while len(confined) < 2 and time.monotonic() < deadline:  # the idle ones, refilled after the run
+            with open(f"/proc/{zygote}/task/{zygote}/children") as f:
+                children = [int(x) for x in f.read().split()]
+            own = {pid: [_ns(pid, k) for k in kinds] for pid in children}
+            confined = {pid for pid, ns in own.items() if None not in ns
+                        and all(n != _ns(zygote, k) for n, k in zip(ns, kinds, strict=True))}
+            await asyncio.sleep(0.05)
+        assert len(confined) >= 2, (children, confined)  # (the run's own supervisor may not have exited yet)
+        assert len({_ns(pid, "net") for pid in confined}) == len(confined)  # one network namespace each
+
+        plain = p.lease(confined=False)
+        try:
+            assert all(_ns(plain.pid, k) == _ns(zygote, k) for k in kinds)  # nothing entered ahead
+        finally:
+            signal.pidfd_send_signal(plain.pidfd, signal.SIGKILL)
+            for fd in (plain.pidfd, plain.job_fd, plain.err_fd):
+                os.close(fd)
+
+        no_ns = await run_python("print(2)", "", FAST.model_copy(update={"namespaces": False}), pool=p)
+        assert no_ns.stdout == "2\n" and "fresh_worker" in no_ns.guards
+        assert "pid_ns" not in no_ns.guards and "namespaces=False" in no_ns.missing_guards["namespaces"]
+
+        # a pre-confined supervisor handed a network job (a runner bug) fails it instead of running it unconfined
+        # or without the network it asked for
+        p.lease = lambda confined=True: SandboxPool.lease(p, True)  # type: ignore[method-assign]
+        wrong = await run_python("print('ran')", "", FAST.model_copy(update={"network": True}), pool=p)
+        assert wrong.stdout == "" and wrong.error is not None and "pre-confined" in wrong.error, wrong

@@ -36,12 +36,14 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 36, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NAME, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 15, 36, 38
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 MAX_REPLY_BYTES = 8 << 20
 MAX_JOB_BYTES = 256 << 20
 PYTHON_INT_DIGITS = sys.get_int_max_str_digits()  # the default a fresh interpreter has
 MAX_INT_DIGITS = 100_000
+#: a pool's lease requests: an idle pre-confined supervisor (default jobs), or a plain one forked on demand
+CONFINED, PLAIN = b"g", b"p"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -56,6 +58,11 @@ def _check(ret: int, what: str) -> None:
 
 def _prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+def _set_name(name: bytes) -> None:
+    """The process's name in ps/top/perf (`comm`, 15 bytes): rlf-sbx-zygote, rlf-sbx-super, rlf-sbx-run."""
+    _libc.prctl(PR_SET_NAME, ctypes.cast(ctypes.c_char_p(name), ctypes.c_void_p).value or 0, 0, 0, 0)
 
 
 def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
@@ -156,14 +163,11 @@ def _make_private_mounts(job: dict[str, Any], g: Guards, workdir: str) -> None:
         g.ok("hidden_dirs", ", ".join(sorted(hidden)))
 
 
-def _enter_namespaces(job: dict[str, Any], g: Guards, workdir: str) -> bool:
-    """Unshare pid/mount/ipc/uts (+net unless network is allowed); as non-root inside a new user namespace.
-    Returns whether the worker will be pid 1 of a new pid namespace."""
-    if not job["limits"]["namespaces"]:
-        g.no("namespaces", "disabled by SandboxLimits.namespaces=False")
-        return False
+def _unshare(network: bool, g: Guards) -> bool:
+    """Unshare pid/mount/ipc/uts (+net unless `network`); as non-root inside a new user namespace. Records the
+    guards in `g`; returns whether the namespaces are in force (the next child is pid 1 of a new pid namespace)."""
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-    if not job["limits"]["network"]:
+    if not network:
         flags |= CLONE_NEWNET
     uid, gid = os.geteuid(), os.getegid()
     user_ns = uid != 0
@@ -188,6 +192,42 @@ def _enter_namespaces(job: dict[str, Any], g: Guards, workdir: str) -> bool:
         g.ok("net_ns", "own network namespace with no interfaces up: no network")
     else:
         g.no("net_ns", "network allowed by SandboxLimits.network=True")
+    return True
+
+
+#: set in a pooled supervisor that entered its namespaces while idle, before any job (see `preconfine`): whether
+#: that worked, and the guards it recorded
+_PRECONFINED: tuple[bool, Guards] | None = None
+
+
+def preconfine() -> None:
+    """In an idle pooled supervisor, before it reads a job: enter the namespaces every default job gets (pid,
+    mount, ipc, uts, net; a user namespace as non-root), so that creating them is not on a run's path. Only jobs
+    with `namespaces=True, network=False` are sent to such a supervisor (`SandboxPool.lease(confined=True)`);
+    everything per run (the private mounts, the run's uid, rlimits, the worker's fork) still happens per run."""
+    global _PRECONFINED
+    g = Guards()
+    _PRECONFINED = (_unshare(False, g), g)
+
+
+def _enter_namespaces(job: dict[str, Any], g: Guards, workdir: str) -> bool:
+    """The run's namespaces (entered now, or already by `preconfine`) and its private mounts. Returns whether
+    the worker will be pid 1 of a new pid namespace."""
+    lim = job["limits"]
+    if _PRECONFINED is not None:
+        if not lim["namespaces"] or lim["network"]:
+            raise RuntimeError("a pre-confined sandbox supervisor got a job with namespaces off or network on "
+                               "(rlf_envs.sandbox.runner must lease a plain one for it)")
+        ok, pre = _PRECONFINED
+        g.applied.update(pre.applied)
+        g.missing.update(pre.missing)
+        if not ok:
+            return False
+    elif not lim["namespaces"]:
+        g.no("namespaces", "disabled by SandboxLimits.namespaces=False")
+        return False
+    elif not _unshare(lim["network"], g):
+        return False
     try:
         _make_private_mounts(job, g, workdir)
     except OSError as e:
@@ -359,6 +399,7 @@ def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_
                   pass_fds: tuple[int, ...], workdir: str) -> None:  # pragma: no cover - runs in the child
     try:
         os.setsid()
+        _set_name(b"rlf-sbx-run")
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
@@ -871,6 +912,8 @@ def main(worker_src: str | None = None) -> None:
     dir, script, stdin) and the private part (the nonce, the tests), read only after the worker exists, so a
     worker forked from us never holds the private part in its memory, nor any byte of it in a buffer."""
     job = read_frame(0)
+    if not job.get("fork_worker"):
+        _set_name(b"rlf-sbx-super")
     if "workdir" in job:
         os.chdir(job["workdir"])
     # read before the private mounts: a checkout under /tmp is not visible inside them
@@ -964,15 +1007,18 @@ def _raise_deadline(signum: int, frame: Any) -> None:
 #
 # `python -I _supervisor.py --zygote SIZE BASE_DIR PRELOAD`, started once per pool by `rlf_envs.sandbox.pool` with a
 # SOCK_SEQPACKET control socket as fd 0. It imports what a run needs, then only forks: it keeps up to SIZE
-# idle supervisors (each a fresh fork of this clean template, blocked reading its job), hands one out per
-# request (its job/result socket, its stderr socket and a pidfd, by SCM_RIGHTS) and forks a replacement
-# after replying, off the hot path. It never reads a job, runs code or holds anything of a run. When the
+# idle supervisors (each a fresh fork of this clean template that has entered the default namespaces,
+# `preconfine`, and is blocked reading its job), hands one out per CONFINED request (its job/result socket, its
+# stderr socket and a pidfd, by SCM_RIGHTS) and forks a replacement after replying, off the hot path; a PLAIN
+# request (a job with namespaces off or network on) gets a supervisor forked for it that enters nothing ahead.
+# It never reads a job, runs code or holds anything of a run. When the
 # control socket closes (pool closed, or the trainer died, even by SIGKILL) it kills every supervisor it
 # forked (their workers die with them: PDEATHSIG, pid namespace) and removes BASE_DIR (the pool's work dirs).
 
 
-def _spawn_supervisor(worker_src: str) -> tuple[int, int, int, int]:
-    """Fork one idle supervisor; returns (pid, pidfd, job/result socket fd, stderr socket fd), our ends."""
+def _spawn_supervisor(worker_src: str, confined: bool) -> tuple[int, int, int, int]:
+    """Fork one idle supervisor (`confined`: it enters the default namespaces at once, see `preconfine`); returns
+    (pid, pidfd, job/result socket fd, stderr socket fd), our ends."""
     job_ours, job_theirs = (s.detach() for s in socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM))
     err_ours, err_theirs = (s.detach() for s in socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM))
     parent = os.getpid()
@@ -981,6 +1027,7 @@ def _spawn_supervisor(worker_src: str) -> tuple[int, int, int, int]:
         status = 0
         try:
             os.setsid()
+            _set_name(b"rlf-sbx-super")
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies -> we die (and our worker with us)
             if os.getppid() != parent:
                 os._exit(1)
@@ -988,6 +1035,8 @@ def _spawn_supervisor(worker_src: str) -> tuple[int, int, int, int]:
             os.dup2(job_theirs, 1)
             os.dup2(err_theirs, 2)
             os.closerange(3, 1 << 20)  # the control socket, the other idle supervisors' sockets
+            if confined:
+                preconfine()
             main(worker_src)
         except BaseException:
             status = 1
@@ -1010,6 +1059,7 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
     import subprocess  # noqa: F401 - the template has what a run imports, so no run pays for it
     import threading  # noqa: F401
 
+    _set_name(b"rlf-sbx-zygote")
     for name in preload:  # modules the code is likely to import: each run gets them already imported
         try:
             importlib.import_module(name)
@@ -1043,10 +1093,12 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
                 for fd in entry[1:]:
                     os.close(fd)
 
-    def spawn() -> None:
-        entry = _spawn_supervisor(worker_src)
+    def spawn(confined: bool = True) -> tuple[int, int, int, int]:
+        entry = _spawn_supervisor(worker_src, confined)
         children.add(entry[0])
-        idle.append(entry)
+        if confined:
+            idle.append(entry)
+        return entry
 
     ready = selectors.DefaultSelector()
     ready.register(ctrl, selectors.EVENT_READ)
@@ -1064,7 +1116,10 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
             if not msg:
                 break  # the pool closed, or the trainer is gone
             reap()
-            pid, pidfd, job_fd, err_fd = idle.pop(0)
+            if msg == CONFINED:
+                pid, pidfd, job_fd, err_fd = idle.pop(0)
+            else:  # PLAIN: a job with namespaces off or network on; rare, so forked on demand, never kept idle
+                pid, pidfd, job_fd, err_fd = spawn(confined=False)
             ctrl.sendmsg([struct.pack("!i", pid)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
                                                      struct.pack("3i", job_fd, err_fd, pidfd))])
             for fd in (job_fd, err_fd, pidfd):

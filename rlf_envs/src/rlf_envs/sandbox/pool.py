@@ -1,7 +1,9 @@
 """A warm pool of sandbox supervisors: a python call costs a fork and the code, not an interpreter start.
 
 `SandboxPool` starts one trusted zygote (`_supervisor.py --zygote`: a bare interpreter that imported what a
-run needs and then only forks) and keeps `size` idle supervisors forked from it, each blocked reading its job.
+run needs and then only forks) and keeps `size` idle supervisors forked from it, each already inside the
+namespaces a default run gets (pid, mount, ipc, uts, net: creating them is off the run's path) and blocked
+reading its job; a job with `namespaces=False` or `network=True` gets a supervisor forked for it instead.
 A run takes one (one round trip on a local socket), and the zygote forks a replacement after replying, off
 the hot path. The supervisor then does what a cold one does (namespaces, uid, rlimits, deadline, whole-tree
 kill), except that its worker is a fork of itself running the code in-process, not a new interpreter.
@@ -32,6 +34,8 @@ import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
+
+from rlf_envs.sandbox._supervisor import CONFINED, PLAIN
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +141,11 @@ class SandboxPool:
             self._proc.wait(timeout=5)
         self._proc = self._ctrl = self._finalizer = None
 
-    def lease(self) -> Lease:
-        """Take an idle supervisor (blocking, bounded). Starts the zygote on first use and restarts a dead one.
-        Raises PoolUnavailable when it cannot."""
+    def lease(self, confined: bool = True) -> Lease:
+        """Take a supervisor (blocking, bounded): `confined`, an idle one that already entered the namespaces
+        every default run gets (pid, mount, ipc, uts, net; a user namespace as non-root), for a job with
+        `namespaces=True, network=False`; else one forked for the job, which enters what its limits ask for.
+        Starts the zygote on first use and restarts a dead one. Raises PoolUnavailable when it cannot."""
         with self._lock:
             if self._closed:
                 raise PoolUnavailable("the sandbox pool is closed")
@@ -151,7 +157,7 @@ class SandboxPool:
                     self._start()
                 assert self._ctrl is not None
                 try:
-                    self._ctrl.send(b"g")
+                    self._ctrl.send(CONFINED if confined else PLAIN)
                     msg, anc, _, _ = self._ctrl.recvmsg(16, socket.CMSG_SPACE(3 * 4))
                 except OSError as e:
                     log.warning("sandbox pool: the zygote did not answer (%s); restarting it", e)

@@ -146,7 +146,8 @@ async def _supervise(job: dict[str, Any], private: dict[str, Any], workdir: Sand
     t0 = time.monotonic()
     if chosen is not None:
         try:
-            lease = chosen.lease()  # no fork on this path: the zygote hands over an idle supervisor
+            # no fork on this path for a default job: the zygote hands over an idle, pre-confined supervisor
+            lease = chosen.lease(confined=limits.namespaces and not limits.network)
         except PoolUnavailable as e:
             if str(e) not in _warned:
                 _warned.add(str(e))
