@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import socket
 import textwrap
 import time
@@ -252,3 +253,35 @@ async def test_an_interpreter_inside_tmp_is_still_reachable(private_parent: bool
         assert r.stdout.splitlines()[0] == d, (r.error, r.stderr)
         assert "Read-only file system" in r.stderr or "Permission denied" in r.stderr  # bound back read-only
         assert not os.path.exists(os.path.join(d, "x"))
+
+
+@pytest.mark.parametrize("supervisor", ["alive", "dead"])
+def test_a_worker_whose_supervisor_died_during_its_set_up_exits(supervisor: str) -> None:
+    """A supervisor that dies between forking the worker and the worker's PR_SET_PDEATHSIG sends no signal, and in
+    a new pid namespace getppid() cannot tell: the worker's set-up checks a pidfd of its supervisor and exits."""
+    from rlf_envs.sandbox._supervisor import _worker_preexec
+
+    if not hasattr(os, "pidfd_open"):
+        pytest.skip("needs pidfd_open (Linux >= 5.3)")
+    gone = None
+    if supervisor == "alive":
+        fd = os.pidfd_open(os.getpid())
+    else:
+        gone = os.fork()
+        if gone == 0:  # pragma: no cover - the child
+            os._exit(0)
+        fd = os.pidfd_open(gone)
+        select.select([fd], [], [], 10)  # exited (not reaped yet, so the pidfd could be opened)
+    job = {"limits": FAST.model_dump(), "_supervisor_pid": os.getpid()}  # getppid() alone would pass either way
+    preexec = _worker_preexec(job, pid_ns=False, uid=None, nproc=None, parent_fd=fd)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        try:
+            preexec()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    os.close(fd)
+    if gone is not None:
+        os.waitpid(gone, 0)
+    assert os.waitstatus_to_exitcode(status) == (0 if supervisor == "alive" else 111)

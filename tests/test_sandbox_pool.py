@@ -253,7 +253,7 @@ async def test_pool_is_bounded_refilled_restarted_and_closed(leftovers: Callable
 
 
 TRAINER = textwrap.dedent("""
-    import asyncio, sys
+    import asyncio, os, sys
     from rlf_envs.sandbox import SandboxDir, run_python
     from rlf_envs.sandbox.pool import default_pool
 
@@ -263,8 +263,9 @@ TRAINER = textwrap.dedent("""
         print(default_pool().base_dir, flush=True)
         d = SandboxDir()
         print(d.root, flush=True)
-        if sys.argv[1] == "sigterm":
-            await run_python("import os\\nos.execv('/bin/sleep', ['sleep', 'MARKER'])", "", None, d)
+        if sys.argv[1] == "sigterm":  # (the marker is not on our own command line: only the run's sleep has it)
+            marker = os.environ["RLF_TEST_MARKER"]
+            await run_python(f"import os\\nos.execv('/bin/sleep', ['sleep', '{marker}'])", "", None, d)
 
     asyncio.run(main())
 """)
@@ -274,8 +275,9 @@ TRAINER = textwrap.dedent("""
 def test_nothing_is_left_when_the_trainer_exits_or_gets_sigterm(how: str,
                                                                  leftovers: Callable[[str], list[int]]) -> None:
     marker = f"{3600 + secrets.randbelow(10**6) / 10**7:.7f}"
-    env = {**os.environ, "RLF_SANDBOX_POOL": "2", "PYTHONPATH": str(ROOT / "rlf_envs" / "src")}
-    proc = subprocess.Popen([sys.executable, "-c", TRAINER.replace("MARKER", marker), how], env=env,
+    env = {**os.environ, "RLF_SANDBOX_POOL": "2", "PYTHONPATH": str(ROOT / "rlf_envs" / "src"),
+           "RLF_TEST_MARKER": marker}
+    proc = subprocess.Popen([sys.executable, "-c", TRAINER, how], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

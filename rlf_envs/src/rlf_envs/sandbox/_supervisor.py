@@ -19,6 +19,7 @@ import json
 import os
 import random
 import resource
+import select
 import selectors
 import signal
 import socket
@@ -238,7 +239,25 @@ def _enter_namespaces(job: dict[str, Any], g: Guards, workdir: str) -> bool:
 # ---------------------------------------------------------------------------------------------- worker
 
 
-def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: int | None) -> Any:
+def _self_pidfd() -> int | None:
+    """A pidfd of this process (readable once it has exited), for the worker's set-up to check that its
+    supervisor is still alive; None before Linux 5.3."""
+    try:
+        return os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):
+        return None
+
+
+def _parent_gone(parent_fd: int) -> bool:
+    poller = select.poll()
+    poller.register(parent_fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: int | None,
+                    parent_fd: int | None = None) -> Any:
+    """The worker's own set-up, run in the child before the code. `parent_fd`: a pidfd of the supervisor
+    (`_self_pidfd`), to notice that it died before the worker asked to die with it."""
     lim = job["limits"]
 
     def preexec() -> None:
@@ -258,8 +277,13 @@ def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: i
             os.setresuid(uid, uid, uid)
         _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, sudo, ping) cannot regain privileges
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: we die -> the worker dies
-        if os.getppid() != job["_supervisor_pid"] and not pid_ns:
-            os._exit(111)  # the supervisor died before the line above
+        # the supervisor may have died before the line above, and then no signal ever comes: its pidfd is
+        # readable once it has exited (getppid() cannot tell in a new pid namespace: it is 0 either way)
+        if parent_fd is not None:
+            if _parent_gone(parent_fd):
+                os._exit(111)
+        elif os.getppid() != job["_supervisor_pid"] and not pid_ns:
+            os._exit(111)
 
     return preexec
 
@@ -370,16 +394,17 @@ class Forked:
 
 
 def _fork_worker(preexec: Any, argv: list[str], stdin_fd: int, pass_fds: tuple[int, ...],
-                 workdir: str) -> tuple[Forked, int, int]:
+                 workdir: str, setup_fds: tuple[int, ...] = ()) -> tuple[Forked, int, int]:
     """Fork the worker: the child sets itself up exactly as `subprocess.Popen(..., preexec_fn=preexec)` would
     (new session, fds 0/1/2 and `pass_fds` only, cwd, the minimal environment), then runs `argv`'s program in
-    its own interpreter copy. Raises OSError (with the child's reason) if the set-up failed."""
+    its own interpreter copy; `setup_fds` stay open through the set-up only. Raises OSError (with the child's
+    reason) if the set-up failed."""
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     st_r, st_w = os.pipe()  # the child's set-up verdict: closed empty = ok, else the error text
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
-        _worker_child(preexec, argv, stdin_fd, out_w, err_w, st_w, pass_fds, workdir)
+        _worker_child(preexec, argv, stdin_fd, out_w, err_w, st_w, pass_fds, workdir, setup_fds)
     for fd in (out_w, err_w, st_w):
         os.close(fd)
     status = bytearray()
@@ -396,7 +421,8 @@ def _fork_worker(preexec: Any, argv: list[str], stdin_fd: int, pass_fds: tuple[i
 
 
 def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_w: int, st_w: int,
-                  pass_fds: tuple[int, ...], workdir: str) -> None:  # pragma: no cover - runs in the child
+                  pass_fds: tuple[int, ...], workdir: str,
+                  setup_fds: tuple[int, ...] = ()) -> None:  # pragma: no cover - runs in the child
     try:
         os.setsid()
         _set_name(b"rlf-sbx-run")
@@ -404,13 +430,15 @@ def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         lo = 0
-        for keep in sorted({0, 1, 2, st_w, *pass_fds}):  # everything else goes: the result channel, the job
+        for keep in sorted({0, 1, 2, st_w, *pass_fds, *setup_fds}):  # everything else goes: the result channel, the job
             if keep > lo:
                 os.closerange(lo, keep)
             lo = keep + 1
         os.closerange(lo, 1 << 20)
         os.chdir(workdir)
         preexec()
+        for fd in setup_fds:
+            os.close(fd)
         os.environ.clear()
         os.environ.update(_worker_env(workdir))
         _default_signals()
@@ -515,20 +543,26 @@ class Worker:
                  stdin_fd: int, pass_fds: tuple[int, ...], workdir: str) -> None:
         import subprocess
 
-        preexec = _worker_preexec(job, pid_ns, uid, nproc)
+        parent_fd = _self_pidfd()
+        preexec = _worker_preexec(job, pid_ns, uid, nproc, parent_fd)
         self.proc: subprocess.Popen[bytes] | Forked
-        if job.get("fork_worker"):
-            # pooled: fork this fresh supervisor (a copy of the zygote's clean template plus this run's public
-            # job) instead of starting an interpreter; `argv` is then what the child runs in-process
-            self.proc, out_fd, err_fd = _fork_worker(preexec, argv, stdin_fd, pass_fds, workdir)
-        else:
-            self.proc = subprocess.Popen(
-                argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
-                env=_worker_env(workdir), close_fds=True, pass_fds=pass_fds, start_new_session=True,
-                preexec_fn=preexec,
-            )
-            assert self.proc.stdout and self.proc.stderr
-            out_fd, err_fd = self.proc.stdout.fileno(), self.proc.stderr.fileno()
+        try:
+            if job.get("fork_worker"):
+                # pooled: fork this fresh supervisor (a copy of the zygote's clean template plus this run's public
+                # job) instead of starting an interpreter; `argv` is then what the child runs in-process
+                self.proc, out_fd, err_fd = _fork_worker(preexec, argv, stdin_fd, pass_fds, workdir,
+                                                         () if parent_fd is None else (parent_fd,))
+            else:  # (preexec_fn runs before close_fds: the child still has parent_fd there)
+                self.proc = subprocess.Popen(
+                    argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
+                    env=_worker_env(workdir), close_fds=True, pass_fds=pass_fds, start_new_session=True,
+                    preexec_fn=preexec,
+                )
+                assert self.proc.stdout and self.proc.stderr
+                out_fd, err_fd = self.proc.stdout.fileno(), self.proc.stderr.fileno()
+        finally:
+            if parent_fd is not None:
+                os.close(parent_fd)
         self.capture = Capture({"stdout": out_fd, "stderr": err_fd}, job["limits"]["max_output_bytes"])
         self.pid_ns, self.uid = pid_ns, uid
         self.killed = False
@@ -1112,7 +1146,10 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
                 if len(idle) < size:
                     spawn()
                 continue
-            msg = ctrl.recv(16)
+            try:
+                msg = ctrl.recv(16)
+            except OSError:  # ECONNRESET: the trainer died with a request we had not read yet
+                msg = b""
             if not msg:
                 break  # the pool closed, or the trainer is gone
             reap()
