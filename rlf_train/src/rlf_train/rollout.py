@@ -12,6 +12,8 @@ the tools): an env step is then a plain await, not a hop to another thread and b
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -82,6 +84,20 @@ def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator |
     return tok, lp
 
 
+@functools.cache
+def cache_kwarg(model_cls: type) -> str:
+    """The forward argument that takes the KV cache: `cache` in recent transformers (which deprecates
+    `past_key_values`, to be removed in 5.40), `past_key_values` before."""
+    params = inspect.signature(model_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def kv_cache(out: Any) -> Any:
+    """The KV cache a forward returned, under either name (see `cache_kwarg`)."""
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else out.past_key_values
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -105,7 +121,8 @@ def generate(
     input_ids, attn = input_ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
-    past = out.past_key_values
+    past = kv_cache(out)
+    cache_arg = cache_kwarg(type(model))
     logits = out.logits[:, -1]
     next_pos = pos[:, -1] + 1
     generated: list[list[int]] = [[] for _ in range(B)]
@@ -135,8 +152,8 @@ def generate(
             rows = [rows[k] for k in keep.tolist()]
         attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype, device=device)], dim=1)
         out = model(input_ids=tok.unsqueeze(1), attention_mask=attn, position_ids=next_pos.unsqueeze(1),
-                    past_key_values=past, use_cache=True)
-        past = out.past_key_values
+                    use_cache=True, **{cache_arg: past})
+        past = kv_cache(out)
         logits = out.logits[:, -1]
         next_pos = next_pos + 1
     return generated
