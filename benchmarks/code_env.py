@@ -9,14 +9,24 @@ ToolVectorEnv of N Code-v0 envs (all calls of a step concurrently, up to the too
 the CPU count), for:
   - pool:    CodeEnv(pool=True), the default: a python call is a fork of a warm supervisor (`rlf_envs.sandbox.pool`)
   - cold:    CodeEnv(pool=False), the path before the pool: a new supervisor interpreter + worker interpreter per call
+  - plain:   CodeEnv whose python tool is a plain `python -I main.py` fork+exec in the episode's dir, with no guard
+             at all (no namespaces, uid, rlimits, deadline kill): what the same calls cost without a sandbox
   - sync:    gymnasium SyncVectorEnv over the same pooled CodeEnvs (one env after another)
   - instant: Tools-v0 envs with an instant Python tool: the env machinery alone, the floor
+Also printed: the reference programs' own CPU time (each run in this process once, `exec`, in its files' dir),
+which bounds any sandbox: N cores / (CPU per program) runs/s, even with a free sandbox and a free env.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import io
 import os
+import sys
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,9 +34,11 @@ from typing import Any
 import gymnasium as gym
 from scripted_env import compare_rows, report, tool_call
 
+import rlf_envs.envs.code as code_module
 from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.code import CodeEnv, code_tasks
-from rlf_envs.sandbox import default_pool
+from rlf_envs.sandbox import SandboxResult, default_pool
+from rlf_envs.tools.interpreter import WORKDIR_ARG, PythonInterpreter
 from rlf_envs.types import Task
 
 
@@ -37,6 +49,50 @@ def tasks() -> list[Task]:
 def script(env: Any) -> list[str]:
     task = env.trajectory.task
     return [tool_call("python", code=str(task.meta["program"])), f"<answer>{task.ground_truth}</answer><|im_end|>"]
+
+
+class PlainInterpreter(PythonInterpreter):
+    """The python tool without a sandbox: `python -I main.py` (fork+exec) in the episode's work dir, output read
+    whole. For this benchmark only: it has none of the sandbox's guards."""
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        workdir = arguments[WORKDIR_ARG]
+        workdir.write("main.py", arguments["code"])
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "main.py", cwd=workdir.path, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await proc.communicate()
+        return self.render(SandboxResult(stdout=out.decode(), stderr=err.decode(), exit_code=proc.returncode))
+
+
+def plain_code_env(**kwargs: Any) -> CodeEnv:
+    """A Code-v0 env whose python tool is `PlainInterpreter` (same concurrency as the pooled tool)."""
+    real = code_module.python_tool
+    code_module.python_tool = lambda limits, chars, pool: PlainInterpreter(limits, max_output_chars=chars, pool=True)
+    try:
+        return CodeEnv(pool=True, **kwargs)
+    finally:
+        code_module.python_tool = real
+
+
+def program_cpu_ms(tasks: list[Task]) -> float:
+    """Mean CPU milliseconds of the reference programs themselves (exec'd here, each in a dir with its files)."""
+    total = 0.0
+    cwd = os.getcwd()
+    with tempfile.TemporaryDirectory(prefix="rlf_bench_") as d:
+        os.chdir(d)
+        try:
+            for t in tasks:
+                for name, text in (t.meta.get("files") or {}).items():
+                    with open(name, "w") as f:
+                        f.write(str(text))
+                c0 = time.process_time()
+                with contextlib.redirect_stdout(io.StringIO()):
+                    exec(compile(str(t.meta["program"]), "main.py", "exec"), {"__name__": "__main__"})
+                total += time.process_time() - c0
+        finally:
+            os.chdir(cwd)
+    return 1000 * total / len(tasks)
 
 
 def all_verified(rewards: Any) -> None:
@@ -59,14 +115,26 @@ def main() -> None:
     def venv(cls: Any, pooled: bool) -> Callable[[int], Any]:
         return lambda n: cls([lambda: CodeEnv(pool=pooled, **kwargs) for _ in range(n)])
 
+    def plain(n: int) -> Any:
+        return ToolVectorEnv([lambda: plain_code_env(**kwargs) for _ in range(n)])
+
     rows = compare_rows(args.envs, {"pool": venv(ToolVectorEnv, True), "cold": venv(ToolVectorEnv, False),
-                                    "sync": venv(gym.vector.SyncVectorEnv, True)},
+                                    "plain": plain, "sync": venv(gym.vector.SyncVectorEnv, True)},
                         secs, args.rounds, script, all_verified, steps=2, max_turns=4)
     labels = {"pool": "Code-v0, warm pool (pool=True, default)", "cold": "Code-v0, cold (pool=False, before)",
+              "plain": "Code-v0, plain fork+exec, no sandbox",
               "sync": "gymnasium SyncVectorEnv, pooled Code-v0", "instant": "Tools-v0, instant tool (floor)"}
+    cpus = len(os.sched_getaffinity(0))
+    prog_ms = program_cpu_ms(kwargs["tasks"])
     report("Code-v0", "code", "2-step episodes (1 sandboxed python run + verified answer)", rows, labels, args.json,
-           after="pool", before="cold", extra={"pool_size": pool.size, "cpus": os.cpu_count(),
+           after="pool", before="cold", extra={"pool_size": pool.size, "cpus": cpus, "program_cpu_ms": prog_ms,
                                                 "load_avg_1m_at_end": os.getloadavg()[0]})
+    bound = 2 * cpus * 1000 / prog_ms  # steps/s: 2 steps per run
+    print(f"\nThe programs themselves: {prog_ms:.2f} ms of CPU per run (mean over {len(kwargs['tasks'])} tasks), so "
+          f"{cpus} CPUs give at most {bound:,.0f} steps/s even with a free sandbox and a free env")
+    for n, rates in rows.items():
+        print(f"  {n} envs: pool at {rates['pool'] / rates['plain']:.2f}x of plain fork+exec; "
+              f"that bound is {bound / rates['cold']:.1f}x the cold path")
 
 
 if __name__ == "__main__":

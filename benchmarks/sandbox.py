@@ -10,6 +10,9 @@ Ways to run the same small program (print a sum), and to judge a solution agains
   judged_cold  the same, pool=False
 Reported: median and p90 seconds per run and runs/s at each concurrency, and the ratio to `plain`.
 The guards that were in force are printed: the cost depends on them (namespaces, uid switch).
+Then where a pooled run's CPU goes (`--breakdown-runs` sequential runs): the trainer process (this one), the
+zygote (the forks), and the supervisor + worker of each run (the zygote's reaped children: CPU time, of which
+kernel time, and minor page faults, read from /proc/<zygote>/stat).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from rlf_envs.sandbox import SandboxLimits, run_python, run_tests
+from rlf_envs.sandbox import SandboxLimits, default_pool, run_python, run_tests
 
 CODE = "print(sum(range(1000)))\n"
 SOLUTION = "def add(a, b):\n    return a + b\n"
@@ -82,11 +85,44 @@ async def measure(fn: Callable[[], Awaitable[None]], runs: int, concurrency: int
             "runs_per_s": runs / wall}
 
 
+def _zygote_stat(pid: int) -> tuple[int, int, int, int, int, int]:
+    """(own minor faults, children's minor faults, own utime, own stime, children's utime, children's stime) in
+    clock ticks, from /proc/<pid>/stat (children: reaped descendants, i.e. the supervisors and their workers)."""
+    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(f[7]), int(f[8]), int(f[11]), int(f[12]), int(f[13]), int(f[14])
+
+
+async def breakdown(runs: int) -> dict[str, float]:
+    """Per pooled run (sequential): CPU ms of this process, the zygote, and the runs' own processes."""
+    pool = default_pool()
+    assert pool is not None and pool.zygote_pid is not None, "needs the default pool (unset RLF_SANDBOX_POOL=0)"
+    zygote = pool.zygote_pid
+    for _ in range(5):
+        await pooled()
+    await asyncio.sleep(1.5)  # the warm-up's supervisors reaped
+    z0, me0, t0 = _zygote_stat(zygote), os.times(), time.perf_counter()
+    for _ in range(runs):
+        await pooled()
+    wall = time.perf_counter() - t0
+    await asyncio.sleep(1.5)  # the zygote reaps the last supervisors (it checks every second when idle)
+    z1, me1 = _zygote_stat(zygote), os.times()
+    ms = 1000 / os.sysconf("SC_CLK_TCK") / runs
+    return {"wall_ms": 1000 * wall / runs,
+            "trainer_cpu_ms": 1000 * (me1.user + me1.system - me0.user - me0.system) / runs,
+            "zygote_cpu_ms": (z1[2] + z1[3] - z0[2] - z0[3]) * ms,
+            "run_processes_cpu_ms": (z1[4] + z1[5] - z0[4] - z0[5]) * ms,
+            "run_processes_kernel_ms": (z1[5] - z0[5]) * ms,
+            "run_processes_minor_faults": (z1[1] - z0[1]) / runs,
+            "zygote_minor_faults": (z1[0] - z0[0]) / runs}
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--breakdown-runs", type=int, default=200, help="sequential pooled runs for the CPU breakdown "
+                    "(0: skip it)")
     args = ap.parse_args()
     probe = await run_python("pass", "", LIMITS)
     print(f"guards in force: {', '.join(probe.guards)}")
@@ -103,9 +139,16 @@ async def main() -> None:
     for r in rows:
         print(f"{r['mode']:<12} {r['concurrency']:>4} {r['median_s'] * 1000:>7.1f}ms {r['p90_s'] * 1000:>7.1f}ms "
               f"{r['runs_per_s']:>8.1f} {r['ratio_vs_plain']:>7.2f}x")
+    cpu = await breakdown(args.breakdown_runs) if args.breakdown_runs else {}
+    if cpu:
+        print(f"\nper pooled run, {args.breakdown_runs} sequential runs: {cpu['wall_ms']:.1f} ms wall; CPU: trainer "
+              f"{cpu['trainer_cpu_ms']:.2f} ms, zygote {cpu['zygote_cpu_ms']:.2f} ms, supervisor + worker "
+              f"{cpu['run_processes_cpu_ms']:.2f} ms (kernel {cpu['run_processes_kernel_ms']:.2f} ms, "
+              f"{cpu['run_processes_minor_faults']:.0f} minor page faults)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"rows": rows, "guards": probe.guards, "missing_guards": probe.missing_guards,
+        args.json.write_text(json.dumps({"rows": rows, "breakdown": cpu, "guards": probe.guards,
+                                         "missing_guards": probe.missing_guards,
                                          "runs": args.runs, "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
                                          "python": platform.python_version()}, indent=2))
 
