@@ -111,3 +111,17 @@ def test_qwen3_prompt_has_tools_block() -> None:
     assert '\n{"type": "function", "function": {"name": "search", "description": "Search the web"' in p
     assert p.endswith("<|im_start|>user\nCapital of Zorbania?\nGive your final answer inside <answer></answer>."
                       "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_qwen3_renders_each_tool_list_as_if_fresh() -> None:
+    """The tool list is rendered once per list of specs and reused: a format used with several tool lists (and
+    more than it keeps) still renders each exactly as a fresh format does."""
+    fmt = Qwen3Format()
+    task = Task(id="t", question="q")
+    lists = [[ToolSpec(name=f"tool{i}_{j}", description=f"d{i}") for j in range(i % 3 + 1)] for i in range(12)]
+    for _ in range(2):
+        for specs in lists:
+            got = fmt.render_prompt(task, specs)
+            assert got == Qwen3Format().render_prompt(task, specs)
+            assert all(f'"name": "{s.name}"' in got for s in specs)
+    assert fmt.render_prompt(task, []) == Qwen3Format().render_prompt(task, [])

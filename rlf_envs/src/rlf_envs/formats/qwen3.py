@@ -75,6 +75,9 @@ class Qwen3Format(Format):
         self.enable_thinking = enable_thinking
         self.max_calls_per_turn = max_calls_per_turn
         self.answer_instruction = answer_instruction if answer_mode == "tag" else None
+        # the rendered tool list of the last few spec lists, keyed by the specs' identities (specs are frozen and
+        # their schemas are not changed after a tool is made: the caller compiles its validators from them once)
+        self._tools_text: dict[tuple[int, ...], tuple[tuple[ToolSpec, ...], str]] = {}
 
     # -- prompt ---------------------------------------------------------------------------------
     def messages(self, task: Task, system_prompt: str | None = None) -> list[dict[str, str]]:
@@ -104,10 +107,7 @@ class Qwen3Format(Format):
             if rest and rest[0]["role"] == "system":
                 out.append(rest[0]["content"] + "\n\n")
                 rest = rest[1:]
-            out.append(TOOLS_HEADER)
-            for spec in tools:
-                out.append("\n" + _tojson(spec.to_openai()))
-            out.append(TOOLS_FOOTER + f"{IM_END}\n")
+            out.append(self._render_tools(tools))
         elif rest and rest[0]["role"] == "system":
             out.append(f"{IM_START}system\n{rest[0]['content']}{IM_END}\n")
             rest = rest[1:]
@@ -117,6 +117,18 @@ class Qwen3Format(Format):
             out.append(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n")
         out.append(self.generation_prompt())
         return "".join(out)
+
+    def _render_tools(self, tools: Sequence[ToolSpec]) -> str:
+        """The system turn's tool list (the same text for the same specs: rendered once, not per episode)."""
+        key = tuple(id(t) for t in tools)
+        hit = self._tools_text.get(key)
+        if hit is not None:
+            return hit[1]
+        text = TOOLS_HEADER + "".join("\n" + _tojson(spec.to_openai()) for spec in tools) + TOOLS_FOOTER + f"{IM_END}\n"
+        if len(self._tools_text) >= 8:
+            self._tools_text.pop(next(iter(self._tools_text)))
+        self._tools_text[key] = (tuple(tools), text)  # the specs are kept, so their ids are not reused
+        return text
 
     def render_prompt(self, task: Task, tools: Sequence[ToolSpec], system_prompt: str | None = None) -> str:
         return self.render_messages(self.messages(task, system_prompt), tools)
