@@ -126,7 +126,7 @@ class Qwen3Format(Format):
             return hit[1]
         text = TOOLS_HEADER + "".join("\n" + _tojson(spec.to_openai()) for spec in tools) + TOOLS_FOOTER + f"{IM_END}\n"
         if len(self._tools_text) >= 8:
-            self._tools_text.pop(next(iter(self._tools_text)))
+            self._tools_text.clear()  # (simple and safe if two threads render at once)
         self._tools_text[key] = (tuple(tools), text)  # the specs are kept, so their ids are not reused
         return text
 
