@@ -257,13 +257,14 @@ def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: A
                                                    r"running.* raise rollout.vllm_timeout_s"):
             trainer.rollouts(trainer.train_envs, [0, 1, 2, 3], params(trainer), seed_base=400, gen=trainer.gen)
         elapsed = time.monotonic() - t0
+        left, left_vllm = [p.pid for p in tree if running(p)], live_vllm_descendants()
     finally:
-        for p in tree:  # whatever happened above, leave nothing stopped behind
+        for p in tree:  # whatever happened above, leave nothing stopped behind (after the checks' snapshot)
             with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
     assert HANG_S <= elapsed < HANG_S + 60, elapsed  # the deadline, plus the kill and reap (bounded: 30 s)
-    assert [p.pid for p in tree if running(p)] == []
-    assert live_vllm_descendants() == []
+    assert left == []
+    assert left_vllm == []
     assert engine_threads(wait_s=10) == []  # the abandoned call's thread was woken (vLLM's output queue got an error)
     assert v.llm is None
     with pytest.raises(RuntimeError, match="killed after a timeout"):  # the dead engine is not used again
@@ -301,6 +302,7 @@ def test_vllm_engine_start_up_hang_ends_at_the_deadline_with_the_engine_killed(t
             VllmRollout(trainer.model, trainer.tokenizer, tmp_path, version=0, seed=0, max_model_len=512,
                         timeout_s=HANG_S)
         elapsed = time.monotonic() - t0
+        left, left_vllm = [p.pid for p in stopped if running(p)], live_vllm_descendants()
     finally:
         quit_watch.set()
         watcher.join()
@@ -309,7 +311,7 @@ def test_vllm_engine_start_up_hang_ends_at_the_deadline_with_the_engine_killed(t
                 p.kill()
     assert len(stopped) == 1
     assert HANG_S <= elapsed < HANG_S + 60, elapsed
-    assert not running(stopped[0])
-    assert live_vllm_descendants() == []
+    assert left == []
+    assert left_vllm == []
     # the abandoned start-up raises in its thread once its engine core is gone (vLLM's handshake watches it)
     assert engine_threads(wait_s=20) == []
