@@ -252,9 +252,10 @@ def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: A
     os.kill(core.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
-        with pytest.raises(VllmTimeoutError, match=r"generate \(4 requests, max_tokens <= 12\) did not return within "
-                                                   r"\d+ s \(rollout.vllm_timeout_s = 10\); .* killed .* nothing left "
-                                                   r"running.* raise rollout.vllm_timeout_s"):
+        with pytest.raises(VllmTimeoutError, match=r"generate \(4 requests, max_tokens <= 12\) did not return "
+                                                   r"within \d+ s \(rollout.vllm_timeout_s = 10\); the engine is "
+                                                   r"presumed hung \(killed engine-core pid\(s\) \[\d+\] and their "
+                                                   r"workers; nothing left running\).* raise rollout.vllm_timeout_s"):
             trainer.rollouts(trainer.train_envs, [0, 1, 2, 3], params(trainer), seed_base=400, gen=trainer.gen)
         elapsed = time.monotonic() - t0
         left, left_vllm = [p.pid for p in tree if running(p)], live_vllm_descendants()
@@ -298,7 +299,8 @@ def test_vllm_engine_start_up_hang_ends_at_the_deadline_with_the_engine_killed(t
     t0 = time.monotonic()
     try:
         with pytest.raises(VllmTimeoutError, match=r"start-up \(vllm.LLM\) did not return within \d+ s "
-                                                   r"\(rollout.vllm_timeout_s = 10\); .* nothing left running"):
+                                                   r"\(rollout.vllm_timeout_s = 10\); .* killed engine-core pid\(s\) "
+                                                   r"\[\d+\] .* nothing left running"):
             VllmRollout(trainer.model, trainer.tokenizer, tmp_path, version=0, seed=0, max_model_len=512,
                         timeout_s=HANG_S)
         elapsed = time.monotonic() - t0

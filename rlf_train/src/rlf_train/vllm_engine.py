@@ -217,16 +217,22 @@ class VllmRollout:
         t0 = time.monotonic()
         threading.Thread(target=target, name=f"rlf-vllm {what}", daemon=True).start()
         if not done.wait(self.timeout_s):
+            waited = time.monotonic() - t0
             victims = procs() if procs is not None else self.procs
             left = self._abandon(victims)
             pids = [p.pid for p in victims]
+            if not pids:  # in-process engine, or a start-up that hung before it forked the engine core
+                what_happened = "no engine-core process to kill was found; the call's thread is abandoned"
+            elif left:
+                what_happened = f"killed engine-core pid(s) {pids} and their workers; still alive after " \
+                                f"{KILL_WAIT_S:g} s: {left}"
+            else:
+                what_happened = f"killed engine-core pid(s) {pids} and their workers; nothing left running"
             raise VllmTimeoutError(
-                f"vLLM engine call {what} did not return within {time.monotonic() - t0:.0f} s "
-                f"(rollout.vllm_timeout_s = {self.timeout_s:g}); the engine is presumed hung and was killed "
-                f"(engine-core pid(s) {pids} and their workers"
-                + (f"; still alive after {KILL_WAIT_S:g} s: {left}" if left else "; nothing left running")
-                + "). If the engine is only slow (start-up on CPU takes minutes on a loaded box, a generate call "
-                  "grows with max_new_tokens_per_turn x episodes), raise rollout.vllm_timeout_s")
+                f"vLLM engine call {what} did not return within {waited:.0f} s (rollout.vllm_timeout_s = "
+                f"{self.timeout_s:g}); the engine is presumed hung ({what_happened}). If the engine is only slow "
+                f"(start-up on CPU takes minutes on a loaded box, a generate call grows with "
+                f"max_new_tokens_per_turn x episodes), raise rollout.vllm_timeout_s")
         if "error" in box:
             raise box["error"]
         return box["value"]  # type: ignore[no-any-return]
