@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import signal
 import threading
 import time
@@ -235,6 +236,13 @@ def engine_threads(wait_s: float) -> list[str]:
 HANG_S = 10.0  # the deadline the hang tests set: a stopped engine core never answers, so any value fires
 
 
+def killed_at_deadline(call: str) -> str:
+    """The VllmTimeoutError message (a regex) for `call` hung at HANG_S and its one engine core killed."""
+    return (rf"vLLM engine call {re.escape(call)} did not return within \d+ s \(rollout.vllm_timeout_s = 10\); the "
+            rf"engine is presumed hung \(killed engine-core pid\(s\) \[\d+\] and their workers; nothing left "
+            rf"running\)\. If the engine is only slow .* raise rollout.vllm_timeout_s$")
+
+
 def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: Any) -> None:
     """Runs last: it kills the module's engine. SIGSTOP freezes the engine-core process (as a deadlock or a stuck
     kernel would) while the trainer's workers and sockets stay up: the generate call would wait forever."""
@@ -252,10 +260,7 @@ def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: A
     os.kill(core.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     try:
-        with pytest.raises(VllmTimeoutError, match=r"generate \(4 requests, max_tokens <= 12\) did not return "
-                                                   r"within \d+ s \(rollout.vllm_timeout_s = 10\); the engine is "
-                                                   r"presumed hung \(killed engine-core pid\(s\) \[\d+\] and their "
-                                                   r"workers; nothing left running\).* raise rollout.vllm_timeout_s"):
+        with pytest.raises(VllmTimeoutError, match=killed_at_deadline("generate (4 requests, max_tokens <= 12)")):
             trainer.rollouts(trainer.train_envs, [0, 1, 2, 3], params(trainer), seed_base=400, gen=trainer.gen)
         elapsed = time.monotonic() - t0
         left, left_vllm = [p.pid for p in tree if running(p)], live_vllm_descendants()
@@ -298,10 +303,7 @@ def test_vllm_engine_start_up_hang_ends_at_the_deadline_with_the_engine_killed(t
     watcher.start()
     t0 = time.monotonic()
     try:
-        with pytest.raises(VllmTimeoutError, match=r"start-up \(vllm.LLM\) did not return within \d+ s "
-                                                   r"\(rollout.vllm_timeout_s = 10\); the engine is presumed hung "
-                                                   r"\(killed engine-core pid\(s\) \[\d+\] and their workers; "
-                                                   r"nothing left running\)"):
+        with pytest.raises(VllmTimeoutError, match=killed_at_deadline("start-up (vllm.LLM)")):
             VllmRollout(trainer.model, trainer.tokenizer, tmp_path, version=0, seed=0, max_model_len=512,
                         timeout_s=HANG_S)
         elapsed = time.monotonic() - t0
