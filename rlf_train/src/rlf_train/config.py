@@ -100,6 +100,10 @@ class RolloutConfig(_Section):
                              "needs vLLM, rollout.mode sync; rlf_train.vllm_engine)")
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="engine vllm on a GPU: the share of "
                                                                                   "GPU memory vLLM may take")
+    vllm_timeout_s: float = Field(600.0, gt=0.0, description="engine vllm: the deadline of every call into the "
+                                  "engine (start-up, each turn's generate, a weight reload, the prefix-cache reset, "
+                                  "the shutdown); on expiry the engine's processes are killed and the run stops "
+                                  "with an error naming the call. Start-up on CPU takes 0.5-2 min")
 
     @model_validator(mode="after")
     def _engine(self) -> RolloutConfig:

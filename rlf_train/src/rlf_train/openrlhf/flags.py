@@ -57,6 +57,8 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "rollout.engine": ("local", "backend openrlhf always generates with its own vLLM actors (remove the key)"),
     "rollout.vllm_gpu_memory_utilization": (0.3, "set openrlhf.vllm_gpu_memory_utilization for OpenRLHF's vLLM "
                                                  "actors (remove the key)"),
+    "rollout.vllm_timeout_s": (600.0, "the local backend's vLLM engine deadline; OpenRLHF's vLLM actors run under "
+                                      "Ray (remove the key)"),
     "rollout.async_schedule": ("free", "the local async worker's schedule; OpenRLHF schedules its own rollouts "
                                        "(remove the key)"),
     "algorithm.is_cap": (2.0, "the local backend's async correction; OpenRLHF applies its own (remove the key)"),
