@@ -381,3 +381,31 @@ async def test_idle_supervisors_are_already_confined_and_other_jobs_get_their_ow
         p.lease = lambda confined=True: SandboxPool.lease(p, True)  # type: ignore[method-assign]
         wrong = await run_python("print('ran')", "", FAST.model_copy(update={"network": True}), pool=p)
         assert wrong.stdout == "" and wrong.error is not None and "pre-confined" in wrong.error, wrong
+
+
+SIGNALS_PROBE = textwrap.dedent("""
+    import signal
+    print(signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGQUIT), signal.getsignal(signal.SIGUSR1),
+          sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+""")
+LAUNCHER = textwrap.dedent("""
+    import asyncio, signal, sys
+    from rlf_envs.sandbox import run_python
+    # what a trainer started as a shell's background job has (SIGINT, SIGQUIT ignored), plus more
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+    for pool in (False, None):
+        r = asyncio.run(run_python(sys.argv[1], pool=pool))
+        print(r.exit_code, r.stdout.strip(), r.stderr.strip()[-300:], flush=True)
+""")
+
+
+def test_runs_start_with_default_signals_whatever_the_trainer_ignores() -> None:
+    fresh = subprocess.run([sys.executable, "-I", "-c", SIGNALS_PROBE], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "rlf_envs" / "src"), "RLF_SANDBOX_POOL": "1"}
+    out = subprocess.run([sys.executable, "-c", LAUNCHER, SIGNALS_PROBE], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    cold, warm = out.stdout.splitlines()
+    assert cold == warm == f"0 {fresh.stdout.strip()} ", (cold, warm, fresh.stdout)

@@ -261,6 +261,15 @@ def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: i
     lim = job["limits"]
 
     def preexec() -> None:
+        # signal dispositions and mask as a fresh process has them, whatever the trainer was started with (a
+        # background job of a shell starts with SIGINT and SIGQUIT ignored, and exec keeps ignored signals)
+        for sig in signal.valid_signals():
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                try:
+                    signal.signal(sig, signal.SIG_DFL)
+                except (OSError, ValueError):
+                    pass
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
         if pid_ns:
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         mem = lim["memory_mb"] << 20
