@@ -1,0 +1,400 @@
+"""`Trainer.update` / `run_rl` / `evaluate` pinned to their specification where the other spec tests leave gaps,
+each against an independent reference (numpy, or a plain full-batch torch forward of a copy of the policy):
+
+- per-turn rewards on the trainer path: with an env that pays every turn, the advantage the update trains each
+  policy token with is (return-to-go of its turn - group mean of the episode returns) / (group std + eps),
+  return-to-go = final reward + the turn rewards from that turn on; with `per_turn_rewards: false` the turn
+  rewards are ignored (every token: the final reward's group advantage).
+- mini-batches (`algorithm.mini_batches` > 1): the rows are split, in rollout order, into contiguous blocks of
+  ceil(N / mini_batches); each optimizer step's gradient is the gradient of its block's loss computed in one
+  piece, with the block's denominators (its policy tokens, its sequences), for every aggregation mode and
+  micro-batch size, on rows of different lengths.
+- the logged record of one update: `loss` = mean over optimizer steps of the step's whole loss, `entropy` =
+  mean over the micro-batch forwards of their token-mean entropy, `grad_norm` = mean pre-clip gradient norm,
+  `clip_frac` / `kl` = means over the micro-batches, `groups_with_signal` = share of groups whose episode
+  returns are not all equal, `time_train` within the step's time; `policy_version` + 1 per update.
+- resume from the final SFT checkpoint: RL starts with a fresh optimizer and scheduler (the SFT stage's are
+  not carried over), and the resumed run ends bit-identical to the uninterrupted one (weights, Adam state, LR).
+- eval: the eval split's first min(eval.num_tasks, split size) tasks, each once, in order, in batches of the
+  eval envs; greedy (temperature 0) and sampled (eval.temperature), top-p 1, the rollout's token budget;
+  success = reward >= SUCCESS_THRESHOLD exactly (the verifier pays the threshold and the float just below it).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import gymnasium
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_spec_grpo import G, N, Step, spec_cfg
+from train_envs import FirstTokenParity
+
+from rlf_envs.env import ToolEnv
+from rlf_envs.records import SUCCESS_THRESHOLD
+from rlf_envs.rewards.base import Verifier
+from rlf_envs.types import Score, Task, Trajectory, Turn
+from rlf_train.checkpoint import WEIGHTS, read_checkpoint
+from rlf_train.rollout import SamplingParams
+from rlf_train.trainer import Trainer
+
+pytestmark = pytest.mark.train
+
+PER_TURN_ID = "rlf_test/PerTurnParity-v0"
+EVAL_ID = "rlf_test/EvalThreshold-v0"
+TURN_REWARDS = (0.0, 0.3, -0.2)
+MAX_TOTAL = 256
+
+
+class TurnTextReward:
+    """A per-turn (process) reward: TURN_REWARDS[len(action text) % 3]."""
+
+    def turn_reward(self, turn: Turn) -> float:
+        return TURN_REWARDS[len(turn.action.text) % 3]
+
+
+class ConstantOnSomeTasks(Verifier):
+    """Parity of the first token, except tasks whose index is divisible by 3: always 0.5 (groups with no signal)."""
+
+    name = "parity_or_const"
+
+    async def score(self, trajectory: Trajectory, task: Task) -> Score:
+        if int(task.id.split("-")[1]) % 3 == 0:
+            return Score(0.5)
+        return await FirstTokenParity().score(trajectory, task)
+
+
+def make_per_turn(split: str = "train", max_turns: int = 3, max_total_tokens: int = MAX_TOTAL,
+                  max_obs_tokens: int = 32, tokenizer: Any = None) -> ToolEnv:
+    """Up to `max_turns` turns (the random policy's text is an invalid action: a correction, then the next turn),
+    a turn reward every turn, prompts of different lengths (rows of different lengths in a batch)."""
+    tasks = [{"id": f"{split}-{i}", "question": "Say something" + " more" * (3 * i) + ".", "answers": ["x"]}
+             for i in range(6)]
+    return ToolEnv(tasks=tasks, verifier=ConstantOnSomeTasks(), turn_rewarder=TurnTextReward(), format="search_r1",
+                   max_turns=max_turns, max_total_tokens=max_total_tokens, max_obs_tokens=max_obs_tokens,
+                   tokenizer=tokenizer)
+
+
+EVAL_REWARDS = (1.0, SUCCESS_THRESHOLD, math.nextafter(SUCCESS_THRESHOLD, 0.0), 0.5, 1.0, 1.0)
+
+
+class RewardByTask(Verifier):
+    """Eval split: EVAL_REWARDS[task index] whatever the policy says; train split: 1.0."""
+
+    name = "by_task"
+
+    async def score(self, trajectory: Trajectory, task: Task) -> Score:
+        split, i = task.id.split("-")
+        return Score(EVAL_REWARDS[int(i)] if split == "test" else 1.0)
+
+
+def make_eval_env(split: str = "train", max_turns: int = 1, max_total_tokens: int = MAX_TOTAL,
+                  max_obs_tokens: int = 32, tokenizer: Any = None) -> ToolEnv:
+    tasks = [{"id": f"{split}-{i}", "question": f"Item {i}.", "answers": ["x"]} for i in range(6)]
+    return ToolEnv(tasks=tasks, verifier=RewardByTask(), format="search_r1", max_turns=max_turns,
+                   max_total_tokens=max_total_tokens, max_obs_tokens=max_obs_tokens, tokenizer=tokenizer)
+
+
+for _id, _entry in ((PER_TURN_ID, make_per_turn), (EVAL_ID, make_eval_env)):
+    if _id not in gymnasium.registry:
+        gymnasium.register(_id, entry_point=_entry)
+
+BASE = [f"env.id={PER_TURN_ID}", "env.imports=[]", "rollout.max_turns=3", f"rollout.max_total_tokens={MAX_TOTAL}",
+        "rollout.max_new_tokens_per_turn=4"]
+
+
+@pytest.fixture(scope="module")
+def per_turn(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    run = tmp_path_factory.mktemp("spec_update") / "run"
+    tr = Trainer(spec_cfg(run, BASE))
+    return tr, copy.deepcopy(tr.model.state_dict()), run
+
+
+def returns_to_go(t: Trajectory, per_turn: bool) -> tuple[dict[int, float], float]:
+    """{target position: return-to-go of the turn whose action token it predicts}, episode return."""
+    turn_r = [u.reward for u in t.turns] if per_turn else [0.0] * len(t.turns)
+    out = {}
+    for k, u in enumerate(t.turns):
+        if u.action_span is not None:
+            for p in range(*u.action_span):
+                out[p - 1] = t.reward + sum(turn_r[k:])
+    return out, t.reward + sum(turn_r)
+
+
+def trained_advantages(s: Step) -> list[np.ndarray]:
+    """The advantage rows the update passed to the loss, in row order (one epoch, one mini-batch)."""
+    rows = []
+    for c in s.calls:
+        rows += [(a.numpy(), m.numpy()) for a, m in zip(c["adv"], c["mask"], strict=True)]
+    return rows
+
+
+@pytest.mark.parametrize("per_turn_on", [True, False])
+def test_per_turn_rewards_are_returns_to_go_on_the_trainer_path(per_turn: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                per_turn_on: bool) -> None:
+    eps = 0.1
+    s = Step(per_turn, monkeypatch, [f"algorithm.per_turn_rewards={str(per_turn_on).lower()}",
+                                     "algorithm.micro_batch_size=5", f"algorithm.eps={eps}"], ragged=False, base=BASE)
+    trajs = s.trajs[0]
+    # the env really pays per turn, over several turns, and not the same every turn
+    assert max(len(t.turns) for t in trajs) >= 2
+    assert any(len({u.reward for u in t.turns}) > 1 for t in trajs)
+    for t in trajs:
+        assert [u.reward for u in t.turns] == [TURN_REWARDS[len(u.action.text) % 3] for u in t.turns]
+    ref = [returns_to_go(t, per_turn_on) for t in trajs]
+    ep = np.array([e for _, e in ref]).reshape(-1, G)
+    mean, std = ep.mean(axis=1), ep.std(axis=1, ddof=0)
+    rows = trained_advantages(s)
+    assert len(rows) == N
+    checked = 0
+    for i, ((rtg, _), (adv, mask)) in enumerate(zip(ref, rows, strict=True)):
+        pos = sorted(p for p in rtg if 0 <= p < len(mask))
+        assert [p for p in range(len(mask)) if mask[p]] == pos  # the loss mask: exactly the action tokens
+        want = np.array([(rtg[p] - mean[i // G]) / (std[i // G] + eps) for p in pos])
+        np.testing.assert_allclose(adv[pos], want, rtol=1e-5, atol=1e-6)
+        checked += len(pos)
+    assert checked > N
+    if per_turn_on:  # some episode's tokens carry different returns-to-go: the test sees the per-turn path
+        assert any(len({round(v, 9) for v in rtg.values()}) > 1 for rtg, _ in ref)
+
+
+def one_piece_grad(model: torch.nn.Module, trajs: list[Trajectory], adv: list[dict[int, float]], agg: str
+                   ) -> list[torch.Tensor]:
+    """The specified loss of `trajs` (one mini-batch) in one piece at ratio 1 (weights = the sampling weights):
+    pg = -A_t * exp(lp - sg(lp)) over the policy tokens, aggregated with this mini-batch's denominators."""
+    m = copy.deepcopy(model)
+    m.zero_grad(set_to_none=True)
+    sums, counts = [], []
+    for t, a in zip(trajs, adv, strict=True):
+        ids = torch.tensor([t.token_ids], dtype=torch.long)
+        logits = m(input_ids=ids[:, :-1]).logits.float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[0, :, 0]
+        mask = torch.tensor(t.loss_mask[1:], dtype=torch.float32)  # type: ignore[index]
+        a_t = torch.tensor([a.get(p, 0.0) for p in range(len(mask))], dtype=torch.float32)
+        pg = -a_t * torch.exp(lp - lp.detach()) * mask
+        sums.append(pg.sum())
+        counts.append(mask.sum())
+    if agg == "token_mean":
+        total = sum(sums) / sum(counts)
+    elif agg == "seq_mean_token_mean":
+        total = sum(x / c for x, c in zip(sums, counts, strict=True)) / len(trajs)
+    else:
+        total = sum(sums) / (len(trajs) * MAX_TOTAL)
+    total.backward()  # type: ignore[union-attr]
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor], rel: float = 1e-4) -> None:
+    fa, fb = torch.cat([x.flatten() for x in a]), torch.cat([x.flatten() for x in b])
+    assert fb.norm() > 0
+    assert (fa - fb).norm() <= rel * fb.norm() + 1e-9, f"|diff| {(fa - fb).norm():.3e} vs |ref| {fb.norm():.3e}"
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+def test_each_mini_batch_step_is_its_one_piece_gradient(per_turn: Any, monkeypatch: pytest.MonkeyPatch,
+                                                        agg: str) -> None:
+    """lr 0: the weights stay the sampling weights, so every optimizer step's gradient is at ratio 1 and can be
+    compared with its block's one-piece gradient; rows of different lengths (micro-batches narrower than the
+    batch); 3 blocks of 4 rows, micro-batches of 1 and 3 (crossing no block boundary: blocks are split alone)."""
+    eps = 0.1
+    for mb in (1, 3):
+        s = Step(per_turn, monkeypatch, [f"algorithm.loss_agg={agg}", f"algorithm.micro_batch_size={mb}",
+                                         "algorithm.mini_batches=3", f"algorithm.eps={eps}"], base=BASE, lr=0.0)
+        trajs = s.trajs[0]
+        assert len({len(t.token_ids or []) for t in trajs}) > 2  # ragged lengths: micro-batch widths differ
+        ref = [returns_to_go(t, True) for t in trajs]
+        ep = np.array([e for _, e in ref]).reshape(-1, G)
+        mean, std = ep.mean(axis=1), ep.std(axis=1, ddof=0)
+        adv = [{p: (v - mean[i // G]) / (std[i // G] + eps) for p, v in rtg.items()} for i, (rtg, _) in enumerate(ref)]
+        model0 = copy.deepcopy(s.tr.model)
+        model0.load_state_dict(s.weights[0])
+        assert len(s.grads) == 3
+        for k in range(3):
+            assert all(torch.equal(v, s.weights[0][n]) for n, v in s.stepped[k].items())  # lr 0: weights unchanged
+            rows = slice(4 * k, 4 * k + 4)
+            _close(s.grads[k], one_piece_grad(model0, trajs[rows], adv[rows], agg))
+        # the block's denominators, as passed to the loss (calls per block: ceil(4 / mb))
+        per_block = -(-4 // mb)
+        assert len(s.calls) == 3 * per_block
+        for j, c in enumerate(s.calls):
+            k = j // per_block
+            assert c["kw"]["total_seqs"] == 4
+            assert c["kw"]["total_tokens"] == sum(sum(t.loss_mask[1:]) for t in trajs[4 * k:4 * k + 4])  # type: ignore[index]
+
+
+def entropy_ref(model: torch.nn.Module, t: Trajectory, temp: float) -> list[float]:
+    """numpy: entropy of softmax(logits / temp) at each policy target position of `t` (top-p 1)."""
+    with torch.no_grad():
+        ids = torch.tensor([t.token_ids], dtype=torch.long)
+        logits = model(input_ids=ids[:, :-1]).logits[0].double().numpy()
+    out = []
+    for pos, on in enumerate((t.loss_mask or [])[1:]):
+        if on:
+            z = logits[pos] / temp
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            out.append(float(-(p * np.log(p)).sum()))
+    return out
+
+
+def test_logged_record_of_an_update(per_turn: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 epochs x 2 mini-batches of 6 rows, micro-batches of 5 (blocks split 5 + 1), temperature 0.7, the
+    single-row micro-batches with one policy token, per-turn rewards off, KL to a reference."""
+    tr = per_turn[0]
+    version = tr.policy_version
+    orig = tr.rollouts
+
+    def one_token_rows(*a: Any, **k: Any) -> Any:
+        trajs, st = orig(*a, **k)
+        for t in (trajs[5], trajs[11]):
+            first = t.loss_mask.index(1)  # type: ignore[union-attr]
+            t.loss_mask = [int(p == first) for p in range(len(t.loss_mask))]  # type: ignore[arg-type]
+        return trajs, st
+
+    monkeypatch.setattr(tr, "rollouts", one_token_rows)
+    s = Step(per_turn, monkeypatch, ["algorithm.micro_batch_size=5", "algorithm.mini_batches=2",
+                                     "algorithm.ppo_epochs=2", "rollout.temperature=0.7", "optim.lr=5e-2",
+                                     "algorithm.per_turn_rewards=false", "algorithm.kl_coef=0.05"],
+             base=BASE, ref=True)
+    assert tr.policy_version == version + 1
+    rec, trajs = s.recs[0], s.trajs[0]
+    assert len(s.stepped) == 4 and len(s.calls) == 8
+    # loss: each optimizer step's loss is the sum of its micro-batches' shares; the record is the mean over steps
+    step_losses = [float(s.calls[2 * k]["out"].loss.detach()) + float(s.calls[2 * k + 1]["out"].loss.detach())
+                   for k in range(4)]
+    # ... and each step's loss is its block's PPO-clip + KL loss recomputed in one piece (numpy, token mean)
+    for k in range(4):
+        cs = s.calls[2 * k:2 * k + 2]
+        lp = np.concatenate([c["logp"][c["mask"].bool()].double().numpy() for c in cs])
+        old = np.concatenate([c["old"][c["mask"].bool()].double().numpy() for c in cs])
+        a = np.concatenate([c["adv"][c["mask"].bool()].double().numpy() for c in cs])
+        rf = np.concatenate([c["ref"][c["mask"].bool()].double().numpy() for c in cs])
+        ratio = np.exp(lp - old)
+        pg = -np.minimum(ratio * a, np.clip(ratio, 0.8, 1.2) * a)
+        d = rf - lp
+        want = (pg.sum() + 0.05 * (np.exp(d) - d - 1).sum()) / len(lp)
+        assert step_losses[k] == pytest.approx(want, rel=1e-4, abs=1e-7)
+    assert rec["loss"] == pytest.approx(float(np.mean(step_losses)), rel=1e-6, abs=1e-9)
+    assert rec["kl"] == pytest.approx(float(np.mean([c["out"].kl for c in s.calls])), rel=1e-9, abs=1e-12)
+    assert rec["kl"] > 0
+    assert rec["clip_frac"] == pytest.approx(float(np.mean([c["out"].clip_frac for c in s.calls])), rel=1e-9)
+    assert rec["clip_frac"] > 0  # the second epoch moves ratios out of the trust region
+    # entropy: each micro-batch's token mean of the entropy of the tempered distribution, at the weights of its step
+    ents = []
+    for k in range(4):
+        model = copy.deepcopy(tr.model)
+        model.load_state_dict(s.stepped[k])
+        block = trajs[6 * (k % 2):6 * (k % 2) + 6]
+        for chunk in (block[:5], block[5:]):
+            vals = [x for t in chunk for x in entropy_ref(model, t, 0.7)]
+            ents.append(float(np.mean(vals)))
+    assert sum(trajs[5].loss_mask) == sum(trajs[11].loss_mask) == 1  # type: ignore[arg-type]
+    assert rec["entropy"] == pytest.approx(float(np.mean(ents)), rel=1e-4)
+    # grad norm: mean of the pre-clip norms (grad_clip 1e6: the optimizer steps with them unchanged)
+    norms = [float(torch.cat([g.flatten() for g in gs]).norm()) for gs in s.grads]
+    assert rec["grad_norm"] == pytest.approx(float(np.mean(norms)), rel=1e-5)
+    # groups with signal: share of groups whose episode returns (final rewards here) are not all equal
+    r = np.array([t.reward for t in trajs]).reshape(-1, G)
+    share = float((r.std(axis=1) > 0).mean())
+    assert 0 < share < 1  # a group with signal and one without (the constant task)
+    assert rec["groups_with_signal"] == pytest.approx(share, rel=1e-6)
+    assert 0 < rec["time_train"] <= rec["time_step"]
+    assert rec["stage"] == "rl" and rec["step"] == 1
+
+
+def test_resume_from_the_final_sft_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run killed after its SFT stage (its latest checkpoint: the final `sft`) resumes RL with a fresh optimizer
+    and scheduler, and ends as the uninterrupted run does."""
+    extra = ["sft.enabled=true", "sft.steps=3", "sft.batch_size=2", "sft.num_demos=4", "algorithm.steps=2",
+             "logging.save_every=0", "optim.warmup_steps=3", "optim.lr=1e-2", "eval.num_tasks=1",
+             "eval.sampled=false", "eval.before_rl=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    Trainer(spec_cfg(full, extra)).run()
+
+    class Killed(Exception):
+        pass
+
+    def killed(*_: Any) -> None:
+        raise Killed
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "run_rl", killed)
+        with pytest.raises(Killed):
+            Trainer(spec_cfg(part, extra)).run()
+    ckpts = sorted(p.name for p in (part / "checkpoints").iterdir() if p.is_dir())
+    assert ckpts == ["sft"], ckpts
+    meta, state = read_checkpoint(part / "checkpoints" / "sft")
+    assert (meta.stage, meta.sft_done, state["optimizer"], state["scheduler"]) == ("sft", True, None, None)
+    resumed = Trainer(spec_cfg(part, extra), resume=True)
+    resumed.run()
+    _, sa = read_checkpoint(full / "checkpoints" / "step_2")
+    _, sb = read_checkpoint(part / "checkpoints" / "step_2")
+    oa, ob = sa["optimizer"], sb["optimizer"]
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["param_groups"][0]["lr"] == pytest.approx(1e-2 * 3 / 3)  # the LR set for step 3: warmup done
+    assert sa["scheduler"] == sb["scheduler"] and sa["scheduler"]["last_epoch"] == 2
+    assert float(oa["state"][0]["step"]) == 2  # RL's own optimizer: 2 steps, not the SFT stage's 3 on top
+    for k in oa["state"]:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(oa["state"][k][name], ob["state"][k][name]), (k, name)
+    wa, wb = (load_file(str(d / "checkpoints" / "step_2" / WEIGHTS)) for d in (full, part))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_eval_split_order_batches_and_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eval envs batch 2 tasks; 4 of the split's 6 tasks; the verifier pays 1, the threshold, the float below it,
+    0.5: success 2/4 exactly (train tasks would all pay 1)."""
+    cfg = spec_cfg(tmp_path / "run", [f"env.id={EVAL_ID}", "env.imports=[]", "eval.num_tasks=4",
+                                      "rollout.batch_size=2", "eval.sampled=true", "eval.temperature=0.7",
+                                      "rollout.max_new_tokens_per_turn=3", "rollout.temperature=1.3",
+                                      "rollout.top_p=0.8", "logging.trajectories=-1"])
+    tr = Trainer(cfg)
+    assert tr.eval_envs().num_envs == 2
+    seen: list[tuple[Any, list[int], int, list[Trajectory]]] = []
+    orig = tr.rollouts
+
+    def spy(venv: Any, idx: Any, params: Any, seed_base: int, gen: Any) -> Any:
+        assert venv is tr.eval_envs()
+        trajs, st = orig(venv, idx, params, seed_base, gen)
+        seen.append((params, list(idx), seed_base, trajs))
+        return trajs, st
+
+    monkeypatch.setattr(tr, "rollouts", spy)
+    res = tr.evaluate(7)
+    assert [(i, sb) for _, i, sb, _ in seen] == [([0, 1], 0), ([2, 3], 2)] * 2
+    assert [p for p, _, _, _ in seen] == [SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=3)] * 2 + [
+        SamplingParams(temperature=0.7, top_p=1.0, max_new_tokens=3)] * 2
+    for k in range(0, 4, 2):
+        ids = [t.task.id for t in seen[k][3] + seen[k + 1][3]]
+        assert ids == ["test-0", "test-1", "test-2", "test-3"]
+        assert [t.reward for t in seen[k][3] + seen[k + 1][3]] == list(EVAL_REWARDS[:4])
+    assert set(res) == {"step", "num_tasks", "greedy", "success_greedy", "sampled", "success_sampled"}
+    assert (res["step"], res["num_tasks"]) == (7, 4)
+    for mode in ("greedy", "sampled"):
+        assert res[f"success_{mode}"] == 0.5 and res[mode]["success_rate"] == 0.5
+        assert res[mode]["reward_mean"] == pytest.approx(float(np.mean(EVAL_REWARDS[:4])), rel=1e-12)
+        stored = [json.loads(x) for x in (tmp_path / "run" / "trajectories" / "step_7.jsonl").read_text().splitlines()
+                  if json.loads(x)["source"] == f"eval_{mode}"]
+        assert len(stored) == 4 and {r["step"] for r in stored} == {7}
+    # more tasks asked than the split has: the whole split, once
+    tr.cfg = spec_cfg(tmp_path / "run", [f"env.id={EVAL_ID}", "env.imports=[]", "eval.num_tasks=50",
+                                         "eval.sampled=false", "rollout.batch_size=2"])
+    seen.clear()
+    res = tr.evaluate(8)
+    assert res["num_tasks"] == 6 and [i for _, i, _, _ in seen] == [[0, 1], [2, 3], [4, 5]]
+    assert res["success_greedy"] == pytest.approx(4 / 6) and "sampled" not in res
+    # the same eval samples at every eval (a fixed generator), and greedy turned off
+    tr.cfg = spec_cfg(tmp_path / "run", [f"env.id={EVAL_ID}", "env.imports=[]", "eval.num_tasks=2",
+                                         "eval.greedy=false", "eval.sampled=true", "rollout.batch_size=2"])
+    seen.clear()
+    a = tr.evaluate(9)
+    b = tr.evaluate(10)
+    assert set(a) == {"step", "num_tasks", "sampled", "success_sampled"}
+    assert [t.token_ids for t in seen[0][3]] == [t.token_ids for t in seen[1][3]]
+    assert a["sampled"] == b["sampled"]
