@@ -247,7 +247,7 @@ def test_logged_record_of_an_update(per_turn: Any, monkeypatch: pytest.MonkeyPat
     """2 epochs x 2 mini-batches of 6 rows, micro-batches of 5 (blocks split 5 + 1), temperature 0.7, the
     single-row micro-batches with one policy token, per-turn rewards off, KL to a reference."""
     tr = per_turn[0]
-    version = tr.policy_version
+    tr.policy_version = version = 5
     orig = tr.rollouts
 
     def one_token_rows(*a: Any, **k: Any) -> Any:
@@ -345,6 +345,12 @@ def test_resume_from_the_final_sft_checkpoint(tmp_path: Path, monkeypatch: pytes
             assert torch.equal(oa["state"][k][name], ob["state"][k][name]), (k, name)
     wa, wb = (load_file(str(d / "checkpoints" / "step_2" / WEIGHTS)) for d in (full, part))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # the checkpoint is a self-contained model dir: the run's tokenizer is saved with it
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(part / "checkpoints" / "step_2"))
+    text = "Say something about train item 3."
+    assert tok(text)["input_ids"] == resumed.tokenizer(text)["input_ids"] and len(tok) == len(resumed.tokenizer)
 
 
 def test_eval_split_order_batches_and_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
