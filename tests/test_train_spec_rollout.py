@@ -183,6 +183,11 @@ def test_resume_restores_optimizer_and_scheduler(tmp_path: Path, capsys: pytest.
     Trainer(rollout_cfg(part, [*extra, "algorithm.steps=3", "logging.progress=true"]), resume=True).run()
     lines = [x.split(" | ")[0].split(" ") for x in capsys.readouterr().out.splitlines() if x.startswith("GRPO ")]
     assert [x[:3] for x in lines] == [["GRPO", "3/3", "(100%)"]], lines
+    # the checkpoint saved mid-run (logging.save_every: full's step_2) holds the same state as the one saved at
+    # the end of a run (part's step_2, where the resumed run started)
+    from test_train_spec_update import assert_same_checkpoint
+
+    assert_same_checkpoint(full / "checkpoints" / "step_2", part / "checkpoints" / "step_2")
     _, sa = read_checkpoint(full / "checkpoints" / "step_3")
     _, sb = read_checkpoint(part / "checkpoints" / "step_3")
     oa, ob = sa["optimizer"], sb["optimizer"]

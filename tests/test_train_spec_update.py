@@ -308,49 +308,111 @@ def test_logged_record_of_an_update(per_turn: Any, monkeypatch: pytest.MonkeyPat
     assert rec["stage"] == "rl" and rec["step"] == 1
 
 
-def test_resume_from_the_final_sft_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run killed after its SFT stage (its latest checkpoint: the final `sft`) resumes RL with a fresh optimizer
-    and scheduler, and ends as the uninterrupted run does."""
-    extra = ["sft.enabled=true", "sft.steps=3", "sft.batch_size=2", "sft.num_demos=4", "algorithm.steps=2",
-             "logging.save_every=0", "optim.warmup_steps=3", "optim.lr=1e-2", "eval.num_tasks=1",
-             "eval.sampled=false", "eval.before_rl=true", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"]
+class Killed(Exception):
+    """Stands for the process dying at a chosen point (in-process, so that mutation testing sees it)."""
+
+
+RESUME = ["sft.enabled=true", "sft.steps=4", "sft.batch_size=2", "sft.num_demos=4", "algorithm.steps=2",
+          "optim.warmup_steps=3", "optim.lr=1e-2", "eval.num_tasks=1", "eval.sampled=false",
+          "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"]
+
+
+def assert_same_checkpoint(a: Path, b: Path) -> dict[str, Any]:
+    """Weights, Adam state and param groups (LR), scheduler state of two checkpoints are bit-identical."""
+    _, sa = read_checkpoint(a)
+    _, sb = read_checkpoint(b)
+    oa, ob = sa["optimizer"], sb["optimizer"]
+    assert oa["param_groups"] == ob["param_groups"]
+    assert sa["scheduler"] == sb["scheduler"]
+    assert oa["state"].keys() == ob["state"].keys() and oa["state"]
+    for k in oa["state"]:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(oa["state"][k][name], ob["state"][k][name]), (k, name)
+    wa, wb = load_file(str(a / WEIGHTS)), load_file(str(b / WEIGHTS))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    return sa
+
+
+@pytest.mark.parametrize("killed_at", ["after_sft", "mid_sft"])
+def test_resume_from_an_sft_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, killed_at: str) -> None:
+    """A run killed after its SFT stage (latest checkpoint: the final `sft`) resumes RL with a fresh optimizer and
+    scheduler; one killed mid-SFT (latest: `sft_2`) continues SFT with its optimizer and batch order. Either ends
+    bit-identical to the uninterrupted run."""
+    extra = [*RESUME, "logging.save_every=0" if killed_at == "after_sft" else "logging.save_every=2"]
     full, part = tmp_path / "full", tmp_path / "part"
     Trainer(spec_cfg(full, extra)).run()
+    orig_save = Trainer._save
 
-    class Killed(Exception):
-        pass
+    def save_then_die(self: Trainer, name: str, *a: Any, **k: Any) -> Path:
+        out = orig_save(self, name, *a, **k)
+        if name == "sft_2":
+            raise Killed
+        return out
 
     def killed(*_: Any) -> None:
         raise Killed
 
     with monkeypatch.context() as m:
-        m.setattr(Trainer, "run_rl", killed)
+        if killed_at == "after_sft":
+            m.setattr(Trainer, "run_rl", killed)
+        else:
+            m.setattr(Trainer, "_save", save_then_die)
         with pytest.raises(Killed):
             Trainer(spec_cfg(part, extra)).run()
     ckpts = sorted(p.name for p in (part / "checkpoints").iterdir() if p.is_dir())
-    assert ckpts == ["sft"], ckpts
-    meta, state = read_checkpoint(part / "checkpoints" / "sft")
-    assert (meta.stage, meta.sft_done, state["optimizer"], state["scheduler"]) == ("sft", True, None, None)
+    meta, state = read_checkpoint(part / "checkpoints" / ckpts[-1])
+    if killed_at == "after_sft":
+        assert ckpts == ["sft"], ckpts
+        assert (meta.stage, meta.sft_done, state["optimizer"], state["scheduler"]) == ("sft", True, None, None)
+    else:
+        assert ckpts == ["sft_2"], ckpts
+        assert (meta.stage, meta.step, meta.sft_done, state["scheduler"]) == ("sft", 2, False, None)
+        assert state["optimizer"]["state"] and state["sft_rng"] is not None
     resumed = Trainer(spec_cfg(part, extra), resume=True)
     resumed.run()
-    _, sa = read_checkpoint(full / "checkpoints" / "step_2")
-    _, sb = read_checkpoint(part / "checkpoints" / "step_2")
-    oa, ob = sa["optimizer"], sb["optimizer"]
-    assert oa["param_groups"] == ob["param_groups"]
-    assert oa["param_groups"][0]["lr"] == pytest.approx(1e-2 * 3 / 3)  # the LR set for step 3: warmup done
-    assert sa["scheduler"] == sb["scheduler"] and sa["scheduler"]["last_epoch"] == 2
-    assert float(oa["state"][0]["step"]) == 2  # RL's own optimizer: 2 steps, not the SFT stage's 3 on top
-    for k in oa["state"]:
-        for name in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(oa["state"][k][name], ob["state"][k][name]), (k, name)
-    wa, wb = (load_file(str(d / "checkpoints" / "step_2" / WEIGHTS)) for d in (full, part))
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    if killed_at == "mid_sft":  # SFT went on from step 2 as if never stopped
+        wa, wb = (load_file(str(d / "checkpoints" / "sft" / WEIGHTS)) for d in (full, part))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    sa = assert_same_checkpoint(full / "checkpoints" / "step_2", part / "checkpoints" / "step_2")
+    assert sa["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-2)  # the LR set for step 3: warmup done
+    assert sa["scheduler"]["last_epoch"] == 2
+    assert float(sa["optimizer"]["state"][0]["step"]) == 2  # RL's own optimizer: 2 steps, not SFT's 4 on top
     # the checkpoint is a self-contained model dir: the run's tokenizer is saved with it
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(part / "checkpoints" / "step_2"))
     text = "Say something about train item 3."
     assert tok(text)["input_ids"] == resumed.tokenizer(text)["input_ids"] and len(tok) == len(resumed.tokenizer)
+
+
+def test_resume_after_the_last_step_only_adds_a_missing_final_eval(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed between the final checkpoint and the final eval: the resumed run trains no more and records the final
+    eval once; resuming the finished run again changes nothing."""
+    extra = ["algorithm.steps=2", "eval.before_rl=false", "eval.num_tasks=1", "eval.sampled=false",
+             "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"]
+    run = tmp_path / "run"
+    orig_eval = Trainer.evaluate
+
+    def die_at_final_eval(self: Trainer, step: int) -> dict[str, Any]:
+        if step == 2:
+            raise Killed
+        return orig_eval(self, step)
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "evaluate", die_at_final_eval)
+        with pytest.raises(Killed):
+            Trainer(spec_cfg(run, extra)).run()
+    assert not (run / "eval.json").exists()
+    rl_rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["stage"] == "rl"]
+    assert [r["step"] for r in rl_rows] == [1, 2]
+    for _ in range(2):
+        Trainer(spec_cfg(run, extra), resume=True).run()
+        evals = json.loads((run / "eval.json").read_text())["evals"]
+        assert [e["step"] for e in evals] == [2]
+        rows = list(map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
+        assert [r["step"] for r in rows if r["stage"] == "rl"] == [1, 2]
+        assert [r["step"] for r in rows if r["stage"] == "eval"] == [2]
 
 
 def test_eval_split_order_batches_and_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
