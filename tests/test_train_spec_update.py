@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train_spec_grpo import G, N, Step, spec_cfg
+from test_train_spec_grpo import G, N, Step, _close, spec_cfg
 from train_envs import FirstTokenParity
 
 from rlf_envs.env import ToolEnv
@@ -188,12 +188,6 @@ def one_piece_grad(model: torch.nn.Module, trajs: list[Trajectory], adv: list[di
         total = sum(sums) / (len(trajs) * MAX_TOTAL)
     total.backward()  # type: ignore[union-attr]
     return [p.grad if p.grad is not None else torch.zeros_like(p) for p in m.parameters()]
-
-
-def _close(a: list[torch.Tensor], b: list[torch.Tensor], rel: float = 1e-4) -> None:
-    fa, fb = torch.cat([x.flatten() for x in a]), torch.cat([x.flatten() for x in b])
-    assert fb.norm() > 0
-    assert (fa - fb).norm() <= rel * fb.norm() + 1e-9, f"|diff| {(fa - fb).norm():.3e} vs |ref| {fb.norm():.3e}"
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
@@ -466,3 +460,37 @@ def test_eval_split_order_batches_and_threshold(tmp_path: Path, monkeypatch: pyt
     assert set(a) == {"step", "num_tasks", "sampled", "success_sampled"}
     assert [t.token_ids for t in seen[0][3]] == [t.token_ids for t in seen[1][3]]
     assert a["sampled"] == b["sampled"]
+
+
+def test_token_mean_denominator_counts_every_policy_target(per_turn: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose action starts right after a one-token prompt (target 0 is a policy token): the token-mean
+    denominator is every policy target of the mini-batch, that first one included."""
+    import rlf_train.trainer as trainer_mod
+    from rlf_envs.types import Action, ActionKind
+
+    tr, init, run = per_turn
+    tr.cfg = spec_cfg(run, [*BASE, "algorithm.micro_batch_size=4", "algorithm.loss_agg=token_mean"])
+    tr.model.load_state_dict(init)
+    trajs, idx = [], []
+    for i in range(N):
+        n = 4 + i % 3
+        mask = [0] + [1] * (n - 2) + [0] if i % 2 else [0, 0] + [1] * (n - 2)
+        first = mask.index(1)
+        trajs.append(Trajectory(task=tr.train_tasks[i // G], prompt="", token_ids=[5 + (7 * i + 3 * k) % 40 for k in
+                                                                                 range(n)],
+                                loss_mask=mask, reward=float(i % 3) / 2,
+                                turns=[Turn(action=Action(ActionKind.ANSWER, ""), action_span=(first, first + n - 2))]))
+        idx.append(i // G)
+    seen: list[float] = []
+    orig = trainer_mod.policy_loss
+
+    def spy(*a: Any, **k: Any) -> Any:
+        seen.append(k["total_tokens"])
+        return orig(*a, **k)
+
+    monkeypatch.setattr(trainer_mod, "policy_loss", spy)
+    opt = torch.optim.AdamW(tr.model.parameters(), lr=1e-3)
+    tr.update(1, trajs, idx, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), behaviour=False)
+    want = float(sum(sum(t.loss_mask[1:]) for t in trajs))  # type: ignore[index]
+    assert want > sum(sum(t.loss_mask[2:]) for t in trajs)  # type: ignore[index]
+    assert seen == [want] * 3
