@@ -494,3 +494,39 @@ def test_token_mean_denominator_counts_every_policy_target(per_turn: Any, monkey
     want = float(sum(sum(t.loss_mask[1:]) for t in trajs))  # type: ignore[index]
     assert want > sum(sum(t.loss_mask[2:]) for t in trajs)  # type: ignore[index]
     assert seen == [want] * 3
+
+
+def test_behaviour_logprobs_layout_and_errors(per_turn: Any) -> None:
+    """`Trainer.behaviour_logprobs` (the async loss's mu): each turn's recorded log-probs at the targets of its
+    action tokens (target t = token t + 1), 0 elsewhere, past a turn without tokens too; fewer recorded log-probs
+    than action tokens, or a policy token outside every action span, is a RuntimeError naming the episode."""
+    from rlf_envs.types import Action, ActionKind
+
+    tr = per_turn[0]
+    act = Action(ActionKind.ANSWER, "")
+
+    def traj(mask: list[int], *turns: tuple[tuple[int, int] | None, list[float] | None]) -> Trajectory:
+        return Trajectory(task=Task("t", "q"), prompt="", token_ids=list(range(5, 5 + len(mask))), loss_mask=mask,
+                          turns=[Turn(action=act, action_span=sp, behaviour_logprobs=lp) for sp, lp in turns])
+
+    # tokens 0-1 prompt | 2-4 action | a turn without tokens | 5-6 observation | 7-8 action (one log-prob extra)
+    a = traj([0, 0, 1, 1, 1, 0, 0, 1, 1], ((2, 5), [-0.1, -0.2, -0.3]), (None, None), ((7, 9), [-0.4, -0.5, -9.0]))
+    b = traj([0, 1, 1, 0], ((1, 3), [-0.6, -0.7]))  # a one-token prompt: target 0 is a policy token
+    out = tr.behaviour_logprobs([a, b], 8)
+    want = np.zeros((2, 8))
+    want[0, 1:4], want[0, 6:8], want[1, 0:2] = [-0.1, -0.2, -0.3], [-0.4, -0.5], [-0.6, -0.7]
+    np.testing.assert_allclose(out.numpy(), want, rtol=0, atol=1e-7)
+    assert out.shape == (2, 8) and out.dtype == torch.float32
+    short = traj([0, 0, 1, 1, 1], ((2, 5), [-0.1]))
+    none = traj([0, 0, 1, 1, 0, 1], ((2, 4), [-0.1, -0.2]), ((5, 6), None))
+    msg = "behaviour log-probs recorded for {} action tokens (the async rollout records one per sampled token)"
+    with pytest.raises(RuntimeError) as e:
+        tr.behaviour_logprobs([a, short], 8)
+    assert str(e.value) == "episode 1 turn 0: 1 " + msg.format(3)
+    with pytest.raises(RuntimeError) as e:
+        tr.behaviour_logprobs([none, a], 8)
+    assert str(e.value) == "episode 0 turn 1: 0 " + msg.format(1)
+    stray = traj([0, 0, 1, 1, 1, 0, 0, 0, 1], ((2, 5), [-0.1, -0.2, -0.3]))  # the last token: policy, in no span
+    with pytest.raises(RuntimeError) as e:
+        tr.behaviour_logprobs([b, stray], 8)
+    assert str(e.value) == "episode 1: a policy token lies outside every turn's action span"
