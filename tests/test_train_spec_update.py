@@ -526,7 +526,10 @@ def test_behaviour_logprobs_layout_and_errors(per_turn: Any) -> None:
     with pytest.raises(RuntimeError) as e:
         tr.behaviour_logprobs([none, a], 8)
     assert str(e.value) == "episode 0 turn 1: 0 " + msg.format(1)
-    stray = traj([0, 0, 1, 1, 1, 0, 0, 0, 1], ((2, 5), [-0.1, -0.2, -0.3]))  # the last token: policy, in no span
-    with pytest.raises(RuntimeError) as e:
-        tr.behaviour_logprobs([b, stray], 8)
-    assert str(e.value) == "episode 1: a policy token lies outside every turn's action span"
+    # a policy token in no span: the last token, the one right after an action, token 1 (after a one-token prompt)
+    for k, stray in enumerate([traj([0, 0, 1, 1, 1, 0, 0, 0, 1], ((2, 5), [-0.1, -0.2, -0.3])),
+                               traj([0, 0, 1, 1, 1, 1, 0], ((2, 5), [-0.1, -0.2, -0.3])),
+                               traj([0, 1, 0, 1, 1], ((3, 5), [-0.1, -0.2]))]):
+        with pytest.raises(RuntimeError) as e:
+            tr.behaviour_logprobs([b, stray], 8)
+        assert str(e.value) == "episode 1: a policy token lies outside every turn's action span", k
