@@ -307,14 +307,18 @@ class Killed(Exception):
 
 
 RESUME = ["sft.enabled=true", "sft.steps=4", "sft.batch_size=2", "sft.num_demos=4", "algorithm.steps=2",
+          "algorithm.kl_coef=0.05",
           "optim.warmup_steps=3", "optim.lr=1e-2", "eval.num_tasks=1", "eval.sampled=false",
           "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2"]
 
 
 def assert_same_checkpoint(a: Path, b: Path) -> dict[str, Any]:
-    """Weights, Adam state and param groups (LR), scheduler state of two checkpoints are bit-identical."""
-    _, sa = read_checkpoint(a)
-    _, sb = read_checkpoint(b)
+    """Meta, weights, Adam state and param groups (LR), scheduler state and the data order of two checkpoints are
+    the same, bit for bit."""
+    ma, sa = read_checkpoint(a)
+    mb, sb = read_checkpoint(b)
+    assert ma == mb
+    assert (sa["order"], sa["order_pos"], sa["data_rng"]) == (sb["order"], sb["order_pos"], sb["data_rng"])
     oa, ob = sa["optimizer"], sb["optimizer"]
     assert oa["param_groups"] == ob["param_groups"]
     assert sa["scheduler"] == sb["scheduler"]
@@ -334,7 +338,8 @@ def test_resume_from_an_sft_checkpoint(tmp_path: Path, monkeypatch: pytest.Monke
     bit-identical to the uninterrupted run."""
     extra = [*RESUME, "logging.save_every=0" if killed_at == "after_sft" else "logging.save_every=2"]
     full, part = tmp_path / "full", tmp_path / "part"
-    Trainer(spec_cfg(full, extra)).run()
+    uninterrupted = Trainer(spec_cfg(full, extra))
+    uninterrupted.run()
     orig_save = Trainer._save
 
     def save_then_die(self: Trainer, name: str, *a: Any, **k: Any) -> Path:
@@ -364,9 +369,13 @@ def test_resume_from_an_sft_checkpoint(tmp_path: Path, monkeypatch: pytest.Monke
         assert state["optimizer"]["state"] and state["sft_rng"] is not None
     resumed = Trainer(spec_cfg(part, extra), resume=True)
     resumed.run()
-    if killed_at == "mid_sft":  # SFT went on from step 2 as if never stopped
-        wa, wb = (load_file(str(d / "checkpoints" / "sft" / WEIGHTS)) for d in (full, part))
-        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    wa, wb = (load_file(str(d / "checkpoints" / "sft" / WEIGHTS)) for d in (full, part))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)  # mid-SFT: SFT went on from step 2 as if never stopped
+    # the KL reference is the policy RL started from, the SFT weights, in the resumed run too (not a fresh init)
+    for tr in (uninterrupted, resumed):
+        assert tr.ref_model is not None
+        ref = tr.ref_model.state_dict()
+        assert all(torch.equal(ref[k], v) for k, v in wa.items() if k in ref) and wa.keys() & ref.keys()
     sa = assert_same_checkpoint(full / "checkpoints" / "step_2", part / "checkpoints" / "step_2")
     assert sa["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-2)  # the LR set for step 3: warmup done
     assert sa["scheduler"]["last_epoch"] == 2
@@ -533,3 +542,46 @@ def test_behaviour_logprobs_layout_and_errors(per_turn: Any) -> None:
         with pytest.raises(RuntimeError) as e:
             tr.behaviour_logprobs([b, stray], 8)
         assert str(e.value) == "episode 1: a policy token lies outside every turn's action span", k
+
+
+def test_kl_reference_without_an_sft_checkpoint(tmp_path: Path) -> None:
+    """SFT on but 0 steps (no `sft` checkpoint is written): the reference is the initial policy."""
+    tr = Trainer(spec_cfg(tmp_path / "run", ["sft.enabled=true", "sft.steps=0", "algorithm.kl_coef=0.1",
+                                              "algorithm.steps=1", "eval.num_tasks=1", "eval.before_rl=false"]))
+    init = copy.deepcopy(tr.model.state_dict())
+    tr.run()
+    assert not (tmp_path / "run" / "checkpoints" / "sft").exists()
+    assert tr.ref_model is not None
+    assert all(torch.equal(v, init[k]) for k, v in tr.ref_model.state_dict().items())
+
+
+def test_periodic_eval_its_record_and_the_progress_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """eval.every 2 over 3 steps: evals at step 2 and at the end (3), each once; eval.json's `latest` is the last;
+    the metrics row of an eval holds its success rates, mean rewards and search rates; the console line names the
+    success rates; each RL step's progress line shows its reward, success and search rates."""
+    run = tmp_path / "run"
+    Trainer(spec_cfg(run, ["algorithm.steps=3", "eval.every=2", "eval.before_rl=false", "eval.sampled=true",
+                           "eval.num_tasks=2", "logging.progress=true", "rollout.prompts_per_step=2",
+                           "rollout.samples_per_prompt=2", "logging.save_every=0"])).run()
+    out = capsys.readouterr().out.splitlines()
+    ev = json.loads((run / "eval.json").read_text())
+    assert [e["step"] for e in ev["evals"]] == [2, 3] and ev["latest"] == ev["evals"][-1]
+    rows = list(map(json.loads, (run / "metrics.jsonl").read_text().splitlines()))
+    erows = [r for r in rows if r["stage"] == "eval"]
+    assert [r["step"] for r in erows] == [2, 3]
+    for r, e in zip(erows, ev["evals"], strict=True):
+        assert r == {"stage": "eval", "step": e["step"], **{f"{k}_{m}": (e[f"success_{m}"] if k == "success" else
+                                                                          e[m][{"reward": "reward_mean",
+                                                                                "search_rate": "search_rate"}[k]])
+                                                            for m in ("greedy", "sampled")
+                                                            for k in ("success", "reward", "search_rate")}}
+        line = f"[eval step {e['step']}] success_greedy={e['success_greedy']:.3f} success_sampled=" \
+               f"{e['success_sampled']:.3f}"
+        assert line in out
+    rl = [r for r in rows if r["stage"] == "rl"]
+    grpo = [x for x in out if x.startswith("GRPO ")]
+    assert len(grpo) == 3
+    for r, x in zip(rl, grpo, strict=True):
+        assert x.startswith(f"GRPO {r['step']}/3 ")
+        assert x.endswith(f" | reward {r['reward_mean']:.3f} success {r['success_rate']:.2f} "
+                          f"search {r['search_rate']:.2f}")
