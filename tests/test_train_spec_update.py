@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -252,10 +253,12 @@ def test_logged_record_of_an_update(per_turn: Any, monkeypatch: pytest.MonkeyPat
         return trajs, st
 
     monkeypatch.setattr(tr, "rollouts", one_token_rows)
+    t0 = time.perf_counter()
     s = Step(per_turn, monkeypatch, ["algorithm.micro_batch_size=5", "algorithm.mini_batches=2",
                                      "algorithm.ppo_epochs=2", "rollout.temperature=0.7", "optim.lr=5e-2",
                                      "algorithm.per_turn_rewards=false", "algorithm.kl_coef=0.05"],
              base=BASE, ref=True)
+    wall = time.perf_counter() - t0
     assert tr.policy_version == version + 1
     rec, trajs = s.recs[0], s.trajs[0]
     assert len(s.stepped) == 4 and len(s.calls) == 8
@@ -298,7 +301,12 @@ def test_logged_record_of_an_update(per_turn: Any, monkeypatch: pytest.MonkeyPat
     share = float((r.std(axis=1) > 0).mean())
     assert 0 < share < 1  # a group with signal and one without (the constant task)
     assert rec["groups_with_signal"] == pytest.approx(share, rel=1e-6)
-    assert 0 < rec["time_train"] <= rec["time_step"]
+    # the step's rollout: tokens generated (every action token), its times within the step's, the step's within
+    # the wall time around it
+    assert rec["gen_tokens"] == sum(e - b for t in trajs for u in t.turns if u.action_span for b, e in [u.action_span])
+    assert 0 < rec["time_train"] <= rec["time_step"] <= wall
+    assert 0 < rec["time_generate"] <= rec["time_rollout"] and 0 < rec["time_env"] <= rec["time_rollout"]
+    assert rec["time_rollout"] + rec["time_train"] <= rec["time_step"]
     assert rec["stage"] == "rl" and rec["step"] == 1
 
 
