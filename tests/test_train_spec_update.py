@@ -553,14 +553,19 @@ def test_behaviour_logprobs_layout_and_errors(per_turn: Any) -> None:
 
 
 def test_kl_reference_without_an_sft_checkpoint(tmp_path: Path) -> None:
-    """SFT on but 0 steps (no `sft` checkpoint is written): the reference is the initial policy."""
-    tr = Trainer(spec_cfg(tmp_path / "run", ["sft.enabled=true", "sft.steps=0", "algorithm.kl_coef=0.1",
-                                              "algorithm.steps=1", "eval.num_tasks=1", "eval.before_rl=false"]))
+    """SFT on but 0 steps (no `sft` checkpoint is written): the reference is the initial policy, also in the run
+    resumed from its RL checkpoint (not the resumed weights)."""
+    extra = ["sft.enabled=true", "sft.steps=0", "algorithm.kl_coef=0.1", "eval.num_tasks=1", "eval.before_rl=false"]
+    tr = Trainer(spec_cfg(tmp_path / "run", [*extra, "algorithm.steps=1"]))
     init = copy.deepcopy(tr.model.state_dict())
     tr.run()
     assert not (tmp_path / "run" / "checkpoints" / "sft").exists()
-    assert tr.ref_model is not None
-    assert all(torch.equal(v, init[k]) for k, v in tr.ref_model.state_dict().items())
+    resumed = Trainer(spec_cfg(tmp_path / "run", [*extra, "algorithm.steps=2"]), resume=True)
+    assert not all(torch.equal(v, init[k]) for k, v in resumed.model.state_dict().items())  # it did train
+    resumed.run()
+    for t in (tr, resumed):
+        assert t.ref_model is not None
+        assert all(torch.equal(v, init[k]) for k, v in t.ref_model.state_dict().items())
 
 
 def test_periodic_eval_its_record_and_the_progress_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
