@@ -72,9 +72,10 @@ class Step:
     optimizer stepped with."""
 
     def __init__(self, fixture: Any, monkeypatch: pytest.MonkeyPatch, overrides: list[str],
-                 ragged: bool = True, ref: bool = False, steps: int = 1) -> None:
+                 ragged: bool = True, ref: bool = False, steps: int = 1, lr: float | None = None,
+                 base: list[str] | None = None) -> None:
         tr, init, run = fixture
-        tr.cfg = spec_cfg(run, overrides)
+        tr.cfg = spec_cfg(run, [*(base or []), *overrides])
         tr.model.load_state_dict(init)
         tr.gen.manual_seed(11)
         tr.data_rng, tr.order, tr.order_pos = np.random.default_rng(7), [], 0  # the same prompts every time
@@ -84,6 +85,7 @@ class Step:
         self.weights: list[dict[str, torch.Tensor]] = []
         self.calls: list[dict[str, Any]] = []
         self.grads: list[list[torch.Tensor]] = []
+        self.stepped: list[dict[str, torch.Tensor]] = []  # the weights each optimizer step's gradient was taken at
         orig_rollouts, orig_loss = tr.rollouts, trainer_mod.policy_loss
 
         def rollouts(venv: Any, idx: Any, params: Any, seed_base: int, gen: Any) -> Any:
@@ -110,11 +112,12 @@ class Step:
 
         monkeypatch.setattr(tr, "rollouts", rollouts)
         monkeypatch.setattr(trainer_mod, "policy_loss", policy_loss)
-        opt = torch.optim.AdamW(tr.model.parameters(), lr=tr.cfg.optim.lr)
+        opt = torch.optim.AdamW(tr.model.parameters(), lr=tr.cfg.optim.lr if lr is None else lr)
 
         def capture(*_: Any) -> None:  # runs inside optimizer.step, after clipping, before the update
             self.grads.append([p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                                for p in tr.model.parameters()])
+            self.stepped.append(copy.deepcopy(tr.model.state_dict()))
 
         opt.register_step_pre_hook(capture)
         self.opt = opt

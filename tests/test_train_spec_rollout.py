@@ -171,14 +171,23 @@ def test_sft_loss_is_token_mean_ce_on_policy_tokens() -> None:
     assert loss.item() == pytest.approx(sum(ce) / 4, rel=1e-5)
 
 
-def test_resume_restores_optimizer_and_scheduler(tmp_path: Path) -> None:
+def test_resume_restores_optimizer_and_scheduler(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     extra = ["rollout.max_turns=1", "env.kwargs={max_turns: 1}", "logging.save_every=1", "optim.warmup_steps=5",
              "eval.sampled=false", "eval.num_tasks=1", "optim.lr=1e-2"]
     full = tmp_path / "full"
     Trainer(rollout_cfg(full, [*extra, "algorithm.steps=3"])).run()
     part = tmp_path / "part"
     Trainer(rollout_cfg(part, [*extra, "algorithm.steps=2"])).run()
-    Trainer(rollout_cfg(part, [*extra, "algorithm.steps=3"]), resume=True).run()
+    capsys.readouterr()
+    # the resumed run's progress (plain lines when stdout is no terminal) continues at step 2 of 3
+    Trainer(rollout_cfg(part, [*extra, "algorithm.steps=3", "logging.progress=true"]), resume=True).run()
+    lines = [x.split(" | ")[0].split(" ") for x in capsys.readouterr().out.splitlines() if x.startswith("GRPO ")]
+    assert [x[:3] for x in lines] == [["GRPO", "3/3", "(100%)"]], lines
+    # the checkpoint saved mid-run (logging.save_every: full's step_2) holds the same state as the one saved at
+    # the end of a run (part's step_2, where the resumed run started)
+    from test_train_spec_update import assert_same_checkpoint
+
+    assert_same_checkpoint(full / "checkpoints" / "step_2", part / "checkpoints" / "step_2")
     _, sa = read_checkpoint(full / "checkpoints" / "step_3")
     _, sb = read_checkpoint(part / "checkpoints" / "step_3")
     oa, ob = sa["optimizer"], sb["optimizer"]

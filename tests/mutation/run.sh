@@ -14,7 +14,8 @@ git -C "$REPO" ls-files -z | (cd "$REPO" && xargs -0 cp --parents -t "$SCRATCH")
 mkdir -p "$SCRATCH/src" && mv "$SCRATCH/rlf_train/src/rlf_train" "$SCRATCH/src/" && rm -rf "$SCRATCH/rlf_train"
 # the fast tests that pin the file's specification: tests-<file>.txt beside this script when there is one
 # (sft.py, checkpoint.py, rollout.py, trainer.py), else tests.txt (the spec tests of grpo.py)
-LIST="$REPO/tests/mutation/tests-${FILE%.py}.txt"
+# (LIST=path overrides: e.g. tests-trainer-async.txt for the async path of trainer.py)
+LIST=${LIST:-$REPO/tests/mutation/tests-${FILE%.py}.txt}
 [ -f "$LIST" ] || LIST="$REPO/tests/mutation/tests.txt"
 # mutmut 3 does not mutate decorated functions: the scratch copy drops `@torch.no_grad()` (rollout.generate)
 # so that they are mutated too. Values are unchanged (the tests check values; grad mode is not under test).
