@@ -401,8 +401,18 @@ LAUNCHER = textwrap.dedent("""
 """)
 
 
+def _default_signals() -> None:  # what a process started by a shell's foreground job has
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def test_runs_start_with_default_signals_whatever_the_trainer_ignores() -> None:
-    fresh = subprocess.run([sys.executable, "-I", "-c", SIGNALS_PROBE], capture_output=True, text=True, timeout=60)
+    # the reference: a fresh interpreter started with default dispositions (this test process itself may have
+    # SIGINT ignored, e.g. when the test run was started in the background)
+    fresh = subprocess.run([sys.executable, "-I", "-c", SIGNALS_PROBE], capture_output=True, text=True, timeout=60,
+                           preexec_fn=_default_signals)
+    assert "default_int_handler" in fresh.stdout, fresh
     env = {**os.environ, "PYTHONPATH": str(ROOT / "rlf_envs" / "src"), "RLF_SANDBOX_POOL": "1"}
     out = subprocess.run([sys.executable, "-c", LAUNCHER, SIGNALS_PROBE], capture_output=True, text=True, env=env,
                          timeout=120)
