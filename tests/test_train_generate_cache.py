@@ -9,23 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from test_train_spec_generate import setup as tiny
 
-from rlf_train.config import load_config
-from rlf_train.model import load_tokenizer
 from rlf_train.rollout import SamplingParams, StopChecker, cache_kwarg, generate
 
 pytestmark = pytest.mark.train
-
-
-def tiny() -> tuple[Any, torch.nn.Module]:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    tok = load_tokenizer(load_config(None, []).model)
-    qc = Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
-                     pad_token_id=tok.pad_token_id, eos_token_id=tok.pad_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    return tok, Qwen3ForCausalLM(qc).eval()
 
 
 def test_generate_builds_no_graph_and_passes_the_cache_without_deprecation_warnings() -> None:

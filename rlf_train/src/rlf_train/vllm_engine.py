@@ -55,12 +55,17 @@ class VllmTimeoutError(TimeoutError):
     """A call into the vLLM engine did not return within `rollout.vllm_timeout_s`; the engine was killed."""
 
 
+def engine_client(llm: Any) -> Any:
+    """The engine-core client of a `vllm.LLM` (`LLMEngine.engine_core`: a `SyncMPClient` in vLLM 0.32), or None."""
+    return getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+
+
 def engine_core_processes(llm: Any) -> list[BaseProcess]:
     """The engine-core processes of a running `vllm.LLM`, from vLLM's own record of what it started
     (`LLMEngine.engine_core` is a `SyncMPClient` whose `resources.engine_manager` is the `CoreEngineProcManager`
     that forked them; vllm/v1/engine/core_client.py and utils.py in 0.32). Empty for an in-process engine
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): then there is no process to kill."""
-    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    client = engine_client(llm)
     manager = getattr(getattr(client, "resources", None), "engine_manager", None)
     return list(getattr(manager, "processes", None) or [])
 
@@ -241,7 +246,7 @@ class VllmRollout:
         """Kill a hung engine and drop it; returns pids still alive (empty: nothing left running)."""
         left = kill_engine(procs)
         llm, self.llm = self.llm, None
-        client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        client = engine_client(llm)
         if client is not None:
             try:  # closes vLLM's sockets and output thread; its processes are dead already, so this is quick
                 client.shutdown()
@@ -339,7 +344,7 @@ class VllmRollout:
         deadline; whatever engine process is still alive after it is killed. Idempotent."""
         llm = self.llm
         try:
-            client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+            client = engine_client(llm)
             if client is not None:
                 self._call("shutdown", client.shutdown)
         finally:

@@ -239,11 +239,10 @@ def _enter_namespaces(job: dict[str, Any], g: Guards, workdir: str) -> bool:
 # ---------------------------------------------------------------------------------------------- worker
 
 
-def _self_pidfd() -> int | None:
-    """A pidfd of this process (readable once it has exited), for the worker's set-up to check that its
-    supervisor is still alive; None before Linux 5.3."""
+def _pidfd(pid: int) -> int | None:
+    """A pidfd of `pid` (readable once that process has exited); None before Linux 5.3."""
     try:
-        return os.pidfd_open(os.getpid())
+        return os.pidfd_open(pid)
     except (AttributeError, OSError):
         return None
 
@@ -257,19 +256,11 @@ def _parent_gone(parent_fd: int) -> bool:
 def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: int | None,
                     parent_fd: int | None = None) -> Any:
     """The worker's own set-up, run in the child before the code. `parent_fd`: a pidfd of the supervisor
-    (`_self_pidfd`), to notice that it died before the worker asked to die with it."""
+    (`_pidfd`), to notice that it died before the worker asked to die with it."""
     lim = job["limits"]
 
     def preexec() -> None:
-        # signal dispositions and mask as a fresh process has them, whatever the trainer was started with (a
-        # background job of a shell starts with SIGINT and SIGQUIT ignored, and exec keeps ignored signals)
-        for sig in signal.valid_signals():
-            if sig not in (signal.SIGKILL, signal.SIGSTOP):
-                try:
-                    signal.signal(sig, signal.SIG_DFL)
-                except (OSError, ValueError):
-                    pass
-        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        _reset_signals()
         if pid_ns:
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         mem = lim["memory_mb"] << 20
@@ -469,9 +460,10 @@ def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_
         os._exit(status)
 
 
-def _default_signals() -> None:
-    """Signal dispositions and mask as a fresh interpreter has them (nothing of the supervisor's)."""
-    signal.setitimer(signal.ITIMER_REAL, 0)
+def _reset_signals() -> None:
+    """Signal dispositions and mask as a fresh process has them, whatever the trainer was started with (a
+    background job of a shell starts with SIGINT and SIGQUIT ignored, and exec keeps ignored signals). Part of
+    every worker's set-up (`_worker_preexec`), cold or forked."""
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -479,10 +471,16 @@ def _default_signals() -> None:
             signal.signal(sig, signal.SIG_DFL)
         except (OSError, ValueError):
             pass
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
+def _default_signals() -> None:
+    """After `_reset_signals` (in the set-up), what a fresh interpreter then installs itself: a forked worker
+    runs no interpreter start-up, so it does it here (nothing of the supervisor's is left)."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 def _run_main(argv: list[str]) -> int:  # pragma: no cover - runs in the forked worker
@@ -552,7 +550,7 @@ class Worker:
                  stdin_fd: int, pass_fds: tuple[int, ...], workdir: str) -> None:
         import subprocess
 
-        parent_fd = _self_pidfd()
+        parent_fd = _pidfd(os.getpid())  # for the worker's set-up to check that we are still alive
         preexec = _worker_preexec(job, pid_ns, uid, nproc, parent_fd)
         self.proc: subprocess.Popen[bytes] | Forked
         try:
@@ -575,10 +573,8 @@ class Worker:
         self.capture = Capture({"stdout": out_fd, "stderr": err_fd}, job["limits"]["max_output_bytes"])
         self.pid_ns, self.uid = pid_ns, uid
         self.killed = False
-        try:
-            self.exit_fd: int | None = os.pidfd_open(self.proc.pid)  # readable once the worker exits
-        except (AttributeError, OSError):
-            self.exit_fd = None  # Linux < 5.3: we notice the exit within one pump interval
+        # readable once the worker exits; None before Linux 5.3: we notice the exit within one pump interval
+        self.exit_fd = _pidfd(self.proc.pid)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
