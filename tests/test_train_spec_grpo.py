@@ -259,12 +259,16 @@ def test_ratio_old_logprobs_and_kl(trainer: Any, monkeypatch: pytest.MonkeyPatch
     assert s.recs[0]["kl"] > 0 and s.recs[1]["kl"] > 0
 
 
-def nucleus_logprobs(model: torch.nn.Module, t: Trajectory, temp: float, top_p: float,
-                     strict: bool = True) -> list[float]:
+def nucleus_logprob_choices(model: torch.nn.Module, t: Trajectory, temp: float, top_p: float, strict: bool = True,
+                            margin: float = 0.0) -> list[list[float]]:
     """numpy: log p of each policy token of `t` under softmax(logits / temp) truncated to the top-p nucleus
     (the smallest prefix of the sorted probabilities whose mass reaches top_p), renormalised. `strict`: the
     token must lie in the nucleus (it was sampled from it); else (a token scored under newer weights) it is
-    added to the nucleus, as the update does so that its log-prob stays finite."""
+    added to the nucleus, as the update does so that its log-prob stays finite.
+
+    One value per token with `margin` 0. With `margin` > 0, every value a nucleus cut could give when the
+    cumulative mass before a token lies within `margin` of top_p: float32 code on a padded batch (the sampler,
+    the update) and this float64 forward of one row can put such a token on either side of the cut."""
     out = []
     with torch.no_grad():
         ids = torch.tensor([t.token_ids], dtype=torch.long)
@@ -276,13 +280,25 @@ def nucleus_logprobs(model: torch.nn.Module, t: Trajectory, temp: float, top_p: 
         p = np.exp(z - z.max())
         p /= p.sum()
         order = np.argsort(-p, kind="stable")
-        keep = np.zeros_like(p, dtype=bool)
-        keep[order[np.cumsum(p[order]) - p[order] < top_p]] = True
+        before = np.cumsum(p[order]) - p[order]  # the mass ahead of each token, in sorted order
+        cuts = range(int((before < top_p - margin).sum()), int((before < top_p + margin).sum()) + 1) if margin \
+            else [int((before < top_p).sum())]
         tok = (t.token_ids or [])[pos + 1]
-        assert keep[tok] or not strict, "a sampled token outside the top-p nucleus"
-        keep[tok] = True
-        out.append(float(np.log(p[tok] / p[keep].sum())))
+        assert tok in order[:max(cuts)] or not strict, "a sampled token outside the top-p nucleus"
+        values = []
+        for n in cuts:
+            keep = np.zeros_like(p, dtype=bool)
+            keep[order[:n]] = True
+            keep[tok] = True
+            values.append(float(np.log(p[tok] / p[keep].sum())))
+        out.append(values)
     return out
+
+
+def nucleus_logprobs(model: torch.nn.Module, t: Trajectory, temp: float, top_p: float,
+                     strict: bool = True) -> list[float]:
+    """`nucleus_logprob_choices` with no margin: the one value of each policy token."""
+    return [v for (v,) in nucleus_logprob_choices(model, t, temp, top_p, strict)]
 
 
 def behaviour_logprobs(model: torch.nn.Module, trajs: list[Trajectory], temp: float, top_p: float) -> torch.Tensor:
