@@ -12,18 +12,30 @@ import select
 import socket
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxResult, run_python
+from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxPool, SandboxResult, run_python, runner
 from rlf_envs.sandbox._supervisor import _processes_of_uid
 
 pytestmark = pytest.mark.envs
 
 FAST = SandboxLimits(timeout_s=5.0, cpu_s=5)
 SYSTEM_PYTHON = "/usr/bin/python3.11"
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["direct", "supervised"])
+def _pool(request: pytest.FixtureRequest) -> Iterator[SandboxPool]:
+    with SandboxPool(size=2, direct=request.param) as p:
+        yield p
+
+
+@pytest.fixture(autouse=True)
+def _both_pooled_paths(_pool: SandboxPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here runs on a direct worker (a default run as root) and on a supervised one."""
+    monkeypatch.setattr(runner, "default_pool", lambda: _pool)
 
 
 def _need(result: SandboxResult, guard: str) -> None:

@@ -28,9 +28,11 @@ FAST = SandboxLimits(timeout_s=10.0, cpu_s=10)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[SandboxPool]:
-    with SandboxPool(size=2) as p:
+@pytest.fixture(scope="module", params=[True, False], ids=["direct", "supervised"])
+def pool(request: pytest.FixtureRequest) -> Iterator[SandboxPool]:
+    """Both ways a pooled run goes: a direct worker (as root: one process, no supervisor) and a supervisor with
+    its forked worker (what a non-root trainer, and every `run_tests` job, gets)."""
+    with SandboxPool(size=2, direct=request.param) as p:
         yield p
 
 
@@ -225,10 +227,15 @@ async def test_pool_is_bounded_refilled_restarted_and_closed(leftovers: Callable
     try:
         r = await run_python("print(1)", "", FAST, pool=p)
         assert r.stdout == "1\n" and "fresh_worker" in r.guards
-        # the zygote + 3 idle supervisors (all forks carry the zygote's command line, which names base_dir)
-        assert _wait_count(p.base_dir, 4) == 4
+        # the zygote + 3 idle supervisors + (as root) 3 idle direct workers (all forks carry the zygote's command
+        # line, which names base_dir)
+        n = 1 + 3 + (3 if p.direct else 0)
+        assert p.direct == (os.geteuid() == 0)
+        assert _wait_count(p.base_dir, n) == n
         await asyncio.gather(*(run_python("print(2)", "", FAST, pool=p) for _ in range(5)))
-        assert _wait_count(p.base_dir, 4) == 4  # refilled, never more
+        await asyncio.gather(*(run_tests("def f():\n    return 2\n", ["assert f() == 2"], FAST, pool=p)
+                               for _ in range(5)))
+        assert _wait_count(p.base_dir, n) == n  # refilled, never more
         zygote = p.zygote_pid
         assert zygote is not None
         os.kill(zygote, signal.SIGKILL)  # its supervisors die with it; the next run starts a new one
@@ -419,3 +426,56 @@ def test_runs_start_with_default_signals_whatever_the_trainer_ignores() -> None:
     assert out.returncode == 0, out.stderr
     cold, warm = out.stdout.splitlines()
     assert cold == warm == f"0 {fresh.stdout.strip()} ", (cold, warm, fresh.stdout)
+
+
+@pytest.mark.asyncio
+async def test_a_default_run_as_root_is_one_process_forked_by_the_zygote(leftovers: Callable[[str], list[int]]) -> None:
+    """As root, a default `run` job gets a direct worker: the zygote's own child, pid 1 of a pid namespace of its
+    own, in mount/ipc/uts/net namespaces of its own entered while idle, with no supervisor process; the scoring
+    process kills it (deadline) and the zygote reports its exit status. A supervised pool runs the same job in a
+    worker whose parent is its supervisor."""
+    if os.geteuid() != 0:
+        pytest.skip("direct workers need root (a non-root trainer's runs are supervised)")
+    kinds = ("pid", "net", "ipc", "uts", "mnt")
+    for direct in (True, False):
+        marker = f"{3600 + secrets.randbelow(10**6) / 10**7:.7f}"
+        with SandboxPool(size=2, direct=direct) as p:
+            r = await run_python("print(1)", "", FAST, pool=p)
+            if "pid_ns" not in r.guards:
+                pytest.skip(f"no namespaces here: {r.missing_guards.get('namespaces')}")
+            assert p.direct is direct
+            assert ("the scoring process holds" in r.guards["supervisor"]) is direct, r.guards["supervisor"]
+            zygote = p.zygote_pid
+            assert zygote is not None
+            run = asyncio.ensure_future(run_python(f"import os\nos.execv('/bin/sleep', ['sleep', '{marker}'])", "",
+                                                   FAST.model_copy(update={"timeout_s": 1.0}), pool=p))
+            deadline = time.monotonic() + 10
+            while not _pids_with(marker) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            (pid,) = _pids_with(marker)
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            if direct:
+                assert parent == zygote
+                assert all(_ns(pid, k) != _ns(zygote, k) for k in kinds)
+                nspid = Path(f"/proc/{pid}/status").read_text().split("NSpid:")[1].split("\n")[0].split()
+                assert nspid[-1] == "1", nspid
+            else:
+                assert parent != zygote and int(Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1]
+                                                 .split()[1]) == zygote  # its supervisor's child
+            res = await run
+            assert res.timed_out and res.exit_code is None, res
+            assert leftovers(marker) == []
+            if direct:  # the idle direct workers: each entered namespaces of its own before any job
+                idle: set[int] = set()
+                deadline = time.monotonic() + 10
+                while len(idle) < 2 and time.monotonic() < deadline:
+                    with open(f"/proc/{zygote}/task/{zygote}/children") as f:
+                        children = [int(x) for x in f.read().split()]
+                    idle = {c for c in children if _ns(c, "pid") not in (None, _ns(zygote, "pid"))
+                            and all(_ns(c, k) not in (None, _ns(zygote, k)) for k in kinds)}
+                    await asyncio.sleep(0.05)
+                assert len(idle) == 2, children
+                assert len({_ns(c, "net") for c in idle}) == 2 and len({_ns(c, "pid") for c in idle}) == 2
+            # the exit status is the code's own, whichever path
+            assert (await run_python("import sys\nsys.exit(7)", "", FAST, pool=p)).exit_code == 7
+            assert (await run_python("import os\nos._exit(5)", "", FAST, pool=p)).exit_code == 5

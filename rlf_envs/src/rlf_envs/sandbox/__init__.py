@@ -47,6 +47,12 @@ session in `finally`; the worker has `PR_SET_PDEATHSIG`, so it dies with the sup
 Warm pool (the default; `pool=False` or `RLF_SANDBOX_POOL=0` for the cold path above): the supervisor is not
 a new interpreter but a fork of a trusted zygote that never runs code (`rlf_envs.sandbox.pool`), and the
 worker is a fork of the supervisor made before it reads the run's private part (nonce, tests); same guards.
+As root, a default `run_python` job (namespaces on, network off) has no supervisor at all: the zygote forks a
+**direct worker** as pid 1 of a new pid namespace, which enters its other namespaces while idle, sets itself up
+from the job (the same mounts, uid, rlimits) and runs the code; the trainer holds its output pipes (capped),
+its deadline and a pidfd (SIGKILL kills the whole namespace), and the zygote reports its wait status. A run
+without a private part needs no trusted process between it and the trainer: its guards are reported before
+the code runs and its exit status comes from the zygote's `waitpid`. One process per run instead of two.
 What this does and does not confine, and how it is tested: docs/security-sandbox.md; the
 whole threat model: docs/security.md ("Threat model: running untrusted code").
 """

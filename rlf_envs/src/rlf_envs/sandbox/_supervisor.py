@@ -43,12 +43,16 @@ MAX_REPLY_BYTES = 8 << 20
 MAX_JOB_BYTES = 256 << 20
 PYTHON_INT_DIGITS = sys.get_int_max_str_digits()  # the default a fresh interpreter has
 MAX_INT_DIGITS = 100_000
-#: a pool's lease requests: an idle pre-confined supervisor (default jobs), or a plain one forked on demand
-CONFINED, PLAIN = b"g", b"p"
+#: a pool's lease requests: an idle pre-confined supervisor (default jobs), a plain one forked on demand, or an
+#: idle direct worker (a default `run` job as root: one process per run, see `_direct_child`)
+CONFINED, PLAIN, DIRECT = b"g", b"p", b"d"
+#: a direct worker's first byte on its job socket: pre-confined (it waits for a job), or not (it exits)
+DIRECT_READY, DIRECT_UNCONFINED = b"+", b"-"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 
 
 def _check(ret: int, what: str) -> None:
@@ -1092,6 +1096,136 @@ def _spawn_supervisor(worker_src: str, confined: bool) -> tuple[int, int, int, i
     return pid, os.pidfd_open(pid), job_ours, err_ours
 
 
+def _direct_guards() -> tuple[bool, Guards]:
+    """A direct worker's own namespaces, entered while idle (its pid namespace is the one it was forked into)."""
+    g = Guards()
+    try:
+        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET), "unshare")
+    except OSError as e:
+        g.no("namespaces", f"unshare refused ({e.strerror})")
+        return False, g
+    g.ok("pid_ns", "the worker is pid 1 of its own pid namespace: it sees no outside process, and its death kills "
+                   "every process it started")
+    g.ok("ipc_uts_ns", "own IPC and hostname namespaces")
+    g.ok("net_ns", "own network namespace with no interfaces up: no network")
+    return True, g
+
+
+def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None:  # pragma: no cover - the worker
+    """A direct worker: forked by the zygote as pid 1 of a new pid namespace, for one default `run` job as root
+    (namespaces on, network off). There is no supervisor process: the scoring process holds the read ends of its
+    stdout/stderr pipes, its deadline and a pidfd to kill it (its death kills its whole pid namespace), and the
+    zygote, its parent, reports its wait status. It enters its namespaces while idle, then reads the public job
+    on `job_fd` (a `run` job has no private part), sets itself up exactly as a supervised worker is set up
+    (private mounts, the run's uid, rlimits, no_new_privs, death with the zygote, a minimal environment, default
+    signals), sends its guards (or its set-up error) as one JSON line, closes `job_fd` and runs the code
+    in-process. Nothing of the job is in its memory before it read it, and it serves exactly one run."""
+    status = 127
+    try:
+        os.setsid()
+        _set_name(b"rlf-sbx-run")
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote dies -> we die (and our pid namespace with us)
+        if _parent_gone(zygote_fd):
+            os._exit(1)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        lo = 0
+        for keep in sorted({0, 1, 2, job_fd, zygote_fd}):  # the control socket, the other workers' fds go
+            if keep > lo:
+                os.closerange(lo, keep)
+            lo = keep + 1
+        os.closerange(lo, 1 << 20)
+        ok, g = _direct_guards()
+        os.write(job_fd, DIRECT_READY if ok else DIRECT_UNCONFINED)
+        if not ok:
+            os._exit(0)
+        job = read_frame(job_fd)
+        lim = job["limits"]
+        if job.get("mode") != "run" or not lim["namespaces"] or lim["network"]:
+            raise RuntimeError("a direct sandbox worker got a job that is not a default run (rlf_envs.sandbox.runner "
+                               "must lease a supervisor for it)")
+        workdir = job["workdir"]
+        try:
+            _make_private_mounts(job, g, workdir)
+        except OSError as e:
+            g.no("private_tmp", f"mount failed ({e}); /tmp is shared with the host")
+        g.ok("supervisor", "the scoring process holds the output pipes, the deadline and a pidfd; the zygote "
+                           "reports the exit status; the worker holds neither")
+        g.ok("session", "own session and process group; the whole process tree is killed at the end")
+        g.ok("fresh_worker", "forked from a clean template that never ran code (pool); nothing of another run")
+        uid, nproc = _choose_identity(job, g)
+        g.ok("rlimits", "address space {memory_mb} MB, CPU {cpu_s} s, file size {file_mb} MB, {max_open_files} "
+                        "open files, no core dumps".format(**lim))
+        stdin_fd = os.memfd_create("stdin")
+        os.write(stdin_fd, job["stdin"].encode())
+        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        os.dup2(stdin_fd, 0)
+        os.close(stdin_fd)
+        os.chdir(workdir)
+        _worker_preexec(job, True, uid, nproc, zygote_fd)()
+        os.close(zygote_fd)
+        os.environ.clear()
+        os.environ.update(_worker_env(workdir))
+        _default_signals()
+        os.write(job_fd, (json.dumps({"guards": g.applied, "missing_guards": g.missing}) + "\n").encode())
+        os.close(job_fd)
+    except BaseException as e:
+        try:
+            msg = f"the sandbox could not start the code: {type(e).__name__}: {e}"
+            os.write(job_fd, (json.dumps({"error": msg[:2000]}) + "\n").encode())
+        finally:
+            os._exit(127)
+    try:
+        status = _run_main([job["python"], "-I", job["script"]])
+    except BaseException as e:  # our own bug, not the code's: say so on its stderr
+        try:
+            os.write(2, f"sandbox worker failed: {type(e).__name__}: {e}\n".encode(errors="replace"))
+        except BaseException:
+            pass
+    finally:
+        os._exit(status)
+
+
+def _spawn_direct(pid_ns_fd: int) -> tuple[int, int, list[int], int]:
+    """Fork one idle direct worker as pid 1 of a new pid namespace (`pid_ns_fd`: ours, to return to). Returns
+    (pid, pidfd, [job socket, stdout, stderr, status] our ends for the scoring process, the status pipe's write
+    end that we keep: we write the worker's wait status there when we reap it)."""
+    job_ours, job_theirs = (s.detach() for s in socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM))
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    st_r, st_w = os.pipe()
+    zygote_fd = os.pidfd_open(os.getpid())
+    _check(_libc.unshare(CLONE_NEWPID), "unshare(CLONE_NEWPID)")  # our next child is pid 1 of a new namespace
+    try:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the worker
+            _direct_child(job_theirs, out_w, err_w, zygote_fd)
+    finally:
+        if _libc.setns(pid_ns_fd, CLONE_NEWPID) != 0:  # back: supervisors must not be forked into that namespace
+            os._exit(3)
+    for fd in (job_theirs, out_w, err_w, zygote_fd):
+        os.close(fd)
+    return pid, os.pidfd_open(pid), [job_ours, out_r, err_r, st_r], st_w
+
+
+def _direct_pid_ns() -> int | None:
+    """Our pid namespace, if we may fork direct workers into new ones and come back (as root), else None."""
+    if os.geteuid() != 0:
+        return None  # a new user namespace per run would be needed: the supervised path does that
+    try:
+        fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if _libc.unshare(CLONE_NEWPID) != 0:
+        os.close(fd)
+        return None
+    if _libc.setns(fd, CLONE_NEWPID) != 0:
+        os._exit(3)  # our children would go into a new pid namespace: never fork like that
+    return fd
+
+
 def zygote(size: int, base_dir: str, preload: list[str]) -> None:
     import importlib
     import shutil
@@ -1114,13 +1248,20 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
     os.dup2(devnull, 0)
     os.close(devnull)
     os.chdir("/")
+    pid_ns_fd = _direct_pid_ns()
     children: set[int] = set()
     idle: list[tuple[int, int, int, int]] = []
+    # direct workers: idle ones (pid, pidfd, the scoring process's fds, status write end); the status write end
+    # and pidfd of each leased one, until we reap it
+    direct_idle: list[tuple[int, int, list[int], int]] = []
+    leased: dict[int, tuple[int, int]] = {}
+    ready = selectors.DefaultSelector()
+    ready.register(ctrl, selectors.EVENT_READ, None)
 
     def reap() -> None:
         while children:
             try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 children.clear()
                 return
@@ -1131,6 +1272,19 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
                 idle.remove(entry)
                 for fd in entry[1:]:
                     os.close(fd)
+            for d in [e for e in direct_idle if e[0] == pid]:
+                direct_idle.remove(d)
+                for fd in (d[1], *d[2], d[3]):
+                    os.close(fd)
+            if pid in leased:
+                pidfd, st_w = leased.pop(pid)
+                ready.unregister(pidfd)
+                os.close(pidfd)
+                try:
+                    os.write(st_w, struct.pack("!i", status))
+                except OSError:  # the scoring process stopped listening
+                    pass
+                os.close(st_w)
 
     def spawn(confined: bool = True) -> tuple[int, int, int, int]:
         entry = _spawn_supervisor(worker_src, confined)
@@ -1139,18 +1293,37 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
             idle.append(entry)
         return entry
 
-    ready = selectors.DefaultSelector()
-    ready.register(ctrl, selectors.EVENT_READ)
+    def spawn_direct() -> None:
+        nonlocal pid_ns_fd
+        assert pid_ns_fd is not None
+        try:
+            entry = _spawn_direct(pid_ns_fd)
+        except OSError:  # e.g. out of pids or descriptors: supervised runs from now on
+            os.close(pid_ns_fd)
+            pid_ns_fd = None
+            return
+        children.add(entry[0])
+        direct_idle.append(entry)
+
+    def short() -> bool:
+        return len(idle) < size or (pid_ns_fd is not None and len(direct_idle) < size)
+
     try:
         while True:
             reap()
             if not idle:
                 spawn()
+            if pid_ns_fd is not None and not direct_idle:
+                spawn_direct()
             # a waiting request first; refill one at a time while none is waiting (off the hot path)
-            if not ready.select(0 if len(idle) < size else 1.0):
-                if len(idle) < size:
-                    spawn()
-                continue
+            events = ready.select(0 if short() else 1.0)
+            if not any(key.data is None for key, _ in events):
+                if not events and short():
+                    if pid_ns_fd is not None and len(direct_idle) < size:
+                        spawn_direct()
+                    else:
+                        spawn()
+                continue  # (a leased direct worker exited: reaped at the top)
             try:
                 msg = ctrl.recv(16)
             except OSError:  # ECONNRESET: the trainer died with a request we had not read yet
@@ -1158,6 +1331,20 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
             if not msg:
                 break  # the pool closed, or the trainer is gone
             reap()
+            if msg == DIRECT:
+                if not direct_idle and pid_ns_fd is not None:
+                    spawn_direct()
+                if not direct_idle:  # we cannot make them: the scoring process leases supervisors from now on
+                    ctrl.sendmsg([struct.pack("!i", 0)])
+                    continue
+                pid, pidfd, fds, st_w = direct_idle.pop(0)
+                leased[pid] = (pidfd, st_w)
+                ready.register(pidfd, selectors.EVENT_READ, pid)
+                ctrl.sendmsg([struct.pack("!i", pid)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                         struct.pack("5i", *fds, pidfd))])
+                for fd in fds:
+                    os.close(fd)
+                continue
             if msg == CONFINED:
                 pid, pidfd, job_fd, err_fd = idle.pop(0)
             else:  # PLAIN: a job with namespaces off or network on; rare, so forked on demand, never kept idle

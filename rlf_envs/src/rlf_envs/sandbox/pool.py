@@ -8,6 +8,12 @@ A run takes one (one round trip on a local socket), and the zygote forks a repla
 the hot path. The supervisor then does what a cold one does (namespaces, uid, rlimits, deadline, whole-tree
 kill), except that its worker is a fork of itself running the code in-process, not a new interpreter.
 
+Direct workers (as root, for default `run` jobs: `lease_direct`): the zygote also keeps `size` idle workers,
+each forked as pid 1 of a new pid namespace (the zygote unshares `CLONE_NEWPID` for that one fork and `setns`es
+back) and already inside mount/ipc/uts/net namespaces of its own. The trainer sends it the job and then holds
+what a supervisor would: the output pipes, the deadline and a pidfd to kill it; the zygote writes its wait
+status on a pipe once it has reaped it. One fork per run instead of two, and no supervisor interpreter.
+
 Why a fork cannot leak one run into the next: the zygote never reads a job and never runs code, so every
 supervisor is a copy of the same clean template; each serves exactly one run and exits. Its worker is forked
 after the supervisor read only the run's public part (limits, work dir, script, stdin) and before it reads
@@ -35,7 +41,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlf_envs.sandbox._supervisor import CONFINED, PLAIN
+from rlf_envs.sandbox._supervisor import CONFINED, DIRECT, PLAIN
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +68,21 @@ class Lease:
     pidfd: int
     job_fd: int
     err_fd: int
+
+
+@dataclass(frozen=True, slots=True)
+class DirectLease:
+    """One idle direct worker (a default `run` job as root: no supervisor process), now ours: its pid, a pidfd
+    (signal it to kill its whole pid namespace), our end of its job socket (its ready byte, then the job out and
+    its guards back), the read ends of its stdout and stderr pipes, and the status pipe on which the zygote writes
+    its wait status (4 bytes, big-endian) when it has exited. The caller owns (and must close) the five."""
+
+    pid: int
+    pidfd: int
+    job_fd: int
+    out_fd: int
+    err_fd: int
+    status_fd: int
 
 
 def _remove_dir(base_dir: str, owner: int) -> None:
@@ -91,7 +112,10 @@ class SandboxPool:
     Work dirs made with `SandboxDir(parent=pool.base_dir)` go with it."""
 
     def __init__(self, size: int = DEFAULT_SIZE, python: str | None = None,
-                 preload: tuple[str, ...] = DEFAULT_PRELOAD) -> None:
+                 preload: tuple[str, ...] = DEFAULT_PRELOAD, direct: bool = True) -> None:
+        """`size` idle supervisors (and as many idle direct workers); `preload`: stdlib modules imported in the
+        template; `direct`: default `run` jobs get a direct worker (one process per run, no supervisor) where the
+        zygote can fork them, i.e. as root (`DirectLease`)."""
         if size < 1:
             raise ValueError("SandboxPool size must be >= 1 (use pool=False for cold starts)")
         if not all(m.replace(".", "").replace("_", "").isalnum() for m in preload):
@@ -99,6 +123,7 @@ class SandboxPool:
         self.size = size
         self.preload = tuple(preload)
         self.python = python or sys.executable
+        self.direct = direct
         self.base_dir = tempfile.mkdtemp(prefix="rlf_pool_")
         os.chmod(self.base_dir, 0o711)  # run uids traverse to their own work dir, list nothing
         self._lock = threading.Lock()
@@ -146,6 +171,22 @@ class SandboxPool:
         every default run gets (pid, mount, ipc, uts, net; a user namespace as non-root), for a job with
         `namespaces=True, network=False`; else one forked for the job, which enters what its limits ask for.
         Starts the zygote on first use and restarts a dead one. Raises PoolUnavailable when it cannot."""
+        pid, fds = self._request(CONFINED if confined else PLAIN, 3)
+        return Lease(pid=pid, job_fd=fds[0], err_fd=fds[1], pidfd=fds[2])
+
+    def lease_direct(self) -> DirectLease | None:
+        """Take an idle direct worker for a default `run` job (namespaces on, network off), or None where the
+        zygote has none (not root, or it could not create pid namespaces): lease a supervisor then."""
+        if not self.direct:
+            return None
+        pid, fds = self._request(DIRECT, 5)
+        if not pid:
+            self.direct = False
+            return None
+        return DirectLease(pid=pid, job_fd=fds[0], out_fd=fds[1], err_fd=fds[2], status_fd=fds[3], pidfd=fds[4])
+
+    def _request(self, kind: bytes, nfds: int) -> tuple[int, list[int]]:
+        """One lease request to the zygote: the pid it answered (0: none of that kind) and `nfds` descriptors."""
         with self._lock:
             if self._closed:
                 raise PoolUnavailable("the sandbox pool is closed")
@@ -157,17 +198,19 @@ class SandboxPool:
                     self._start()
                 assert self._ctrl is not None
                 try:
-                    self._ctrl.send(CONFINED if confined else PLAIN)
-                    msg, anc, _, _ = self._ctrl.recvmsg(16, socket.CMSG_SPACE(3 * 4))
+                    self._ctrl.send(kind)
+                    msg, anc, _, _ = self._ctrl.recvmsg(16, socket.CMSG_SPACE(nfds * 4))
                 except OSError as e:
                     log.warning("sandbox pool: the zygote did not answer (%s); restarting it", e)
                     self._stop_zygote()
                     if attempt:
                         raise PoolUnavailable(f"the sandbox zygote did not answer: {e}") from e
                     continue
-                fds = [fd for level, kind, data in anc if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+                fds = [fd for level, kind_, data in anc if level == socket.SOL_SOCKET and kind_ == socket.SCM_RIGHTS
                        for fd in struct.unpack(f"{len(data) // 4}i", data[: len(data) - len(data) % 4])]
-                if len(msg) != 4 or len(fds) != 3:
+                if msg == b"\0\0\0\0" and not fds:
+                    return 0, []
+                if len(msg) != 4 or len(fds) != nfds:
                     for fd in fds:
                         os.close(fd)
                     self._stop_zygote()
@@ -175,7 +218,7 @@ class SandboxPool:
                         raise PoolUnavailable("the sandbox zygote sent a malformed reply")
                     continue
                 (pid,) = struct.unpack("!i", msg)
-                return Lease(pid=pid, job_fd=fds[0], err_fd=fds[1], pidfd=fds[2])
+                return pid, fds
             raise PoolUnavailable("unreachable")
 
     def close(self) -> None:
@@ -200,7 +243,8 @@ _default_lock = threading.Lock()
 
 def default_pool() -> SandboxPool | None:
     """The process-wide pool (started on first use; closed at exit), or None when `RLF_SANDBOX_POOL=0`.
-    `RLF_SANDBOX_POOL=N` sets its number of idle supervisors (default 4)."""
+    `RLF_SANDBOX_POOL=N` sets its number of idle supervisors (default 4); `RLF_SANDBOX_DIRECT=0` keeps every
+    run supervised (no direct workers, see `SandboxPool`)."""
     global _default
     raw = os.environ.get("RLF_SANDBOX_POOL", str(DEFAULT_SIZE)).strip()
     try:
@@ -211,5 +255,5 @@ def default_pool() -> SandboxPool | None:
         return None
     with _default_lock:
         if _default is None or _default._closed or _default._pid != os.getpid():  # new after close or fork
-            _default = SandboxPool(size)
+            _default = SandboxPool(size, direct=os.environ.get("RLF_SANDBOX_DIRECT", "1").strip() != "0")
         return _default

@@ -16,11 +16,13 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.sandbox._supervisor import DIRECT_READY
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult
-from rlf_envs.sandbox.pool import Lease, PoolUnavailable, SandboxPool, default_pool
+from rlf_envs.sandbox.pool import DirectLease, Lease, PoolUnavailable, SandboxPool, default_pool
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +146,17 @@ async def _supervise(job: dict[str, Any], private: dict[str, Any], workdir: Sand
     secret = frame({**private, "nonce": nonce})
     chosen = _pool_for(pool, job["python"])
     t0 = time.monotonic()
+    if chosen is not None and job["mode"] == "run" and limits.namespaces and not limits.network:
+        try:
+            direct = chosen.lease_direct()  # no supervisor process at all (as root)
+        except PoolUnavailable:
+            direct = None  # said below, when the supervisor's lease fails the same way
+        if direct is not None:
+            result = await _run_direct(direct, {**job, "fork_worker": True}, limits, t0)
+            if result is not None:
+                return result
+            log.warning("sandbox: a direct worker could not enter its namespaces; runs are supervised from now on")
+            chosen.direct = False
     if chosen is not None:
         try:
             # no fork on this path for a default job: the zygote hands over an idle, pre-confined supervisor
@@ -265,6 +278,117 @@ async def _run_leased(lease: Lease, payload: bytes, nonce: str, limits: SandboxL
             err_sock.close()
         os.close(lease.pidfd)
     return out, err
+
+
+class _Sink(asyncio.Protocol):
+    """What one pipe carries, up to `cap` bytes: the rest is dropped, `overflow` set and `on_overflow` called."""
+
+    def __init__(self, cap: int, on_overflow: Callable[[], None] | None = None) -> None:
+        self.buf = bytearray()
+        self.cap, self.on_overflow = cap, on_overflow
+        self.overflow = False
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        room = self.cap - len(self.buf)
+        self.buf += data[: max(0, room)]
+        if len(data) > room and not self.overflow:
+            self.overflow = True
+            if self.on_overflow is not None:
+                self.on_overflow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def _read_all(loop: asyncio.AbstractEventLoop, sock: socket.socket, cap: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < cap and (chunk := await loop.sock_recv(sock, 65536)):
+        buf += chunk
+    return bytes(buf)
+
+
+async def _run_direct(lease: DirectLease, job: dict[str, Any], limits: SandboxLimits,
+                      t0: float) -> SandboxResult | None:
+    """Run a default `run` job in a direct worker (`_supervisor._direct_child`): we hold its output pipes (capped:
+    overflow kills it), its wall deadline (expiry kills it) and a pidfd (SIGKILL to pid 1 of its pid namespace
+    kills every process of the run); the zygote writes its wait status on `status_fd` once it has reaped it, by
+    which time the kernel has killed the rest of its namespace. None if it says it could not enter its
+    namespaces (the caller leases a supervisor instead)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(fileno=lease.job_fd)
+    sock.setblocking(False)
+    transports: list[asyncio.BaseTransport] = []
+    killed = False
+
+    def kill() -> None:
+        nonlocal killed
+        if not killed:
+            killed = True
+            try:
+                signal.pidfd_send_signal(lease.pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    fds = [lease.out_fd, lease.err_fd, lease.status_fd]
+    try:
+        async with asyncio.timeout(GRACE_S):
+            ready = await loop.sock_recv(sock, 1)  # sent while it was idle: no wait
+        if ready != DIRECT_READY:
+            return None
+        sinks = []
+        for fd, cap in ((lease.out_fd, limits.max_output_bytes), (lease.err_fd, limits.max_output_bytes),
+                        (lease.status_fd, 8)):
+            fds.remove(fd)
+            transport, sink = await loop.connect_read_pipe(lambda c=cap: _Sink(c, kill),  # type: ignore[misc]
+                                                           open(fd, "rb", buffering=0))  # noqa: SIM115
+            transports.append(transport)
+            sinks.append(sink)
+        out, err, status = sinks
+        status.on_overflow = None
+        await loop.sock_sendall(sock, frame(job))
+        timed_out = False
+        verdict: dict[str, Any] = {}
+        line = b""
+        try:
+            async with asyncio.timeout(limits.timeout_s):
+                line = await _read_all(loop, sock, 1 << 20)  # its guards, then it closes the socket and runs
+                try:
+                    verdict = json.loads(line) if line else {}
+                except ValueError:
+                    verdict = {}
+                await asyncio.shield(status.done)  # (a cancelled future would stay cancelled)
+        except TimeoutError:
+            timed_out = not out.overflow and not err.overflow
+        kill()
+        try:
+            async with asyncio.timeout(2.0):  # the zygote reaps it: its namespace is dead then
+                await asyncio.shield(asyncio.gather(status.done, out.done, err.done))
+        except TimeoutError:
+            pass
+        code: int | None = None
+        if len(status.buf) == 4 and not timed_out and not out.overflow and not err.overflow:
+            code = os.waitstatus_to_exitcode(struct.unpack("!i", bytes(status.buf))[0])
+        if not isinstance(verdict, dict) or not ("guards" in verdict or "error" in verdict):
+            verdict = {"error": "the sandbox worker gave no set-up verdict" + ("" if line else " (it died first)")}
+        result = SandboxResult(
+            stdout=out.buf.decode("utf-8", errors="replace"), stderr=err.buf.decode("utf-8", errors="replace"),
+            exit_code=None if verdict.get("error") else code, timed_out=timed_out,
+            output_truncated=out.overflow or err.overflow, wall_s=time.monotonic() - t0,
+            guards=verdict.get("guards", {}), missing_guards=verdict.get("missing_guards", {}),
+            error=verdict.get("error"),
+        )
+        _warn_missing(result.missing_guards)
+        return result
+    finally:
+        kill()
+        for t in transports:
+            t.close()
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+        os.close(lease.pidfd)
 
 
 def _parse(out: bytes, err: bytes, nonce: str, wall: float) -> SandboxResult:
