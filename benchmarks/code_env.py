@@ -7,7 +7,10 @@ Python run (every guard: namespaces, per-run uid, rlimits, whole-tree kill) and 
 exact match; "write a function" tasks are skipped so that every episode costs the same). Steps/s through a
 ToolVectorEnv of N Code-v0 envs (all calls of a step concurrently, up to the tool's max_concurrency, default
 the CPU count), for:
-  - pool:    CodeEnv(pool=True), the default: a python call is a fork of a warm supervisor (`rlf_envs.sandbox.pool`)
+  - pool:    CodeEnv(pool=True), the default: as root a python call is one fork of the warm zygote (a direct worker,
+             `rlf_envs.sandbox.pool`); otherwise a warm supervisor and its forked worker
+  - supervised: the same through a pool with direct workers off (`SandboxPool(direct=False)`: what a non-root
+             trainer gets; the pool before direct workers)
   - cold:    CodeEnv(pool=False), the path before the pool: a new supervisor interpreter + worker interpreter per call
   - plain:   CodeEnv whose python tool is a plain `python -I main.py` fork+exec in the episode's dir, with no guard
              at all (no namespaces, uid, rlimits, deadline kill): what the same calls cost without a sandbox
@@ -37,7 +40,7 @@ from scripted_env import compare_rows, report, tool_call
 import rlf_envs.envs.code as code_module
 from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.code import CodeEnv, code_tasks
-from rlf_envs.sandbox import SandboxResult, default_pool
+from rlf_envs.sandbox import SandboxPool, SandboxResult, default_pool
 from rlf_envs.tools.interpreter import WORKDIR_ARG, PythonInterpreter
 from rlf_envs.types import Task
 
@@ -63,6 +66,16 @@ class PlainInterpreter(PythonInterpreter):
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
         out, err = await proc.communicate()
         return self.render(SandboxResult(stdout=out.decode(), stderr=err.decode(), exit_code=proc.returncode))
+
+
+def supervised_code_env(pool: SandboxPool, **kwargs: Any) -> CodeEnv:
+    """A Code-v0 env whose python tool runs every call through a supervisor of `pool` (direct workers off)."""
+    real = code_module.python_tool
+    code_module.python_tool = lambda limits, chars, _: PythonInterpreter(limits, max_output_chars=chars, pool=pool)
+    try:
+        return CodeEnv(pool=True, **kwargs)
+    finally:
+        code_module.python_tool = real
 
 
 def plain_code_env(**kwargs: Any) -> CodeEnv:
@@ -118,10 +131,18 @@ def main() -> None:
     def plain(n: int) -> Any:
         return ToolVectorEnv([lambda: plain_code_env(**kwargs) for _ in range(n)])
 
+    supervised_pool = SandboxPool(pool.size, direct=False)
+
+    def supervised(n: int) -> Any:
+        return ToolVectorEnv([lambda: supervised_code_env(supervised_pool, **kwargs) for _ in range(n)])
+
     rows = compare_rows(args.envs, {"pool": venv(ToolVectorEnv, True), "cold": venv(ToolVectorEnv, False),
-                                    "plain": plain, "sync": venv(gym.vector.SyncVectorEnv, True)},
+                                    "supervised": supervised, "plain": plain,
+                                    "sync": venv(gym.vector.SyncVectorEnv, True)},
                         secs, args.rounds, script, all_verified, steps=2, max_turns=4)
+    supervised_pool.close()
     labels = {"pool": "Code-v0, warm pool (pool=True, default)", "cold": "Code-v0, cold (pool=False, before)",
+              "supervised": "Code-v0, warm pool, every run supervised",
               "plain": "Code-v0, plain fork+exec, no sandbox",
               "sync": "gymnasium SyncVectorEnv, pooled Code-v0", "instant": "Tools-v0, instant tool (floor)"}
     cpus = len(os.sched_getaffinity(0))
@@ -133,7 +154,8 @@ def main() -> None:
     print(f"\nThe programs themselves: {prog_ms:.2f} ms of CPU per run (mean over {len(kwargs['tasks'])} tasks), so "
           f"{cpus} CPUs give at most {bound:,.0f} steps/s even with a free sandbox and a free env")
     for n, rates in rows.items():
-        print(f"  {n} envs: pool at {rates['pool'] / rates['plain']:.2f}x of plain fork+exec; "
+        print(f"  {n} envs: pool at {rates['pool'] / rates['supervised']:.2f}x of the supervised pool, "
+              f"{rates['pool'] / rates['plain']:.2f}x of plain fork+exec; "
               f"that bound is {bound / rates['cold']:.1f}x the cold path")
 
 

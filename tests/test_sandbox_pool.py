@@ -479,3 +479,35 @@ async def test_a_default_run_as_root_is_one_process_forked_by_the_zygote(leftove
             # the exit status is the code's own, whichever path
             assert (await run_python("import sys\nsys.exit(7)", "", FAST, pool=p)).exit_code == 7
             assert (await run_python("import os\nos._exit(5)", "", FAST, pool=p)).exit_code == 5
+
+
+def _idle_direct_workers(zygote: int, want: int) -> set[int]:
+    """The zygote's children in a pid namespace of their own (idle direct workers), once there are `want`."""
+    found: set[int] = set()
+    deadline = time.monotonic() + 10
+    while len(found) < want and time.monotonic() < deadline:
+        with open(f"/proc/{zygote}/task/{zygote}/children") as f:
+            found = {c for c in map(int, f.read().split()) if _ns(c, "pid") not in (None, _ns(zygote, "pid"))}
+        time.sleep(0.02)
+    return found
+
+
+@pytest.mark.asyncio
+async def test_direct_workers_killed_while_idle_cost_no_run() -> None:
+    """Idle direct workers killed from outside: the next runs still run (on a fresh worker, or supervised if the
+    zygote handed out a dead one before reaping it), and direct workers stay on."""
+    if os.geteuid() != 0:
+        pytest.skip("direct workers need root")
+    with SandboxPool(size=2) as p:
+        assert (await run_python("print(1)", "", FAST, pool=p)).stdout == "1\n"
+        zygote = p.zygote_pid
+        assert zygote is not None
+        for _ in range(3):
+            idle = _idle_direct_workers(zygote, 2)
+            assert len(idle) == 2, idle
+            for pid in idle:
+                os.kill(pid, signal.SIGKILL)
+            rs = await asyncio.gather(*(run_python(f"print({i})", "", FAST, pool=p) for i in range(3)))
+            assert [r.stdout for r in rs] == ["0\n", "1\n", "2\n"], rs
+            assert all(r.exit_code == 0 and "fresh_worker" in r.guards for r in rs)
+        assert p.direct
