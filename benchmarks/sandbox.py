@@ -4,15 +4,17 @@
 
 Ways to run the same small program (print a sum), and to judge a solution against 3 asserts:
   plain     `python -I main.py` with asyncio.create_subprocess_exec, i.e. fork+exec (no limits: the baseline)
-  pooled    `rlf_envs.sandbox.run_python` through the warm pool (the default): a fork of a clean template
+  pooled    `rlf_envs.sandbox.run_python` through the warm pool (the default): as root a direct worker (one fork of
+            the clean template, no supervisor), else a supervisor forked from it and its forked worker
+  supervised  the same through a pool with direct workers off (`SandboxPool(direct=False)`: every run supervised)
   cold      `run_python(..., pool=False)`: a new supervisor interpreter and a new worker interpreter (before)
   judged    `rlf_envs.sandbox.run_tests` pooled (the trusted test harness and its RPC on top)
   judged_cold  the same, pool=False
 Reported: median and p90 seconds per run and runs/s at each concurrency, and the ratio to `plain`.
 The guards that were in force are printed: the cost depends on them (namespaces, uid switch).
-Then where a pooled run's CPU goes (`--breakdown-runs` sequential runs): the trainer process (this one), the
-zygote (the forks), and the supervisor + worker of each run (the zygote's reaped children: CPU time, of which
-kernel time, and minor page faults, read from /proc/<zygote>/stat).
+Then where a pooled run's CPU goes (`--breakdown-runs` sequential runs), for `pooled` and `supervised`: the
+trainer process (this one), the zygote (the forks), and each run's processes (the zygote's reaped children: CPU
+time, of which kernel time, and minor page faults, read from /proc/<zygote>/stat).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from rlf_envs.sandbox import SandboxLimits, default_pool, run_python, run_tests
+from rlf_envs.sandbox import SandboxLimits, SandboxPool, default_pool, run_python, run_tests
 
 CODE = "print(sum(range(1000)))\n"
 SOLUTION = "def add(a, b):\n    return a + b\n"
@@ -46,9 +48,16 @@ async def plain() -> None:
         assert out.strip() == b"499500", out
 
 
-async def pooled() -> None:
-    r = await run_python(CODE, "", LIMITS)
+async def pooled(pool: SandboxPool | None = None) -> None:
+    r = await run_python(CODE, "", LIMITS, pool=pool)
     assert r.stdout.strip() == "499500" and "fresh_worker" in r.guards, r
+
+
+SUPERVISED: SandboxPool | None = None  # made in main (direct workers off)
+
+
+async def supervised() -> None:
+    await pooled(SUPERVISED)
 
 
 async def cold() -> None:
@@ -92,17 +101,18 @@ def _zygote_stat(pid: int) -> tuple[int, int, int, int, int, int]:
     return int(f[7]), int(f[8]), int(f[11]), int(f[12]), int(f[13]), int(f[14])
 
 
-async def breakdown(runs: int) -> dict[str, float]:
-    """Per pooled run (sequential): CPU ms of this process, the zygote, and the runs' own processes."""
-    pool = default_pool()
+async def breakdown(runs: int, pool: SandboxPool | None = None) -> dict[str, float]:
+    """Per pooled run (sequential): CPU ms of this process, the zygote, and the runs' own processes. `pool`: the
+    default pool if None."""
+    for _ in range(5):
+        await pooled(pool)
+    pool = pool or default_pool()
     assert pool is not None and pool.zygote_pid is not None, "needs the default pool (unset RLF_SANDBOX_POOL=0)"
     zygote = pool.zygote_pid
-    for _ in range(5):
-        await pooled()
     await asyncio.sleep(1.5)  # the warm-up's supervisors reaped
     z0, me0, t0 = _zygote_stat(zygote), os.times(), time.perf_counter()
     for _ in range(runs):
-        await pooled()
+        await pooled(pool)
     wall = time.perf_counter() - t0
     await asyncio.sleep(1.5)  # the zygote reaps the last supervisors (it checks every second when idle)
     z1, me1 = _zygote_stat(zygote), os.times()
@@ -124,6 +134,8 @@ async def main() -> None:
     ap.add_argument("--breakdown-runs", type=int, default=200, help="sequential pooled runs for the CPU breakdown "
                     "(0: skip it)")
     args = ap.parse_args()
+    global SUPERVISED
+    SUPERVISED = SandboxPool(direct=False)
     probe = await run_python("pass", "", LIMITS)
     print(f"guards in force: {', '.join(probe.guards)}")
     if probe.missing_guards:
@@ -131,20 +143,24 @@ async def main() -> None:
     rows = []
     for c in args.concurrency:
         base = await measure(plain, args.runs, c)
-        for name, fn in (("plain", plain), ("pooled", pooled), ("cold", cold), ("judged", judged),
-                         ("judged_cold", judged_cold)):
+        for name, fn in (("plain", plain), ("pooled", pooled), ("supervised", supervised), ("cold", cold),
+                         ("judged", judged), ("judged_cold", judged_cold)):
             m = base if name == "plain" else await measure(fn, args.runs, c)
             rows.append({"mode": name, "concurrency": c, **m, "ratio_vs_plain": m["median_s"] / base["median_s"]})
     print(f"\n{'mode':<12} {'conc':>4} {'median':>9} {'p90':>9} {'runs/s':>8} {'x plain':>8}")
     for r in rows:
         print(f"{r['mode']:<12} {r['concurrency']:>4} {r['median_s'] * 1000:>7.1f}ms {r['p90_s'] * 1000:>7.1f}ms "
               f"{r['runs_per_s']:>8.1f} {r['ratio_vs_plain']:>7.2f}x")
-    cpu = await breakdown(args.breakdown_runs) if args.breakdown_runs else {}
-    if cpu:
-        print(f"\nper pooled run, {args.breakdown_runs} sequential runs: {cpu['wall_ms']:.1f} ms wall; CPU: trainer "
-              f"{cpu['trainer_cpu_ms']:.2f} ms, zygote {cpu['zygote_cpu_ms']:.2f} ms, supervisor + worker "
-              f"{cpu['run_processes_cpu_ms']:.2f} ms (kernel {cpu['run_processes_kernel_ms']:.2f} ms, "
-              f"{cpu['run_processes_minor_faults']:.0f} minor page faults)")
+    cpu: dict[str, dict[str, float]] = {}
+    if args.breakdown_runs:
+        cpu = {"pooled": await breakdown(args.breakdown_runs), "supervised": await breakdown(args.breakdown_runs,
+                                                                                           SUPERVISED)}
+    for name, c in cpu.items():
+        print(f"\nper {name} run, {args.breakdown_runs} sequential runs: {c['wall_ms']:.1f} ms wall; CPU: trainer "
+              f"{c['trainer_cpu_ms']:.2f} ms, zygote {c['zygote_cpu_ms']:.2f} ms, the run's processes "
+              f"{c['run_processes_cpu_ms']:.2f} ms (kernel {c['run_processes_kernel_ms']:.2f} ms, "
+              f"{c['run_processes_minor_faults']:.0f} minor page faults)")
+    SUPERVISED.close()
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "breakdown": cpu, "guards": probe.guards,
