@@ -121,7 +121,7 @@ def main() -> None:
     labels = {"fast": "SQL-v0, reuse + inline + cache (default)",
               "before": "SQL-v0, connection per query + thread (before)",
               "sync": "gymnasium SyncVectorEnv, SQL-v0 (default)",
-              "instant": "SQL-v0's prompts and actions, instant tools (floor)",
+              "instant": "SQL-v0 actions, instant tools (floor)",
               "tools_floor": "Tools-v0, instant tool (earlier floor)"}
     extra: dict[str, Any] = {"cpus": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0],
                              "clock": "cpu" if args.cpu else "wall"}
@@ -138,7 +138,7 @@ def main() -> None:
             for name, rate in rates.items():
                 share = f"   -> fast runs at {rates['fast'] / rate:.3f} of it ({rate / rates['fast']:.2f}x slower)" \
                     if "fast" in rates and name in ("instant", "tools_floor") else ""
-                print(f"  {labels[name]:<52} {rate:>10,.1f}/s{share}")
+                print(f"  {labels[name]:<44} {rate:>10,.1f}/s{share}")
         if args.json:
             from tool_calls import write_report
 
