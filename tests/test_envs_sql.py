@@ -308,3 +308,53 @@ def test_each_tool_call_sees_the_database_file_as_it_is_now(tmp_path: Path) -> N
     db.unlink()
     with pytest.raises(ToolError, match="not found"):
         asyncio.run(run.call({"sql": "SELECT count(*) FROM t", **bound}))
+
+
+def test_remembered_tool_outputs_are_the_calls_own_and_follow_the_file(tmp_path: Path) -> None:
+    """A repeated call on the same unchanged file answers from memory with the same text; a volatile query, an
+    error or cache_results=False is never remembered; a changed file gets new answers;
+    close_idle_connections forgets them."""
+    import asyncio
+
+    from rlf_envs.envs.sql import _OUTPUTS, Database, QueryLimits
+    from rlf_envs.rewards.sql import close_idle_connections
+    from rlf_envs.tools.base import ToolError
+
+    p = tmp_path / "a.sqlite"
+    con = sqlite3.connect(p)
+    con.executescript("CREATE TABLE t (name TEXT); INSERT INTO t VALUES ('x'), ('y');")
+    con.close()
+    close_idle_connections()
+    tools = {t.name: t for t in sql_tools()}
+    bound = {DB_ARG: Database(str(p))}
+
+    def run(name: str, **args: Any) -> str:
+        return asyncio.run(tools[name].call({**args, **bound}))
+
+    def remembered() -> int:
+        return sum(k[1][0] == str(p) for k in _OUTPUTS._out)
+
+    def three() -> list[str]:
+        return [run("list_tables"), run("describe_table", table="t"), run("run_query", sql="SELECT count(*) FROM t")]
+
+    first = three()
+    assert three() == first
+    assert first[2] == "2" and remembered() == 3
+    assert len({run("run_query", sql="SELECT random()") for _ in range(5)}) == 5  # volatile: never remembered
+    for _ in range(2):
+        with pytest.raises(ToolError, match="no such column"):
+            run("run_query", sql="SELECT nope FROM t")
+        with pytest.raises(ToolError, match="no table"):
+            run("describe_table", table="nope")
+    assert remembered() == 3
+    uncached = {t.name: t for t in sql_tools(QueryLimits(cache_results=False))}
+    assert asyncio.run(uncached["run_query"].call({"sql": "SELECT count(*) FROM t", **bound})) == "2"
+    assert remembered() == 3
+    con = sqlite3.connect(p)  # the file changes: the next calls answer for it
+    con.execute("INSERT INTO t VALUES ('z')")
+    con.commit()
+    con.close()
+    assert run("run_query", sql="SELECT count(*) FROM t") == "3"
+    assert "z" in run("describe_table", table="t")
+    close_idle_connections()
+    assert remembered() == 0

@@ -316,3 +316,45 @@ async def test_a_slow_query_leaves_the_loop_for_a_thread_with_the_same_answer(db
     assert await run_readonly_query_async(db, slow, inline_s=0.002, cache=False) == [(300000 * 300001 // 2,)]
     assert await run_readonly_query_async(db, slow, inline_s=0.0, cache=False) == [(300000 * 300001 // 2,)]
     assert time.monotonic() - t0 < 60.0
+
+
+def _verdicts(db: Path) -> list[tuple[object, ...]]:
+    """The remembered verdicts on `db` (test-only look inside the results memory)."""
+    from rlf_envs.rewards.sql import _RESULTS
+
+    return [k for k in _RESULTS._rows if k[0][0] == str(db) and "verdict" in k]
+
+
+@pytest.mark.asyncio
+async def test_remembered_verdicts_follow_the_file_the_config_and_never_an_error(db: Path) -> None:
+    from rlf_envs.rewards.sql import close_idle_connections
+
+    close_idle_connections()
+    v = SqlVerifier()
+    count = "SELECT count(*) FROM customer"
+    for _ in range(2):  # the second verdict comes from memory, with the same score and info
+        assert await run(v, traj("SELECT 4", count, db)) == (1.0, {"sql": 1.0, "sql/pred_rows": 1.0})
+    assert len(_verdicts(db)) == 1
+    # the same file and queries under another comparison: its own verdict, not the remembered one
+    ordered_gold = "SELECT name FROM customer ORDER BY name DESC"
+    assert (await run(v, traj("SELECT name FROM customer ORDER BY name", ordered_gold, db)))[0] == 0.0
+    assert (await run(SqlVerifier(order="unordered"), traj("SELECT name FROM customer ORDER BY name",
+                                                            ordered_gold, db)))[0] == 1.0
+    assert (await run(v, traj("SELECT name FROM customer ORDER BY name", ordered_gold, db)))[0] == 0.0
+    # errors, volatile queries and cache_results=False are never remembered
+    assert (await run(v, traj("SELECT nope FROM customer", count, db)))[1]["sql/pred_error"] == 1.0
+    endless = "WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x+1 FROM c) SELECT max(x) FROM c"
+    assert (await run(SqlVerifier(timeout_s=0.05), traj(endless, count, db)))[1]["sql/pred_timeout"] == 1.0
+    assert (await run(v, traj("SELECT 4 + 0 * random()", count, db)))[0] == 1.0
+    assert (await run(SqlVerifier(cache_results=False), traj("SELECT 2 + 2", count, db)))[0] == 1.0
+    assert sorted(k[1] for k in _verdicts(db)) == ["SELECT 4", "SELECT name FROM customer ORDER BY name",
+                                                   "SELECT name FROM customer ORDER BY name"]
+    # the file changes: the remembered verdict is not used for it
+    con = sqlite3.connect(db)
+    con.execute("INSERT INTO customer VALUES (5, 'Eve', 'Lyon')")
+    con.commit()
+    con.close()
+    assert (await run(v, traj("SELECT 4", count, db)))[0] == 0.0
+    assert (await run(v, traj("SELECT 5", count, db)))[0] == 1.0
+    close_idle_connections()
+    assert _verdicts(db) == []

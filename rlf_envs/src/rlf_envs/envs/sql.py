@@ -21,14 +21,23 @@ import asyncio
 import json
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlf_envs.env.tool_env import PendingStep, ToolEnv
-from rlf_envs.rewards.sql import OverBudget, SqlQueryError, database_key, run_readonly_query
+from rlf_envs.rewards.sql import (
+    OverBudget,
+    SqlQueryError,
+    database_key,
+    deterministic_read,
+    on_forget,
+    run_readonly_query,
+)
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
+from rlf_envs.tools.limits import Limiter
 from rlf_envs.types import Task, ToolCall
 
 SYSTEM_PROMPT = (
@@ -55,8 +64,9 @@ class QueryLimits:
     the largest value (longer strings/blobs are an error, not a huge observation). `reuse_connections` and
     `inline_s` and `cache_results` are how queries run (see `rlf_envs.rewards.sql`): reused read-only
     connections, a call run on the event loop while it takes under `inline_s` (else again in a worker
-    thread), deterministic results of an unchanged database remembered; False / 0 / False give the path
-    before (a new connection per query, always a thread, always run)."""
+    thread), deterministic results of an unchanged database remembered (and the tools' rendered outputs of
+    them, `_Outputs`); False / 0 / False give the path before (a new connection per query, always a thread,
+    always run)."""
 
     timeout_s: float = 2.0
     max_rows: int = 20
@@ -83,16 +93,64 @@ def render_rows(rows: Sequence[tuple[Any, ...]], max_cell_chars: int = 120) -> s
     return "\n".join(" | ".join(_cell(v, max_cell_chars) for v in r) for r in rows)
 
 
+class _Outputs:
+    """What successful SQL tool calls answered, per (tool, database file identity, arguments), for calls whose
+    every query is deterministic: the same call on the same unchanged file gives the same text (a GRPO group
+    repeats list_tables, describe_table and its queries), so a repeat costs the file's `stat` and a lookup
+    instead of reading remembered rows and rendering them again. The file identity is taken anew by every call,
+    so a replaced or modified file misses. Errors are never remembered. Bounded by entries and characters
+    (LRU); `rlf_envs.rewards.sql.close_idle_connections` forgets them with the remembered query results."""
+
+    def __init__(self, max_entries: int = 4096, max_chars: int = 16 << 20) -> None:
+        self.max_entries, self.max_chars = max_entries, max_chars
+        self._out: OrderedDict[Hashable, tuple[str, int]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> str | None:
+        with self._lock:
+            hit = self._out.get(key)
+            if hit is None:
+                return None
+            self._out.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: Hashable, out: str, size: int) -> None:
+        """Remember `out` under `key`; `size`: the characters it holds (one over 1/16 of the bound is not kept)."""
+        if size > self.max_chars // 16:
+            return
+        with self._lock:
+            old = self._out.pop(key, None)
+            if old is not None:
+                self._chars -= old[1]
+            self._out[key] = (out, size)
+            self._chars += size
+            while len(self._out) > self.max_entries or self._chars > self.max_chars:
+                self._chars -= self._out.popitem(last=False)[1][1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._out.clear()
+            self._chars = 0
+
+
+_OUTPUTS = _Outputs()
+on_forget(_OUTPUTS.clear)
+
+
 class SqlTool(Tool):
     """Base of the three SQL tools: takes the bound database, runs blocking SQLite work in a thread."""
 
     idempotent = True
     validates_arguments = True
-    max_concurrency = 8  # worker threads in SQLite at once, process-wide
+    #: worker threads of this tool in SQLite at once, process-wide (the caller does not gate the calls: one that
+    #: runs on the loop's thread or is remembered takes no thread; one that needs a thread waits for a slot here)
+    max_threads = 8
 
     def __init__(self, limits: QueryLimits) -> None:
         self.limits = limits
         self.timeout_s = limits.timeout_s + 2.0  # the caller's deadline: after SQLite's own has fired
+        self._threads = Limiter(self.max_threads)
 
     def _database(self, arguments: dict[str, Any]) -> Database:
         db = arguments.get(DB_ARG)
@@ -118,18 +176,34 @@ class SqlTool(Tool):
 
     async def call(self, arguments: dict[str, Any]) -> str:
         db = self._database(arguments)
+        memo = self._memo(arguments) if self.limits.cache_results else None
         try:
-            key = database_key(db.path)
+            key = database_key(db.path)  # every call: a replaced or modified file is seen at once
+            if memo is not None and (out := _OUTPUTS.get((self, key, *memo))) is not None:
+                return out
+            out = None
             if self.limits.inline_s > 0:
                 try:  # on the loop's thread while every query of the call is quick
-                    return self._run(Database(db.path, self.limits.inline_s, key), arguments)
+                    out = self._run(Database(db.path, self.limits.inline_s, key), arguments)
                 except OverBudget:
                     pass  # read-only: running the call again from the start gives the same answer
-            return await asyncio.to_thread(self._run, Database(db.path, None, key), arguments)
+            if out is None:
+                async with self._threads:
+                    key = database_key(db.path)  # again: the wait for a slot may have been long
+                    out = await asyncio.to_thread(self._run, Database(db.path, None, key), arguments)
         except SqlQueryError as e:
             raise ToolError(str(e)) from None
         except FileNotFoundError as e:
             raise ToolError(str(e)) from None
+        if memo is not None:
+            _OUTPUTS.put((self, key, *memo), out, len(out) + sum(map(len, memo)) + 64)
+        return out
+
+    def _memo(self, arguments: dict[str, Any]) -> tuple[str, ...] | None:
+        """The policy's arguments as the key of the call's remembered output (`_Outputs`), or None where the
+        output is not remembered (arguments other than the tool's own strings, a query that is not
+        deterministic). Only an output is remembered, never an error: a hit is a call that succeeded before."""
+        return None
 
     def _run(self, db: Database, arguments: dict[str, Any]) -> str:
         raise NotImplementedError
@@ -140,6 +214,9 @@ class ListTables(SqlTool):
         super().__init__(limits)
         self.spec = ToolSpec("list_tables", "List the tables of the database, one per line.",
                              {"type": "object", "properties": {}})
+
+    def _memo(self, arguments: dict[str, Any]) -> tuple[str, ...] | None:
+        return () if len(arguments) == 1 else None  # the bound database alone; reads sqlite_master
 
     def _run(self, db: Database, arguments: dict[str, Any]) -> str:
         self._check_args(arguments, ())
@@ -155,6 +232,10 @@ class DescribeTable(SqlTool):
             {"type": "object", "properties": {"table": {"type": "string", "description": "the table name"}},
              "required": ["table"]},
         )
+
+    def _memo(self, arguments: dict[str, Any]) -> tuple[str, ...] | None:
+        table = arguments.get("table")  # sqlite_master and the table's first rows: deterministic
+        return (table,) if len(arguments) == 2 and isinstance(table, str) else None
 
     def _run(self, db: Database, arguments: dict[str, Any]) -> str:
         self._check_args(arguments, ("table",))
@@ -181,6 +262,12 @@ class RunQuery(SqlTool):
             {"type": "object", "properties": {"sql": {"type": "string", "description": "a SELECT query"}},
              "required": ["sql"]},
         )
+
+    def _memo(self, arguments: dict[str, Any]) -> tuple[str, ...] | None:
+        sql = arguments.get("sql")
+        if len(arguments) == 2 and isinstance(sql, str) and deterministic_read(sql.strip().rstrip(";")):
+            return (sql,)
+        return None
 
     def _run(self, db: Database, arguments: dict[str, Any]) -> str:
         self._check_args(arguments, ("sql",))
@@ -302,7 +389,8 @@ class SqlEnv(ToolEnv):
         inline_s: run a tool call / verifier query on the event loop while it takes under this long, else in a
             worker thread (0: always a thread, the path before).
         cache_results: answer a deterministic query (no random/date/time functions) asked before of the same
-            unchanged database file from memory, for the tools and the default verifier (False: always run).
+            unchanged database file from memory, for the tools (their rendered outputs) and the default verifier
+            (its verdict) (False: always run).
         **kwargs: ToolEnv's (tasks: Tasks whose `meta["db_path"]` names their database, verifier,
             max_turns, tokenizer, system_prompt, extra tools...).
     """
@@ -343,10 +431,14 @@ class SqlEnv(ToolEnv):
             if not isinstance(db, str) or not Path(db).is_file():
                 raise ValueError(f"task {t.id!r}: meta['db_path'] must name an existing SQLite file, got {db!r}")
         self._sql_tools = frozenset(t.name for t in tools)
+        self._bound = Database("")
 
     def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:
         """The policy's calls, SQL tools bound to this episode's database (whatever arguments it sent)."""
-        db = Database(str(self.trajectory.task.meta["db_path"]))
+        path = str(self.trajectory.task.meta["db_path"])
+        db = self._bound
+        if db.path != path:  # one binding per database, not one per step
+            db = self._bound = Database(path)
         sql = self._sql_tools  # ToolCall(...) directly: dataclasses.replace re-inspects the fields per call (~9 us)
         return [ToolCall(c.name, {**c.arguments, DB_ARG: db}, c.id) if c.name in sql else c
                 for c in step.turn.action.calls]

@@ -28,6 +28,7 @@ import stat
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -179,10 +180,20 @@ class _Results:
 _RESULTS = _Results()
 
 
+_FORGET: list[Callable[[], None]] = []
+
+
+def on_forget(clear: Callable[[], None]) -> None:
+    """Have `close_idle_connections` call `clear` too (another memory of results, e.g. rlf/SQL-v0's tool outputs)."""
+    _FORGET.append(clear)
+
+
 def close_idle_connections() -> None:
     """Close every idle reused connection (they are reopened on demand) and forget cached results."""
     _CONNECTIONS.clear()
     _RESULTS.clear()
+    for clear in _FORGET:
+        clear()
 
 
 def _open(path: Path) -> sqlite3.Connection:
@@ -220,6 +231,13 @@ def _analyse(sql: str) -> tuple[bool, bool]:
     first = _LEADING_WORD.match(code)
     return (first is not None and first.group(1).upper() in {"SELECT", "WITH", "VALUES"},
             _VOLATILE.search(code) is None)
+
+
+def deterministic_read(sql: str) -> bool:
+    """True when `sql` starts like a read-only query and uses no volatile function: its result on an unchanged
+    database file is what `run_readonly_query(cache=True)` remembers."""
+    readonly, deterministic = _analyse(sql)
+    return readonly and deterministic
 
 
 def run_readonly_query(
@@ -373,7 +391,8 @@ class SqlConfig(VerifierConfig):
     inline_s: float = Field(0.002, ge=0, description="run a query on the event loop while it takes under this "
                             "long, else in a worker thread (0: always a thread)")
     cache_results: bool = Field(True, description="answer a deterministic query asked before of the same "
-                                "unchanged database from memory (false: always run it)")
+                                "unchanged database from memory, and the verdict on two such queries (false: "
+                                "always run them)")
 
     @field_validator("db_path")
     @classmethod
@@ -392,6 +411,9 @@ class SqlVerifier(ConfiguredVerifier[SqlConfig]):
     def __init__(self, config: SqlConfig | None = None, **kwargs: Any) -> None:
         super().__init__(config, **kwargs)
         self._gate = LoopSemaphore(self.cfg.max_concurrency)
+        c = self.cfg  # what a verdict depends on besides the file and the two queries (a deadline changes no rows)
+        self._verdict_cfg = ("verdict", c.order, c.compare, c.float_digits, c.max_rows, c.max_value_bytes,
+                             c.max_result_bytes)
 
     async def _run(self, db: str, sql: str, key: _Key | None = None) -> list[tuple[Any, ...]]:
         c = self.cfg
@@ -413,14 +435,25 @@ class SqlVerifier(ConfiguredVerifier[SqlConfig]):
         if trajectory.answer is None or not extract_sql(trajectory.answer):
             return self.result(0.0, {"no_answer": 1.0})
         key = database_key(str(db))  # gold and answer run on the same file identity (one stat)
+        gold_q, pred_q = extract_sql(gold_sql), extract_sql(trajectory.answer)
+        memo = None
+        if c.cache_results and deterministic_read(gold_q) and deterministic_read(pred_q):
+            # both results are remembered for this file anyway: so is their comparison (with the results, in
+            # `_RESULTS`; the answer's text is the entry's size). Only a comparison is remembered, never an error.
+            memo = (key, pred_q, gold_sql, *self._verdict_cfg)
+            if (hit := _RESULTS.get(memo)) is not None:
+                [(value, n_rows)] = hit
+                return self.result(value, {"pred_rows": n_rows})
         try:
-            gold = await self._run(str(db), extract_sql(gold_sql), key)
+            gold = await self._run(str(db), gold_q, key)
         except SqlQueryError as e:
             raise ValueError(f"task {task.id!r}: gold query failed ({e.kind}): {e}") from None
         try:
-            pred = await self._run(str(db), extract_sql(trajectory.answer), key)
+            pred = await self._run(str(db), pred_q, key)
         except SqlQueryError as e:
             return self.result(0.0, {f"pred_{e.kind}": 1.0})
         ordered = c.order == "ordered" or (c.order == "auto" and has_top_level_order_by(gold_sql))
-        ok = results_equal(pred, gold, ordered=ordered, compare=c.compare, float_digits=c.float_digits)
-        return self.result(float(ok), {"pred_rows": len(pred)})
+        ok = float(results_equal(pred, gold, ordered=ordered, compare=c.compare, float_digits=c.float_digits))
+        if memo is not None:
+            _RESULTS.put(memo, [(ok, len(pred))])
+        return self.result(ok, {"pred_rows": len(pred)})
