@@ -8,6 +8,9 @@ three SQL tool calls (five queries) and one verifier run (gold and predicted que
 ToolVectorEnv of N SQL-v0 envs (all calls of a step concurrently) for:
   - fast:        SqlEnv() defaults: reused read-only connections per database, a query run on the event loop
                  while it takes under 2 ms (else again in a worker thread), deterministic results remembered
+  - uncached:    SqlEnv(cache_results=False): reused connections and inline queries, but nothing remembered:
+                 every query runs and every output is rendered (the scripted episodes repeat their tasks, so
+                 "fast" answers most calls from memory; a policy's new queries cost what this row shows)
   - before:      SqlEnv(reuse_connections=False, inline_s=0, cache_results=False): a fresh connection per query,
                  every call in a thread, every query run
   - sync:        gymnasium SyncVectorEnv over the same (fast) SqlEnvs, one env after another
@@ -41,7 +44,7 @@ from rlf_envs.rewards.base import Verifier
 from rlf_envs.tools.base import Tool, ToolSpec
 from rlf_envs.types import Score, Task, Trajectory
 
-RATES = ("fast", "before", "sync", "instant", "tools_floor")
+RATES = ("fast", "uncached", "before", "sync", "instant", "tools_floor")
 _PLANS: dict[str, list[str]] = {}
 
 
@@ -107,7 +110,9 @@ def main() -> None:
     def venv(cls: Any, make: Callable[..., Any], kw: dict[str, Any]) -> Callable[[int], Any]:
         return lambda n: cls([lambda: make(**kw) for _ in range(n)])
 
+    uncached = {**base, "cache_results": False}
     make = {"fast": venv(ToolVectorEnv, SqlEnv, base), "before": venv(ToolVectorEnv, SqlEnv, before),
+            "uncached": venv(ToolVectorEnv, SqlEnv, uncached),
             "sync": venv(gym.vector.SyncVectorEnv, SqlEnv, base), "instant": venv(ToolVectorEnv, floor_env, base)}
     rows: dict[int, dict[str, float]] = {}
     for n in args.envs:
@@ -119,6 +124,7 @@ def main() -> None:
                 measure[name] = lambda mk=make[name], n=n: scripted_rate(mk(n), secs, script, all_verified)
         rows[n] = interleaved(measure, args.rounds)
     labels = {"fast": "SQL-v0, reuse + inline + cache (default)",
+              "uncached": "SQL-v0, reuse + inline, nothing remembered",
               "before": "SQL-v0, connection per query + thread (before)",
               "sync": "gymnasium SyncVectorEnv, SQL-v0 (default)",
               "instant": "SQL-v0 actions, instant tools (floor)",
@@ -132,6 +138,12 @@ def main() -> None:
                after="fast", before="before", extra=extra)
         for n, share in extra.get("share_of_tools_v0_floor", {}).items():
             print(f"{n} envs: fast runs at {share:.3f} of the earlier Tools-v0 floor ({1 / share:.2f}x slower)")
+        if "uncached" in args.rates:
+            extra["uncached_share_of_instant"] = {str(n): r["uncached"] / r["instant"] for n, r in rows.items()}
+            for n, share in extra["uncached_share_of_instant"].items():
+                print(f"{n} envs: with nothing remembered SQL-v0 runs at {share:.3f} of the floor "
+                      f"({1 / share:.2f}x slower), {rows[int(n)]['uncached'] / rows[int(n)]['before']:.2f}x the "
+                      "path before")
     else:  # a subset: the rates and the ratios to the floor that were measured
         for n, rates in rows.items():
             print(f"\nrlf/SQL-v0 steps/s, {n} envs:")
