@@ -68,24 +68,24 @@ class PlainInterpreter(PythonInterpreter):
         return self.render(SandboxResult(stdout=out.decode(), stderr=err.decode(), exit_code=proc.returncode))
 
 
-def supervised_code_env(pool: SandboxPool, **kwargs: Any) -> CodeEnv:
-    """A Code-v0 env whose python tool runs every call through a supervisor of `pool` (direct workers off)."""
+def code_env_with(tool: Callable[[Any, int], PythonInterpreter], **kwargs: Any) -> CodeEnv:
+    """A Code-v0 env whose python tool is `tool(limits, max_output_chars)` instead of the default one."""
     real = code_module.python_tool
-    code_module.python_tool = lambda limits, chars, _: PythonInterpreter(limits, max_output_chars=chars, pool=pool)
+    code_module.python_tool = lambda limits, chars, _: tool(limits, chars)
     try:
         return CodeEnv(pool=True, **kwargs)
     finally:
         code_module.python_tool = real
+
+
+def supervised_code_env(pool: SandboxPool, **kwargs: Any) -> CodeEnv:
+    """A Code-v0 env whose python tool runs every call through a supervisor of `pool` (direct workers off)."""
+    return code_env_with(lambda limits, chars: PythonInterpreter(limits, max_output_chars=chars, pool=pool), **kwargs)
 
 
 def plain_code_env(**kwargs: Any) -> CodeEnv:
     """A Code-v0 env whose python tool is `PlainInterpreter` (same concurrency as the pooled tool)."""
-    real = code_module.python_tool
-    code_module.python_tool = lambda limits, chars, pool: PlainInterpreter(limits, max_output_chars=chars, pool=True)
-    try:
-        return CodeEnv(pool=True, **kwargs)
-    finally:
-        code_module.python_tool = real
+    return code_env_with(lambda limits, chars: PlainInterpreter(limits, max_output_chars=chars, pool=True), **kwargs)
 
 
 def program_cpu_ms(tasks: list[Task]) -> float:

@@ -332,7 +332,7 @@ def test_remembered_tool_outputs_are_the_calls_own_and_follow_the_file(tmp_path:
         return asyncio.run(tools[name].call({**args, **bound}))
 
     def remembered() -> int:
-        return sum(k[1][0] == str(p) for k in _OUTPUTS._out)
+        return sum(k[1][0] == str(p) for k in _OUTPUTS._items)
 
     def three() -> list[str]:
         return [run("list_tables"), run("describe_table", table="t"), run("run_query", sql="SELECT count(*) FROM t")]

@@ -322,7 +322,7 @@ def _verdicts(db: Path) -> list[tuple[object, ...]]:
     """The remembered verdicts on `db` (test-only look inside the results memory)."""
     from rlf_envs.rewards.sql import _RESULTS
 
-    return [k for k in _RESULTS._rows if k[0][0] == str(db) and "verdict" in k]
+    return [k for k in _RESULTS._items if k[0][0] == str(db) and "verdict" in k]
 
 
 @pytest.mark.asyncio

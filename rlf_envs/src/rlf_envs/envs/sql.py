@@ -21,14 +21,14 @@ import asyncio
 import json
 import os
 import threading
-from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from rlf_envs.env.tool_env import PendingStep, ToolEnv
 from rlf_envs.rewards.sql import (
+    Memo,
     OverBudget,
     SqlQueryError,
     database_key,
@@ -93,48 +93,13 @@ def render_rows(rows: Sequence[tuple[Any, ...]], max_cell_chars: int = 120) -> s
     return "\n".join(" | ".join(_cell(v, max_cell_chars) for v in r) for r in rows)
 
 
-class _Outputs:
-    """What successful SQL tool calls answered, per (tool, database file identity, arguments), for calls whose
-    every query is deterministic: the same call on the same unchanged file gives the same text (a GRPO group
-    repeats list_tables, describe_table and its queries), so a repeat costs the file's `stat` and a lookup
-    instead of reading remembered rows and rendering them again. The file identity is taken anew by every call,
-    so a replaced or modified file misses. Errors are never remembered. Bounded by entries and characters
-    (LRU); `rlf_envs.rewards.sql.close_idle_connections` forgets them with the remembered query results."""
-
-    def __init__(self, max_entries: int = 4096, max_chars: int = 16 << 20) -> None:
-        self.max_entries, self.max_chars = max_entries, max_chars
-        self._out: OrderedDict[Hashable, tuple[str, int]] = OrderedDict()
-        self._chars = 0
-        self._lock = threading.Lock()
-
-    def get(self, key: Hashable) -> str | None:
-        with self._lock:
-            hit = self._out.get(key)
-            if hit is None:
-                return None
-            self._out.move_to_end(key)
-            return hit[0]
-
-    def put(self, key: Hashable, out: str, size: int) -> None:
-        """Remember `out` under `key`; `size`: the characters it holds (one over 1/16 of the bound is not kept)."""
-        if size > self.max_chars // 16:
-            return
-        with self._lock:
-            old = self._out.pop(key, None)
-            if old is not None:
-                self._chars -= old[1]
-            self._out[key] = (out, size)
-            self._chars += size
-            while len(self._out) > self.max_entries or self._chars > self.max_chars:
-                self._chars -= self._out.popitem(last=False)[1][1]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._out.clear()
-            self._chars = 0
-
-
-_OUTPUTS = _Outputs()
+#: What successful SQL tool calls answered, per (tool, database file identity, arguments), for calls whose every
+#: query is deterministic: the same call on the same unchanged file gives the same text (a GRPO group repeats
+#: list_tables, describe_table and its queries), so a repeat costs the file's `stat` and a lookup instead of reading
+#: remembered rows and rendering them again. The file identity is taken anew by every call, so a replaced or
+#: modified file misses. Errors are never remembered. Bounded by entries and characters (LRU);
+#: `rlf_envs.rewards.sql.close_idle_connections` forgets them with the remembered query results.
+_OUTPUTS: Memo[str] = Memo(4096, 16 << 20)
 on_forget(_OUTPUTS.clear)
 
 

@@ -28,15 +28,17 @@ import stat
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import Field, field_validator
 
 from rlf_envs.rewards.common import ConfiguredVerifier, LoopSemaphore
 from rlf_envs.rewards.config import BuildContext, VerifierConfig, register_verifier
 from rlf_envs.types import Score, Task, Trajectory
+
+V = TypeVar("V")
 
 _ALLOWED_ACTIONS = frozenset(
     {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, getattr(sqlite3, "SQLITE_RECURSIVE", 33)}
@@ -139,42 +141,58 @@ _VOLATILE = re.compile(r"\b(random|randomblob|changes|total_changes|last_insert_
                        re.IGNORECASE)
 
 
-class _Results:
+class Memo(Generic[V]):
+    """A thread-safe LRU memory bounded by entries and by a total size the caller gives per value (a value over
+    1/16 of the bound is not kept). Used for remembered query results (`_RESULTS`) and remembered SQL tool
+    outputs (`rlf_envs.envs.sql`)."""
+
+    def __init__(self, max_entries: int, max_size: int) -> None:
+        self.max_entries, self.max_size = max_entries, max_size
+        self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> V | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is None:
+                return None
+            self._items.move_to_end(key)
+            return hit[0]
+
+    def put(self, key: Hashable, value: V, size: int) -> None:
+        if size > self.max_size // 16:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._size -= old[1]
+            self._items[key] = (value, size)
+            self._size += size
+            while len(self._items) > self.max_entries or self._size > self.max_size:
+                self._size -= self._items.popitem(last=False)[1][1]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._size = 0
+
+
+class _Results(Memo[list[tuple[Any, ...]]]):
     """Results of deterministic read-only queries, per (database file identity, SQL, caps): a database that
     cannot change and a query without volatile functions always give the same rows (GRPO asks the same
     gold query, `list_tables` and `describe_table` many times). Bounded by entries and bytes (LRU)."""
 
     def __init__(self, max_entries: int = 4096, max_bytes: int = 64 << 20) -> None:
-        self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._rows: OrderedDict[tuple[Any, ...], tuple[list[tuple[Any, ...]], int]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
+        super().__init__(max_entries, max_bytes)
 
-    def get(self, key: tuple[Any, ...]) -> list[tuple[Any, ...]] | None:
-        with self._lock:
-            hit = self._rows.get(key)
-            if hit is None:
-                return None
-            self._rows.move_to_end(key)
-            return list(hit[0])  # the caller's own list (rows are tuples of immutable values)
+    def get(self, key: Hashable) -> list[tuple[Any, ...]] | None:
+        hit = super().get(key)
+        return None if hit is None else list(hit)  # the caller's own list (rows are tuples of immutable values)
 
-    def put(self, key: tuple[Any, ...], rows: list[tuple[Any, ...]]) -> None:
-        size = sum(_row_bytes(r) for r in rows) + len(key[1]) + 64
-        if size > self.max_bytes // 16:
-            return
-        with self._lock:
-            old = self._rows.pop(key, None)
-            if old is not None:
-                self._bytes -= old[1]
-            self._rows[key] = (list(rows), size)
-            self._bytes += size
-            while len(self._rows) > self.max_entries or self._bytes > self.max_bytes:
-                self._bytes -= self._rows.popitem(last=False)[1][1]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._rows.clear()
-            self._bytes = 0
+    def put(self, key: Hashable, rows: list[tuple[Any, ...]], size: int | None = None) -> None:
+        assert isinstance(key, tuple)
+        super().put(key, list(rows), sum(_row_bytes(r) for r in rows) + len(key[1]) + 64 if size is None else size)
 
 
 _RESULTS = _Results()

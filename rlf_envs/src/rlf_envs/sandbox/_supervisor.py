@@ -452,6 +452,11 @@ def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_
             os.write(st_w, f"{type(e).__name__}: {e}".encode(errors="replace")[:2000] or b"set-up failed")
         finally:
             os._exit(127)
+    _run_and_exit(argv)
+
+
+def _run_and_exit(argv: list[str]) -> None:  # pragma: no cover - runs in the worker
+    """Run the code (`_run_main`) and exit with its status, whatever happens."""
     status = 1
     try:
         status = _run_main(argv)
@@ -1120,7 +1125,6 @@ def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None: 
     (private mounts, the run's uid, rlimits, no_new_privs, death with the zygote, a minimal environment, default
     signals), sends its guards (or its set-up error) as one JSON line, closes `job_fd` and runs the code
     in-process. Nothing of the job is in its memory before it read it, and it serves exactly one run."""
-    status = 127
     try:
         os.setsid()
         _set_name(b"rlf-sbx-run")
@@ -1177,15 +1181,7 @@ def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None: 
             os.write(job_fd, (json.dumps({"error": msg[:2000]}) + "\n").encode())
         finally:
             os._exit(127)
-    try:
-        status = _run_main([job["python"], "-I", job["script"]])
-    except BaseException as e:  # our own bug, not the code's: say so on its stderr
-        try:
-            os.write(2, f"sandbox worker failed: {type(e).__name__}: {e}\n".encode(errors="replace"))
-        except BaseException:
-            pass
-    finally:
-        os._exit(status)
+    _run_and_exit([job["python"], "-I", job["script"]])
 
 
 def _spawn_direct(pid_ns_fd: int) -> tuple[int, int, list[int], int]:
