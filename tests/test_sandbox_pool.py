@@ -428,6 +428,17 @@ def test_runs_start_with_default_signals_whatever_the_trainer_ignores() -> None:
     assert cold == warm == f"0 {fresh.stdout.strip()} ", (cold, warm, fresh.stdout)
 
 
+def _idle_direct_workers(zygote: int, want: int) -> set[int]:
+    """The zygote's children in a pid namespace of their own (idle direct workers), once there are `want`."""
+    found: set[int] = set()
+    deadline = time.monotonic() + 10
+    while len(found) < want and time.monotonic() < deadline:
+        with open(f"/proc/{zygote}/task/{zygote}/children") as f:
+            found = {c for c in map(int, f.read().split()) if _ns(c, "pid") not in (None, _ns(zygote, "pid"))}
+        time.sleep(0.02)
+    return found
+
+
 @pytest.mark.asyncio
 async def test_a_default_run_as_root_is_one_process_forked_by_the_zygote(leftovers: Callable[[str], list[int]]) -> None:
     """As root, a default `run` job gets a direct worker: the zygote's own child, pid 1 of a pid namespace of its
@@ -466,30 +477,13 @@ async def test_a_default_run_as_root_is_one_process_forked_by_the_zygote(leftove
             assert res.timed_out and res.exit_code is None, res
             assert leftovers(marker) == []
             if direct:  # the idle direct workers: each entered namespaces of its own before any job
-                idle: set[int] = set()
-                deadline = time.monotonic() + 10
-                while len(idle) < 2 and time.monotonic() < deadline:
-                    with open(f"/proc/{zygote}/task/{zygote}/children") as f:
-                        children = [int(x) for x in f.read().split()]
-                    idle = {c for c in children if _ns(c, "pid") not in (None, _ns(zygote, "pid"))
-                            and all(_ns(c, k) not in (None, _ns(zygote, k)) for k in kinds)}
-                    await asyncio.sleep(0.05)
-                assert len(idle) == 2, children
+                idle = _idle_direct_workers(zygote, 2)
+                assert len(idle) == 2, idle
+                assert all(_ns(c, k) not in (None, _ns(zygote, k)) for c in idle for k in kinds)
                 assert len({_ns(c, "net") for c in idle}) == 2 and len({_ns(c, "pid") for c in idle}) == 2
             # the exit status is the code's own, whichever path
             assert (await run_python("import sys\nsys.exit(7)", "", FAST, pool=p)).exit_code == 7
             assert (await run_python("import os\nos._exit(5)", "", FAST, pool=p)).exit_code == 5
-
-
-def _idle_direct_workers(zygote: int, want: int) -> set[int]:
-    """The zygote's children in a pid namespace of their own (idle direct workers), once there are `want`."""
-    found: set[int] = set()
-    deadline = time.monotonic() + 10
-    while len(found) < want and time.monotonic() < deadline:
-        with open(f"/proc/{zygote}/task/{zygote}/children") as f:
-            found = {c for c in map(int, f.read().split()) if _ns(c, "pid") not in (None, _ns(zygote, "pid"))}
-        time.sleep(0.02)
-    return found
 
 
 @pytest.mark.asyncio

@@ -65,7 +65,7 @@ class QueryLimits:
     `inline_s` and `cache_results` are how queries run (see `rlf_envs.rewards.sql`): reused read-only
     connections, a call run on the event loop while it takes under `inline_s` (else again in a worker
     thread), deterministic results of an unchanged database remembered (and the tools' rendered outputs of
-    them, `_Outputs`); False / 0 / False give the path before (a new connection per query, always a thread,
+    them, `_OUTPUTS`); False / 0 / False give the path before (a new connection per query, always a thread,
     always run)."""
 
     timeout_s: float = 2.0
@@ -99,7 +99,7 @@ def render_rows(rows: Sequence[tuple[Any, ...]], max_cell_chars: int = 120) -> s
 #: remembered rows and rendering them again. The file identity is taken anew by every call, so a replaced or
 #: modified file misses. Errors are never remembered. Bounded by entries and characters (LRU);
 #: `rlf_envs.rewards.sql.close_idle_connections` forgets them with the remembered query results.
-_OUTPUTS: Memo[str] = Memo(4096, 16 << 20)
+_OUTPUTS: Memo[str] = Memo(4096, 16 << 20, lambda key, out: len(out) + sum(map(len, key[2:])) + 64)
 on_forget(_OUTPUTS.clear)
 
 
@@ -161,11 +161,11 @@ class SqlTool(Tool):
         except FileNotFoundError as e:
             raise ToolError(str(e)) from None
         if memo is not None:
-            _OUTPUTS.put((self, key, *memo), out, len(out) + sum(map(len, memo)) + 64)
+            _OUTPUTS.put((self, key, *memo), out)
         return out
 
     def _memo(self, arguments: dict[str, Any]) -> tuple[str, ...] | None:
-        """The policy's arguments as the key of the call's remembered output (`_Outputs`), or None where the
+        """The policy's arguments as the key of the call's remembered output (`_OUTPUTS`), or None where the
         output is not remembered (arguments other than the tool's own strings, a query that is not
         deterministic). Only an output is remembered, never an error: a hit is a call that succeeded before."""
         return None

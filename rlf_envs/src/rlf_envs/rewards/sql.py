@@ -142,12 +142,12 @@ _VOLATILE = re.compile(r"\b(random|randomblob|changes|total_changes|last_insert_
 
 
 class Memo(Generic[V]):
-    """A thread-safe LRU memory bounded by entries and by a total size the caller gives per value (a value over
-    1/16 of the bound is not kept). Used for remembered query results (`_RESULTS`) and remembered SQL tool
+    """A thread-safe LRU memory bounded by entries and by a total size, `size_of(key, value)` per entry (an entry
+    over 1/16 of the bound is not kept). Used for remembered query results (`_RESULTS`) and remembered SQL tool
     outputs (`rlf_envs.envs.sql`)."""
 
-    def __init__(self, max_entries: int, max_size: int) -> None:
-        self.max_entries, self.max_size = max_entries, max_size
+    def __init__(self, max_entries: int, max_size: int, size_of: Callable[[Any, V], int]) -> None:
+        self.max_entries, self.max_size, self.size_of = max_entries, max_size, size_of
         self._items: OrderedDict[Hashable, tuple[V, int]] = OrderedDict()
         self._size = 0
         self._lock = threading.Lock()
@@ -160,7 +160,8 @@ class Memo(Generic[V]):
             self._items.move_to_end(key)
             return hit[0]
 
-    def put(self, key: Hashable, value: V, size: int) -> None:
+    def put(self, key: Hashable, value: V) -> None:
+        size = self.size_of(key, value)
         if size > self.max_size // 16:
             return
         with self._lock:
@@ -184,15 +185,15 @@ class _Results(Memo[list[tuple[Any, ...]]]):
     gold query, `list_tables` and `describe_table` many times). Bounded by entries and bytes (LRU)."""
 
     def __init__(self, max_entries: int = 4096, max_bytes: int = 64 << 20) -> None:
-        super().__init__(max_entries, max_bytes)
+        # the rows' bytes and the key's SQL (key[1])
+        super().__init__(max_entries, max_bytes, lambda key, rows: sum(map(_row_bytes, rows)) + len(key[1]) + 64)
 
     def get(self, key: Hashable) -> list[tuple[Any, ...]] | None:
         hit = super().get(key)
         return None if hit is None else list(hit)  # the caller's own list (rows are tuples of immutable values)
 
-    def put(self, key: Hashable, rows: list[tuple[Any, ...]], size: int | None = None) -> None:
-        assert isinstance(key, tuple)
-        super().put(key, list(rows), sum(_row_bytes(r) for r in rows) + len(key[1]) + 64 if size is None else size)
+    def put(self, key: Hashable, rows: list[tuple[Any, ...]]) -> None:
+        super().put(key, list(rows))
 
 
 _RESULTS = _Results()

@@ -168,10 +168,11 @@ def _make_private_mounts(job: dict[str, Any], g: Guards, workdir: str) -> None:
         g.ok("hidden_dirs", ", ".join(sorted(hidden)))
 
 
-def _unshare(network: bool, g: Guards) -> bool:
+def _unshare(network: bool, g: Guards, new_pid: bool = True) -> bool:
     """Unshare pid/mount/ipc/uts (+net unless `network`); as non-root inside a new user namespace. Records the
-    guards in `g`; returns whether the namespaces are in force (the next child is pid 1 of a new pid namespace)."""
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    guards in `g`; returns whether the namespaces are in force (the next child is pid 1 of a new pid namespace).
+    `new_pid=False`: no new pid namespace, for a direct worker, which is pid 1 of the one it was forked into."""
+    flags = CLONE_NEWNS | (CLONE_NEWPID if new_pid else 0) | CLONE_NEWIPC | CLONE_NEWUTS
     if not network:
         flags |= CLONE_NEWNET
     uid, gid = os.geteuid(), os.getegid()
@@ -323,6 +324,18 @@ def _choose_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | 
     return None, base + want
 
 
+def _run_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | None]:
+    """The guards every worker's set-up adds (session, fresh_worker for a forked one, uid, nproc, rlimits) and
+    the uid and RLIMIT_NPROC it runs with (`_choose_identity`)."""
+    g.ok("session", "own session and process group; the whole process tree is killed at the end")
+    if job.get("fork_worker"):
+        g.ok("fresh_worker", "forked from a clean template that never ran code (pool); nothing of another run")
+    uid, nproc = _choose_identity(job, g)
+    g.ok("rlimits", "address space {memory_mb} MB, CPU {cpu_s} s, file size {file_mb} MB, {max_open_files} "
+                    "open files, no core dumps".format(**job["limits"]))
+    return uid, nproc
+
+
 def _worker_env(workdir: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
             "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
@@ -424,6 +437,24 @@ def _fork_worker(preexec: Any, argv: list[str], stdin_fd: int, pass_fds: tuple[i
     return proc, out_r, err_r
 
 
+def _close_fds_except(keep: set[int]) -> None:
+    """Close every descriptor of this process but `keep`."""
+    lo = 0
+    for fd in sorted(keep):
+        if fd > lo:
+            os.closerange(lo, fd)
+        lo = fd + 1
+    os.closerange(lo, 1 << 20)
+
+
+def _stdin_memfd(text: str) -> int:
+    """A memory file holding `text`, read from its start: the run's stdin."""
+    fd = os.memfd_create("stdin")
+    os.write(fd, text.encode())
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_w: int, st_w: int,
                   pass_fds: tuple[int, ...], workdir: str,
                   setup_fds: tuple[int, ...] = ()) -> None:  # pragma: no cover - runs in the child
@@ -433,12 +464,7 @@ def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_
         os.dup2(stdin_fd, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        lo = 0
-        for keep in sorted({0, 1, 2, st_w, *pass_fds, *setup_fds}):  # everything else goes: the result channel, the job
-            if keep > lo:
-                os.closerange(lo, keep)
-            lo = keep + 1
-        os.closerange(lo, 1 << 20)
+        _close_fds_except({0, 1, 2, st_w, *pass_fds, *setup_fds})  # everything else goes: the result channel, the job
         os.chdir(workdir)
         preexec()
         for fd in setup_fds:
@@ -982,17 +1008,10 @@ def main(worker_src: str | None = None) -> None:
         _prctl(PR_SET_DUMPABLE, 0)  # no /proc/<us>/{fd,mem,environ} and no ptrace for same-uid processes
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans (setsid'd grandchildren) reparent to us: we kill them
         g.ok("supervisor", "non-dumpable, child subreaper, holds the only copy of the result channel")
-        g.ok("session", "own session and process group; the whole process tree is killed at the end")
-        if job.get("fork_worker"):
-            g.ok("fresh_worker", "forked from a clean template that never ran code (pool); nothing of another run")
-        uid, nproc = _choose_identity(job, g)
+        uid, nproc = _run_identity(job, g)
         mem = job["limits"]["memory_mb"] << 20
-        g.ok("rlimits", "address space {memory_mb} MB, CPU {cpu_s} s, file size {file_mb} MB, {max_open_files} "
-                        "open files, no core dumps".format(**job["limits"]))
         if job["mode"] == "run":
-            stdin_fd = os.memfd_create("stdin")
-            os.write(stdin_fd, job["stdin"].encode())
-            os.lseek(stdin_fd, 0, os.SEEK_SET)
+            stdin_fd = _stdin_memfd(job["stdin"])
             w = Worker(job, [job["python"], "-I", job["script"]], pid_ns, uid, nproc, stdin_fd, (), workdir)
             os.close(stdin_fd)
             private = read_frame(0)
@@ -1101,21 +1120,6 @@ def _spawn_supervisor(worker_src: str, confined: bool) -> tuple[int, int, int, i
     return pid, os.pidfd_open(pid), job_ours, err_ours
 
 
-def _direct_guards() -> tuple[bool, Guards]:
-    """A direct worker's own namespaces, entered while idle (its pid namespace is the one it was forked into)."""
-    g = Guards()
-    try:
-        _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWNET), "unshare")
-    except OSError as e:
-        g.no("namespaces", f"unshare refused ({e.strerror})")
-        return False, g
-    g.ok("pid_ns", "the worker is pid 1 of its own pid namespace: it sees no outside process, and its death kills "
-                   "every process it started")
-    g.ok("ipc_uts_ns", "own IPC and hostname namespaces")
-    g.ok("net_ns", "own network namespace with no interfaces up: no network")
-    return True, g
-
-
 def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None:  # pragma: no cover - the worker
     """A direct worker: forked by the zygote as pid 1 of a new pid namespace, for one default `run` job as root
     (namespaces on, network off). There is no supervisor process: the scoring process holds the read ends of its
@@ -1135,13 +1139,9 @@ def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None: 
         os.dup2(devnull, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        lo = 0
-        for keep in sorted({0, 1, 2, job_fd, zygote_fd}):  # the control socket, the other workers' fds go
-            if keep > lo:
-                os.closerange(lo, keep)
-            lo = keep + 1
-        os.closerange(lo, 1 << 20)
-        ok, g = _direct_guards()
+        _close_fds_except({0, 1, 2, job_fd, zygote_fd})  # the control socket, the other workers' fds go
+        g = Guards()
+        ok = _unshare(False, g, new_pid=False)
         os.write(job_fd, DIRECT_READY if ok else DIRECT_UNCONFINED)
         if not ok:
             os._exit(0)
@@ -1157,14 +1157,8 @@ def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None: 
             g.no("private_tmp", f"mount failed ({e}); /tmp is shared with the host")
         g.ok("supervisor", "the scoring process holds the output pipes, the deadline and a pidfd; the zygote "
                            "reports the exit status; the worker holds neither")
-        g.ok("session", "own session and process group; the whole process tree is killed at the end")
-        g.ok("fresh_worker", "forked from a clean template that never ran code (pool); nothing of another run")
-        uid, nproc = _choose_identity(job, g)
-        g.ok("rlimits", "address space {memory_mb} MB, CPU {cpu_s} s, file size {file_mb} MB, {max_open_files} "
-                        "open files, no core dumps".format(**lim))
-        stdin_fd = os.memfd_create("stdin")
-        os.write(stdin_fd, job["stdin"].encode())
-        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        uid, nproc = _run_identity(job, g)
+        stdin_fd = _stdin_memfd(job["stdin"])
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)
         os.chdir(workdir)

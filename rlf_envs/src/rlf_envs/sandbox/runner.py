@@ -354,15 +354,15 @@ async def _run_direct(lease: DirectLease, job: dict[str, Any], limits: SandboxLi
         if ready != DIRECT_READY:  # unconfined; or it died (killed from outside) before we got it
             raise _NotReady(unconfined=ready == DIRECT_UNCONFINED)
         sinks = []
-        for fd, cap in ((lease.out_fd, limits.max_output_bytes), (lease.err_fd, limits.max_output_bytes),
-                        (lease.status_fd, 8)):
+        for fd, cap, on_overflow in ((lease.out_fd, limits.max_output_bytes, kill),
+                                     (lease.err_fd, limits.max_output_bytes, kill), (lease.status_fd, 8, None)):
             fds.remove(fd)
-            transport, sink = await loop.connect_read_pipe(lambda c=cap: _Sink(c, kill),  # type: ignore[misc]
-                                                           open(fd, "rb", buffering=0))  # noqa: SIM115
+            transport, sink = await loop.connect_read_pipe(
+                lambda c=cap, f=on_overflow: _Sink(c, f),  # type: ignore[misc]
+                open(fd, "rb", buffering=0))  # noqa: SIM115
             transports.append(transport)
             sinks.append(sink)
         out, err, status = sinks
-        status.on_overflow = None
         try:
             await loop.sock_sendall(sock, frame(job))
         except (BrokenPipeError, ConnectionResetError):  # it died since it said it was ready
@@ -379,7 +379,7 @@ async def _run_direct(lease: DirectLease, job: dict[str, Any], limits: SandboxLi
                 if not line:  # it died before its set-up was done, so before any code ran: run it elsewhere
                     raise _NotReady(unconfined=False)
                 try:
-                    verdict = json.loads(line) if line else {}
+                    verdict = json.loads(line)
                 except ValueError:
                     verdict = {}
                 await asyncio.shield(status.done)  # (a cancelled future would stay cancelled)
