@@ -14,8 +14,11 @@ the CPU count), for:
   - cold:    CodeEnv(pool=False), the path before the pool: a new supervisor interpreter + worker interpreter per call
   - plain:   CodeEnv whose python tool is a plain `python -I main.py` fork+exec in the episode's dir, with no guard
              at all (no namespaces, uid, rlimits, deadline kill): what the same calls cost without a sandbox
+  - bare fork: CodeEnv whose python tool is a fork of a warm interpreter that execs the code with no guard at all
+             (`bare_fork.py`): the ceiling of any fork-per-run design; what a sandbox costs is its gap to this row
   - sync:    gymnasium SyncVectorEnv over the same pooled CodeEnvs (one env after another)
   - instant: Tools-v0 envs with an instant Python tool: the env machinery alone, the floor
+Every episode is checked: the python call succeeded and printed the answer, and the answer was verified.
 Also printed: the reference programs' own CPU time (each run in this process once, `exec`, in its files' dir),
 which bounds any sandbox: N cores / (CPU per program) runs/s, even with a free sandbox and a free env.
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
+from bare_fork import BareForkServer
 from scripted_env import compare_rows, report, tool_call
 
 import rlf_envs.envs.code as code_module
@@ -42,7 +46,7 @@ from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.code import CodeEnv, code_tasks
 from rlf_envs.sandbox import SandboxPool, SandboxResult, default_pool
 from rlf_envs.tools.interpreter import WORKDIR_ARG, PythonInterpreter
-from rlf_envs.types import Task
+from rlf_envs.types import Task, ToolStatus
 
 
 def tasks() -> list[Task]:
@@ -68,6 +72,19 @@ class PlainInterpreter(PythonInterpreter):
         return self.render(SandboxResult(stdout=out.decode(), stderr=err.decode(), exit_code=proc.returncode))
 
 
+class BareForkInterpreter(PythonInterpreter):
+    """The python tool as one fork of a warm interpreter per call, with no guard (`bare_fork.BareForkServer`)."""
+
+    def __init__(self, server: BareForkServer, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.server = server
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        workdir = arguments[WORKDIR_ARG]
+        out, status = await self.server.run(str(workdir.path), arguments["code"])
+        return self.render(SandboxResult(stdout=out, stderr="", exit_code=status))
+
+
 def code_env_with(tool: Callable[[Any, int], PythonInterpreter], **kwargs: Any) -> CodeEnv:
     """A Code-v0 env whose python tool is `tool(limits, max_output_chars)` instead of the default one."""
     real = code_module.python_tool
@@ -86,6 +103,12 @@ def supervised_code_env(pool: SandboxPool, **kwargs: Any) -> CodeEnv:
 def plain_code_env(**kwargs: Any) -> CodeEnv:
     """A Code-v0 env whose python tool is `PlainInterpreter` (same concurrency as the pooled tool)."""
     return code_env_with(lambda limits, chars: PlainInterpreter(limits, max_output_chars=chars, pool=True), **kwargs)
+
+
+def bare_fork_code_env(server: BareForkServer, **kwargs: Any) -> CodeEnv:
+    """A Code-v0 env whose python tool is `BareForkInterpreter` on `server` (same concurrency as the pooled tool)."""
+    return code_env_with(
+        lambda limits, chars: BareForkInterpreter(server, limits, max_output_chars=chars, pool=True), **kwargs)
 
 
 def program_cpu_ms(tasks: list[Task]) -> float:
@@ -112,6 +135,14 @@ def all_verified(rewards: Any) -> None:
     assert (rewards == 1.0).all(), rewards  # every scripted episode is verified correct
 
 
+def python_ran(env: Any) -> None:
+    """The episode's python call succeeded and printed the answer (the scripted answer is verified whatever the
+    tool said, so a broken tool would otherwise go unnoticed, and look fast)."""
+    (result,) = env.trajectory.turns[0].results
+    assert result.status is ToolStatus.OK, result
+    assert str(env.trajectory.task.ground_truth) in result.content, (result.content, env.trajectory.task.ground_truth)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--envs", type=int, nargs="+", default=[16, 64])
@@ -132,18 +163,23 @@ def main() -> None:
         return ToolVectorEnv([lambda: plain_code_env(**kwargs) for _ in range(n)])
 
     supervised_pool = SandboxPool(pool.size, direct=False)
+    bare = BareForkServer(pool.preload)
 
     def supervised(n: int) -> Any:
         return ToolVectorEnv([lambda: supervised_code_env(supervised_pool, **kwargs) for _ in range(n)])
 
     rows = compare_rows(args.envs, {"pool": venv(ToolVectorEnv, True), "cold": venv(ToolVectorEnv, False),
                                     "supervised": supervised, "plain": plain,
+                                    "bare": lambda n: ToolVectorEnv([lambda: bare_fork_code_env(bare, **kwargs)
+                                                                     for _ in range(n)]),
                                     "sync": venv(gym.vector.SyncVectorEnv, True)},
-                        secs, args.rounds, script, all_verified, steps=2, max_turns=4)
+                        secs, args.rounds, script, all_verified, steps=2, max_turns=4, check_env=python_ran)
     supervised_pool.close()
+    bare.close()
     labels = {"pool": "Code-v0, warm pool (pool=True, default)", "cold": "Code-v0, cold (pool=False, before)",
               "supervised": "Code-v0, warm pool, every run supervised",
               "plain": "Code-v0, plain fork+exec, no sandbox",
+              "bare": "Code-v0, bare fork server, no guard",
               "sync": "gymnasium SyncVectorEnv, pooled Code-v0", "instant": "Tools-v0, instant tool (floor)"}
     cpus = len(os.sched_getaffinity(0))
     prog_ms = program_cpu_ms(kwargs["tasks"])
@@ -155,8 +191,9 @@ def main() -> None:
           f"{cpus} CPUs give at most {bound:,.0f} steps/s even with a free sandbox and a free env")
     for n, rates in rows.items():
         print(f"  {n} envs: pool at {rates['pool'] / rates['supervised']:.2f}x of the supervised pool, "
-              f"{rates['pool'] / rates['plain']:.2f}x of plain fork+exec; "
-              f"that bound is {bound / rates['cold']:.1f}x the cold path")
+              f"{rates['pool'] / rates['plain']:.2f}x of plain fork+exec, {rates['pool'] / rates['bare']:.2f}x of "
+              f"the bare fork server (the ceiling of forking, itself {rates['bare'] / rates['cold']:.2f}x the cold "
+              f"path); that bound is {bound / rates['cold']:.1f}x the cold path")
 
 
 if __name__ == "__main__":

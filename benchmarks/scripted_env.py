@@ -32,9 +32,11 @@ def scripted_rate(
     seconds: float,
     plan: Callable[[Any], list[str]],
     check: Callable[[np.ndarray], None] | None = None,
+    check_env: Callable[[Any], None] | None = None,
 ) -> float:
     """Env steps/s over whole episodes for at least `seconds`: each env plays `plan(env)` (its actions, one per
-    step; every plan has the same length); `check` sees each episode's final rewards. The envs are closed after."""
+    step; every plan has the same length); `check` sees each episode's final rewards, `check_env` each env (its
+    finished episode) after them. The envs are closed after."""
     envs = [e.unwrapped for e in venv.envs]  # type: ignore[attr-defined]
     steps, seed = 0, 0
     t0, c0 = time.perf_counter(), CLOCK()
@@ -47,6 +49,9 @@ def scripted_rate(
             steps += len(envs)
         if check is not None:
             check(rewards)
+        if check_env is not None:
+            for e in envs:
+                check_env(e)
     rate = steps / (CLOCK() - c0)
     venv.close()
     return rate
@@ -65,13 +70,15 @@ def interleaved(measure: dict[str, Callable[[], float]], rounds: int) -> dict[st
 def compare_rows(
     envs: list[int], make: dict[str, Callable[[int], gym.vector.VectorEnv]], seconds: float, rounds: int,
     plan: Callable[[Any], list[str]], check: Callable[[np.ndarray], None] | None, steps: int, max_turns: int,
+    check_env: Callable[[Any], None] | None = None,
 ) -> dict[int, dict[str, float]]:
     """For each env count n: steps/s of each `make[name](n)` vector env and of the instant-tool floor
     ("instant", episodes of `steps` steps), measured `interleaved`."""
     rows: dict[int, dict[str, float]] = {}
     for n in envs:
         measure: dict[str, Callable[[], float]] = {
-            name: (lambda mk=mk, n=n: scripted_rate(mk(n), seconds, plan, check)) for name, mk in make.items()}
+            name: (lambda mk=mk, n=n: scripted_rate(mk(n), seconds, plan, check, check_env))
+            for name, mk in make.items()}
         measure["instant"] = lambda n=n: instant_tool_rate(n, seconds, steps=steps, max_turns=max_turns)
         rows[n] = interleaved(measure, rounds)
     return rows
