@@ -259,13 +259,15 @@ def _parent_gone(parent_fd: int) -> bool:
 
 
 def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: int | None,
-                    parent_fd: int | None = None) -> Any:
+                    parent_fd: int | None = None, reset_signals: bool = True) -> Any:
     """The worker's own set-up, run in the child before the code. `parent_fd`: a pidfd of the supervisor
-    (`_pidfd`), to notice that it died before the worker asked to die with it."""
+    (`_pidfd`), to notice that it died before the worker asked to die with it. `reset_signals=False`: the
+    caller's signal state is already a fresh interpreter's (a direct worker, forked from the zygote)."""
     lim = job["limits"]
 
     def preexec() -> None:
-        _reset_signals()
+        if reset_signals:
+            _reset_signals()
         if pid_ns:
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         mem = lim["memory_mb"] << 20
@@ -498,7 +500,8 @@ def _run_and_exit(argv: list[str]) -> None:  # pragma: no cover - runs in the wo
 def _reset_signals() -> None:
     """Signal dispositions and mask as a fresh process has them, whatever the trainer was started with (a
     background job of a shell starts with SIGINT and SIGQUIT ignored, and exec keeps ignored signals). Part of
-    every worker's set-up (`_worker_preexec`), cold or forked."""
+    every supervised worker's set-up (`_worker_preexec`), cold or forked; the zygote does it once for the direct
+    workers it forks."""
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -510,8 +513,9 @@ def _reset_signals() -> None:
 
 
 def _default_signals() -> None:
-    """After `_reset_signals` (in the set-up), what a fresh interpreter then installs itself: a forked worker
-    runs no interpreter start-up, so it does it here (nothing of the supervisor's is left)."""
+    """After `_reset_signals`, what a fresh interpreter then installs itself: a forked worker runs no interpreter
+    start-up, so a supervised one does it in its set-up (nothing of the supervisor's is left) and the zygote
+    once for its direct workers."""
     signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
@@ -1162,11 +1166,10 @@ def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None: 
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)
         os.chdir(workdir)
-        _worker_preexec(job, True, uid, nproc, zygote_fd)()
+        _worker_preexec(job, True, uid, nproc, zygote_fd, reset_signals=False)()  # the zygote's are a fresh one's
         os.close(zygote_fd)
         os.environ.clear()
         os.environ.update(_worker_env(workdir))
-        _default_signals()
         os.write(job_fd, (json.dumps({"guards": g.applied, "missing_guards": g.missing}) + "\n").encode())
         os.close(job_fd)
     except BaseException as e:
@@ -1234,6 +1237,10 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
     import threading  # noqa: F401
 
     _set_name(b"rlf-sbx-zygote")
+    # signal dispositions and mask as a fresh interpreter has them, once: a direct worker forked from us keeps
+    # them (the trainer may run as a background job, whose ignored signals exec keeps); we change none later
+    _reset_signals()
+    _default_signals()
     for name in preload:  # modules the code is likely to import: each run gets them already imported
         try:
             importlib.import_module(name)
