@@ -68,6 +68,9 @@ def _child(work_dir: str, code: str) -> None:  # pragma: no cover - runs in the 
         fd = os.open(OUTPUT, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)  # not the request socket: a child outliving the server must not keep it open
+        os.closerange(3, 1 << 20)  # nor its copy of it, or the other children's pidfds
         sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
         exec(compile(code, "main.py", "exec"), {"__name__": "__main__"})
@@ -111,16 +114,31 @@ class BareForkServer:
             return f.read(), status
 
     def _read(self) -> None:
-        for line in self.sock.makefile("rb"):
-            rid, status = json.loads(line)
-            with self.lock:
-                loop, done = self.pending.pop(rid)
-            loop.call_soon_threadsafe(done.set_result, status)
+        try:
+            for line in self.sock.makefile("rb"):
+                rid, status = json.loads(line)
+                with self.lock:
+                    loop, done = self.pending.pop(rid)
+                loop.call_soon_threadsafe(done.set_result, status)
+        except OSError:  # closed under us
+            pass
+        with self.lock:  # the server is gone: calls still waiting fail instead of hanging
+            pending, self.pending = self.pending, {}
+        gone = RuntimeError(f"the bare fork server exited (status {self.proc.poll()}) before answering")
+        for loop, done in pending.values():
+            loop.call_soon_threadsafe(done.set_exception, gone)
 
     def close(self) -> None:
-        self.sock.shutdown(socket.SHUT_RDWR)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # the server is already gone
+            pass
         self.sock.close()
-        self.proc.wait(timeout=10)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
 
     def __enter__(self) -> BareForkServer:
         return self

@@ -46,6 +46,20 @@ def test_the_bare_fork_server_runs_code_in_its_dir_and_reports_exit_statuses(tmp
     assert server.proc.returncode == 0  # closing the socket ends the server
 
 
+def test_calls_waiting_on_a_dead_bare_fork_server_fail_instead_of_hanging(tmp_path: Path) -> None:
+    from bare_fork import BareForkServer
+
+    async def call_then_kill() -> None:
+        call = asyncio.ensure_future(server.run(str(tmp_path), "import time; time.sleep(5)"))
+        await asyncio.sleep(0.5)
+        server.proc.kill()
+        with pytest.raises(RuntimeError, match="exited"):
+            await asyncio.wait_for(call, 20)
+
+    with BareForkServer(()) as server:
+        asyncio.run(call_then_kill())
+
+
 def test_a_python_tool_that_fails_fails_the_benchmark() -> None:
     import code_env
 
