@@ -105,8 +105,20 @@ class RolloutConfig(_Section):
                                   "the shutdown); on expiry the engine's processes are killed and the run stops "
                                   "with an error naming the call. Start-up on CPU takes 0.5-2 min")
 
+    agent: str | None = Field(
+        None, description="train agent code as it is: 'package.module:function' or 'path/to/file.py:function', an "
+                          "`async def agent(task, client)` given an OpenAI client on the trainer's policy endpoint, "
+                          "one session per episode (docs/guides/own-agent.md). The env still gives the tasks, the "
+                          "format the endpoint renders with (qwen3 or search_r1) and the verifier; it is not stepped")
+    agent_concurrency: int = Field(64, ge=1, description="agent: the most episodes (sessions) running at once")
+    agent_timeout_s: float = Field(300.0, gt=0.0, description="agent: an episode still running after this long is "
+                                   "cancelled, scored 0 and counted (agent_timeouts); its session refuses calls")
+    agent_max_calls: int = Field(64, ge=1, description="agent: the most completions one episode may ask for")
+
     @model_validator(mode="after")
     def _engine(self) -> RolloutConfig:
+        if self.agent is not None and self.mode != "sync":
+            raise ValueError("rollout.agent runs with rollout.mode: sync; set rollout.mode: sync")
         if self.engine == "vllm" and self.mode != "sync":
             raise ValueError("rollout.engine: vllm runs with rollout.mode: sync (the async worker generates with "
                              "rlf's sampler); set one of them back")

@@ -212,6 +212,21 @@ class RolloutStats:
     turns: int = 0
 
 
+@dataclass
+class Rollouts:
+    """What a rollout source gives the trainer: GRPO rows (one per episode for env-driven rollouts; one per
+    segment for an agent's sessions, `episode_of_row` says whose), in task order."""
+
+    trajectories: list[Trajectory]
+    episode_of_row: list[int]
+    stats: RolloutStats
+    metrics: dict[str, float]
+    rewards: list[float] | None = None  # per episode (None: each row is an episode)
+
+    def episode_rewards(self) -> list[float]:
+        return list(self.rewards) if self.rewards is not None else [t.reward for t in self.trajectories]
+
+
 
 async def drive_episodes(
     venv: ToolVectorEnv,
@@ -241,6 +256,30 @@ async def drive_episodes(
     return episodes, stats
 
 
+def local_generate_batch(model: torch.nn.Module, tokenizer: Any, params: SamplingParams, stop_strings: Sequence[str],
+                         *, batch_size: int = 64, gen: torch.Generator | None = None,
+                         logprobs: bool = False) -> GenerateBatchFn:
+    """The trainer's local sampler as a `GenerateBatchFn` (`rlf_envs.adapters.episode`): `generate_batched` over
+    the contexts, grouped by their token room; with `logprobs`, each token's sampling log-prob is returned
+    (the behaviour log-probs the agent endpoint records). The env-driven rollouts and the agent endpoint both
+    generate through it."""
+    stop = StopChecker(tokenizer, list(stop_strings), tokenizer.eos_token_id)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    async def generate_batch(contexts: list[list[int]], max_tokens: list[int], _stop: list[str]) -> list[Generation]:
+        out: list[Generation] = [Generation(())] * len(contexts)
+        for room in sorted(set(max_tokens)):  # one room (max_new_tokens) unless a budget is near its end
+            rows = [k for k, m in enumerate(max_tokens) if m == room]
+            p = params if room == params.max_new_tokens else replace(params, max_new_tokens=room)
+            lps: list[list[float]] | None = [[] for _ in rows] if logprobs else None
+            outs = generate_batched(model, [contexts[k] for k in rows], p, stop, pad_id, gen, batch_size, lps)
+            for j, (k, ids) in enumerate(zip(rows, outs, strict=True)):
+                out[k] = Generation(ids, lps[j] if lps is not None else None)
+        return out
+
+    return generate_batch
+
+
 async def run_episodes(
     venv: ToolVectorEnv,
     task_indices: Sequence[int],
@@ -253,22 +292,11 @@ async def run_episodes(
     gen: torch.Generator | None = None,
 ) -> tuple[list[Trajectory], RolloutStats]:
     """One episode on each of the first len(task_indices) envs (env i on task_indices[i]) with the policy:
-    `drive_episodes` with `generate_batched`.
+    `drive_episodes` with `local_generate_batch`.
 
     Call it on rlf's loop (`rollout()` does); from another loop each env phase hops threads."""
-    stop = StopChecker(tokenizer, list(venv.envs[0].format.stop_strings), tokenizer.eos_token_id)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-
-    async def generate_batch(contexts: list[list[int]], max_tokens: list[int], _stop: list[str]) -> list[Generation]:
-        out: list[Generation] = [Generation(())] * len(contexts)
-        for room in sorted(set(max_tokens)):  # one room (max_new_tokens) unless a budget is near its end
-            rows = [k for k, m in enumerate(max_tokens) if m == room]
-            p = params if room == params.max_new_tokens else replace(params, max_new_tokens=room)
-            outs = generate_batched(model, [contexts[k] for k in rows], p, stop, pad_id, gen, batch_size)
-            for k, ids in zip(rows, outs, strict=True):
-                out[k] = Generation(ids)
-        return out
-
+    generate_batch = local_generate_batch(model, tokenizer, params, venv.envs[0].format.stop_strings,
+                                          batch_size=batch_size, gen=gen)
     was_training = model.training
     model.eval()
     try:

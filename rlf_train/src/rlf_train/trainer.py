@@ -18,6 +18,7 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
+from rlf_train.agent import AgentSource
 from rlf_train.async_rollout import (
     Admission,
     AsyncRollout,
@@ -38,11 +39,12 @@ from rlf_train.checkpoint import (
     save_checkpoint,
 )
 from rlf_train.config import ConfigError, TrainConfig, dump_config
+from rlf_train.endpoint.sessions import SessionLimits
 from rlf_train.envs import Stage, make_env
 from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
-from rlf_train.rollout import RolloutStats, SamplingParams, rollout
+from rlf_train.rollout import Rollouts, RolloutStats, SamplingParams, local_generate_batch, rollout
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
 from rlf_train.vllm_engine import VllmRollout, check_policy_shape
 
@@ -160,6 +162,11 @@ class Trainer:
         if r.engine == "vllm":
             mc = self.model.config
             check_policy_shape(mc.hidden_size, mc.num_attention_heads, self.device.type == "cpu")
+        self.agent: AgentSource | None = None
+        if r.agent is not None:  # the env gives tasks, format and verifier; the agent's code makes the episodes
+            self.agent = AgentSource(r.agent, self.tokenizer, self.train_envs.envs[0].format,
+                                     SessionLimits(r.max_total_tokens, r.max_new_tokens_per_turn, r.agent_timeout_s,
+                                                   r.agent_max_calls), r.agent_concurrency)
         self.gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.data_rng = np.random.default_rng(cfg.seed + 2)
         self.order: list[int] = []
@@ -252,22 +259,53 @@ class Trainer:
     def eval_envs(self) -> ToolVectorEnv:
         return self._eval_envs
 
+    def _vllm_engine(self) -> VllmRollout:
+        """rollout.engine vllm: built at the first rollout, given the current weights on every call."""
+        if self.vllm is None:
+            r = self.cfg.rollout
+            self.vllm = VllmRollout(self.model, self.tokenizer, self.run_dir / "vllm", version=self.policy_version,
+                                    seed=self.cfg.seed, max_model_len=r.max_total_tokens,
+                                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, timeout_s=r.vllm_timeout_s)
+        self.vllm.sync(self.model, self.policy_version)
+        return self.vllm
+
     def rollouts(self, venv: ToolVectorEnv, task_indices: Sequence[int], params: SamplingParams,
                  seed_base: int, gen: torch.Generator | None) -> tuple[list[Trajectory], RolloutStats]:
+        """Env-driven episodes (env i on task_indices[i]) with the configured engine."""
         seeds = [seed_base + i for i in range(len(task_indices))]
         if self.cfg.rollout.engine == "vllm":
-            if self.vllm is None:
-                r = self.cfg.rollout
-                self.vllm = VllmRollout(self.model, self.tokenizer, self.run_dir / "vllm", version=self.policy_version,
-                                        seed=self.cfg.seed, max_model_len=r.max_total_tokens,
-                                        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-                                        timeout_s=r.vllm_timeout_s)
-            self.vllm.sync(self.model, self.policy_version)
-            trajs, stats = self.vllm.rollout(venv, task_indices, params, seeds, gen)
+            trajs, stats = self._vllm_engine().rollout(venv, task_indices, params, seeds, gen)
             return [copy.copy(t) for t in trajs], stats
         trajs, stats = rollout(venv, task_indices, self.model, self.tokenizer, params, seeds=seeds,
                                batch_size=self.cfg.rollout.batch_size, gen=gen)
         return [copy.copy(t) for t in trajs], stats
+
+    def collect(self, stage: Stage, task_indices: Sequence[int], params: SamplingParams, seed_base: int,
+                gen: torch.Generator | None) -> Rollouts:
+        """The episodes of `task_indices` from the rollout source: the env (`rollouts`) or, with rollout.agent,
+        the agent's code against the policy endpoint (one row per segment)."""
+        venv = self.train_envs if stage == "train" else self._eval_envs
+        if self.agent is None:
+            trajs, stats = self.rollouts(venv, task_indices, params, seed_base, gen)
+            return Rollouts(trajs, list(range(len(trajs))), stats, {})
+        env = venv.envs[0]
+        if self.cfg.rollout.engine == "vllm":
+            batch_fn = self._vllm_engine().generate_batch(params, gen)
+        else:
+            batch_fn = local_generate_batch(self.model, self.tokenizer, params, env.format.stop_strings,
+                                            batch_size=self.cfg.rollout.batch_size, gen=gen, logprobs=True)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            eps = self.agent.run([env.tasks[i] for i in task_indices], env.verifier, batch_fn, self.policy_version)
+        finally:
+            self.model.train(was_training)
+        front = self.agent.front
+        assert front is not None
+        stats = RolloutStats(gen_seconds=front.stats.gen_seconds, total_seconds=eps.stats.seconds,
+                             gen_tokens=front.stats.gen_tokens, turns=int(eps.stats.calls))
+        front.stats = type(front.stats)()
+        return Rollouts(eps.trajectories, eps.episode_of_row, stats, eps.stats.metrics(), eps.rewards)
 
     def store_trajectories(self, step: int, trajs: Sequence[Trajectory], source: str) -> None:
         """Sampled episodes for the viewer (run_dir/trajectories/step_K.jsonl); evals also get a TensorBoard
@@ -293,12 +331,17 @@ class Trainer:
                                     max_new_tokens=self.cfg.rollout.max_new_tokens_per_turn)
             gen = torch.Generator().manual_seed(10_000 + self.cfg.seed)  # same eval samples at every eval
             trajs: list[Trajectory] = []
+            rewards: list[float] = []
             for s in range(0, n_tasks, envs.num_envs):
                 idx = list(range(s, min(s + envs.num_envs, n_tasks)))
-                tr, _ = self.rollouts(envs, idx, params, seed_base=s, gen=gen)
-                trajs.extend(tr)
+                got = self.collect("eval", idx, params, seed_base=s, gen=gen)
+                trajs.extend(got.trajectories)
+                rewards.extend(got.episode_rewards())
             self.store_trajectories(step, trajs, f"eval_{mode}")
             st = episode_stats(trajs)
+            if self.agent is not None:  # rows are segments: success and reward are per episode
+                st.update(success_rate=sum(r >= SUCCESS_THRESHOLD for r in rewards) / max(len(rewards), 1),
+                          reward_mean=float(np.mean(rewards)) if rewards else 0.0)
             result[mode] = st
             result[f"success_{mode}"] = st["success_rate"]
         return result
@@ -385,9 +428,11 @@ class Trainer:
         t_step = time.perf_counter()
         prompts = self._next_tasks(r.prompts_per_step)
         task_indices = [p for p in prompts for _ in range(r.samples_per_prompt)]
-        trajs, rstats = self.rollouts(self.train_envs, task_indices, self._sampling(),
-                                      seed_base=self._seed_base(step), gen=self.gen)
-        rec = self.update(step, trajs, task_indices, optimizer, scheduler, behaviour=False)
+        got = self.collect("train", task_indices, self._sampling(), seed_base=self._seed_base(step), gen=self.gen)
+        rstats = got.stats
+        rec = self.update(step, got.trajectories, task_indices, optimizer, scheduler, behaviour=False,
+                          episodes=got if self.agent is not None else None)
+        rec.update(got.metrics)
         rec.update({"gen_tokens": rstats.gen_tokens, "time_rollout": rstats.total_seconds,
                     "time_generate": rstats.gen_seconds, "time_env": rstats.env_seconds,
                     "time_step": time.perf_counter() - t_step})
@@ -419,19 +464,27 @@ class Trainer:
         return out
 
     def update(self, step: int, trajs: Sequence[Trajectory], task_indices: Sequence[int],
-               optimizer: torch.optim.Optimizer, scheduler: Any, behaviour: bool) -> dict[str, Any]:
+               optimizer: torch.optim.Optimizer, scheduler: Any, behaviour: bool,
+               episodes: Rollouts | None = None) -> dict[str, Any]:
         """One GRPO update on a batch (rows i*G..(i+1)*G-1 the G samples of prompt i). `behaviour`: the
         batch comes from the async rollout: the loss is the decoupled PPO objective with the recorded
-        behaviour log-probs (`grpo.policy_loss`), and staleness is logged."""
+        behaviour log-probs (`grpo.policy_loss`), and staleness is logged. `episodes` (rollout.agent): rows
+        are segments, `episodes.episode_of_row` says whose; the G episodes of task i are the group, and every
+        row of an episode gets the episode's advantage."""
         cfg, a = self.cfg, self.cfg.algorithm
         r = cfg.rollout
         # the advantage groups rows i*G..(i+1)*G-1 together: they must be the G samples of one prompt
         got = [t.task.id for t in trajs]
-        want = [self.train_tasks[i].id for i in task_indices]
+        want = [self.train_tasks[task_indices[e]].id for e in episodes.episode_of_row] if episodes is not None \
+            else [self.train_tasks[i].id for i in task_indices]
+        if episodes is not None and not trajs:
+            raise RuntimeError("no agent episode of this batch called the policy endpoint: nothing to train on "
+                               "(does the agent use the client it is given?)")
         if got != want:
             raise RuntimeError(f"rollout returned trajectories out of prompt order (tasks {got[:8]}..., expected "
                                f"{want[:8]}...): GRPO groups would mix prompts")
-        check_groups(got, r.samples_per_prompt)
+        check_groups([self.train_tasks[i].id for i in task_indices] if episodes is not None else got,
+                     r.samples_per_prompt)
         if cfg.logging.trajectories_every and step % cfg.logging.trajectories_every == 0:
             self.store_trajectories(step, trajs, "train")
         t_train = time.perf_counter()
@@ -450,8 +503,14 @@ class Trainer:
             old_lp = all_logprobs(self.model)
             ref_lp = all_logprobs(self.ref_model) if self.ref_model is not None else None
         behav_lp = self.behaviour_logprobs(trajs, T).to(self.device) if behaviour else None
-        returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
-        adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
+        if episodes is None:
+            returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
+            adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
+        else:  # an episode's advantage on each of its rows
+            ep_returns = torch.tensor(episodes.episode_rewards(), dtype=torch.float32)
+            ep_adv = token_advantages(ep_returns.unsqueeze(1), ep_returns, r.samples_per_prompt, a.std_normalize,
+                                      a.eps)
+            adv = ep_adv[torch.tensor(episodes.episode_of_row)].expand(N, T).clone()
         norm_len = r.max_total_tokens
         losses, kls, clips, ents, gns, isw = [], [], [], [], [], []
         self.model.train()
@@ -488,6 +547,9 @@ class Trainer:
         now = time.perf_counter()
         rec: dict[str, Any] = {"stage": "rl", "step": step}
         rec.update(episode_stats(trajs))
+        if episodes is not None:
+            rec.update(success_rate=float((ep_returns >= SUCCESS_THRESHOLD).float().mean()),
+                       reward_mean=float(ep_returns.mean()), reward_std=float(ep_returns.std(unbiased=False)))
         groups = ep_returns.view(-1, r.samples_per_prompt)
         rec.update({
             "loss": float(np.mean(losses)), "kl": float(np.mean(kls)) if kls else 0.0,
@@ -644,6 +706,8 @@ class Trainer:
     # ---------------------------------------------------------------- entry
     def close_engine(self) -> None:
         """Shut rollout.engine vllm's engine down (no-op otherwise)."""
+        if self.agent is not None:
+            self.agent.close()
         if self.vllm is not None:
             self.vllm.close()
             self.vllm = None
