@@ -107,3 +107,15 @@ def tool_result(call_id: str, content: str = "Vell is the capital of Zorbania.")
 
 def dump(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
+
+
+_QWEN3: list[Any] = []
+
+
+def qwen3_tokenizer() -> Any:
+    """The real Qwen3 vocabulary built offline (tests/test_hf_qwen3_vocab.py's recipe), once per process."""
+    if not _QWEN3:
+        import test_hf_qwen3_vocab
+
+        _QWEN3.append(test_hf_qwen3_vocab.qwen3.__wrapped__())  # type: ignore[attr-defined]
+    return _QWEN3[0]

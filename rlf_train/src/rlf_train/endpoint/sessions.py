@@ -229,8 +229,9 @@ class Session:
 
     def _break_kind(self, messages: tuple[ChatMessage, ...], tkey: str) -> StartKind:
         """Why `messages` extends no reply: tools changed (since the last call); a reply sent back other than it
-        was generated (the conversation before it unchanged); a shorter history whose earlier messages all
-        appear in order in the last call's (messages dropped, e.g. a sliding context window); else an edit."""
+        was generated (the conversation before it unchanged); messages dropped (what it keeps of the last call's
+        conversation and reply is in order, then only new tool/user messages: a sliding context window); else
+        an edit."""
         if not self.points:
             return "start"
         last = self.points[-1]
@@ -239,14 +240,20 @@ class Session:
         if any(p.tools_key == tkey and len(messages) > len(p.messages) and messages[:len(p.messages)] == p.messages
                for p in self.points):
             return "reply_edited"
-        if len(messages) < len(last.messages) and _in_order(messages[:-1], last.messages):
+        prev: list[ChatMessage | Reply] = [*last.messages, last.reply]
+        kept, at = 0, 0
+        for m in messages:
+            j = next((j for j in range(at, len(prev)) if _same(m, prev[j])), None)
+            if j is None:
+                break
+            kept, at = kept + 1, j + 1
+        if 0 < kept < len(prev) and all(m.role in ("user", "tool", "system") for m in messages[kept:]):
             return "history_trimmed"
         return "history_edited"
 
 
-def _in_order(sub: Sequence[ChatMessage], seq: Sequence[ChatMessage]) -> bool:
-    it = iter(seq)
-    return all(any(m == x for x in it) for m in sub)
+def _same(m: ChatMessage, old: ChatMessage | Reply) -> bool:
+    return old.matches(m) if isinstance(old, Reply) else m == old
 
 
 class SessionStore:
