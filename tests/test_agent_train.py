@@ -102,8 +102,10 @@ def test_agent_spec_errors_are_config_errors(tmp_path: Path) -> None:
                       (f"{tmp_path / 'nope.py'}:f", "no file")]:
         with pytest.raises(ConfigError, match=msg):
             load_agent(spec)
-    with pytest.raises(ValueError, match="rollout.mode: sync"):
-        load_config(None, ["rollout.agent=x:y", "rollout.mode=async"])
+    for bad in (["rollout.mode=async"], ["rollout.mode=async", "rollout.async_worker=thread",
+                                        "rollout.async_schedule=fixed"]):
+        with pytest.raises(ValueError, match="rollout.async_worker: thread"):
+            load_config(None, ["rollout.agent=x:y", *bad])
 
 
 def run_agent(agent: Any, timeout_s: float = 30.0) -> Any:
@@ -173,3 +175,31 @@ def test_no_reward_crash_and_timeout_are_counted(caplog: pytest.LogCaptureFixtur
 
     eps = run_agent(wrong_type)
     assert eps.rewards == [0.0] and eps.stats.errors == 1
+
+
+def test_async_agent_rollouts_label_versions_and_keep_the_bound(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    tr = Trainer(agent_cfg(tmp_path / "run", ["rollout.mode=async", "rollout.async_worker=thread",
+                                              "rollout.max_staleness=1", "algorithm.steps=3"]))
+    seen: list[tuple[int, Any, bool, Any]] = []
+    orig = tr.update
+
+    def update(step: int, trajs: Any, task_indices: Any, *a: Any, **k: Any) -> Any:
+        seen.append((step, list(trajs), k.get("behaviour", a[-1] if a else None), k.get("episodes")))
+        return orig(step, trajs, task_indices, *a, **k)
+
+    monkeypatch.setattr(tr, "update", update)
+    tr.run()
+    assert [s for s, *_ in seen] == [1, 2, 3]
+    for step, trajs, behaviour, eps in seen:
+        assert behaviour is True and eps is not None and len(eps.rewards) == P * G
+        for row in trajs:
+            for t in row.turns:  # the version that sampled each turn, within the staleness bound
+                assert t.policy_version is not None and step - 1 - 1 <= t.policy_version <= step - 1
+                assert len(t.behaviour_logprobs) == t.action_span[1] - t.action_span[0]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rl = [x for x in rows if x["stage"] == "rl"]
+    assert len(rl) == 3 and all(x["staleness_max"] <= 1 and "agent_calls_mean" in x for x in rl)
+    events = tr.admission.events
+    assert [e.group for e in events] == list(range(3 * P))
+    assert all(e.version >= e.update - 1 - 1 for e in events)

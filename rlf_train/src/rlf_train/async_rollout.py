@@ -126,6 +126,7 @@ class AsyncBatch:
     update: int
     trajectories: list[Trajectory]
     gen_tokens: int
+    episodes: Any = None  # rlf_train.rollout.Rollouts when rows are agent segments (rlf_train.agent.AgentWorker)
 
 
 @dataclass
@@ -467,8 +468,8 @@ def _process_main(spec: WorkerSpec, store: SharedWeights, out: Any, stop: Any) -
     parent = os.getppid()
     try:
         from rlf_train.config import TrainConfig
+        from rlf_train.envs import make_envs
         from rlf_train.model import load_policy, load_tokenizer
-        from rlf_train.trainer import make_envs
 
         cfg = TrainConfig.model_validate(spec.config)
         r = cfg.rollout

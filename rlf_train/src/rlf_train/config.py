@@ -117,8 +117,11 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _engine(self) -> RolloutConfig:
-        if self.agent is not None and self.mode != "sync":
-            raise ValueError("rollout.agent runs with rollout.mode: sync; set rollout.mode: sync")
+        if self.agent is not None and self.mode == "async" and (
+                self.async_worker != "thread" or self.async_schedule != "free" or not self.partial_rollouts):
+            raise ValueError("rollout.agent with rollout.mode: async runs its episodes on a thread of the trainer, "
+                             "with the free schedule and partial rollouts: set rollout.async_worker: thread (and "
+                             "leave async_schedule: free, partial_rollouts: true)")
         if self.engine == "vllm" and self.mode != "sync":
             raise ValueError("rollout.engine: vllm runs with rollout.mode: sync (the async worker generates with "
                              "rlf's sampler); set one of them back")

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from rlf_envs.env.tool_env import ToolEnv
+from rlf_envs.env.vector import ToolVectorEnv
 from rlf_train.config import ConfigError, TrainConfig
 
 Stage = Literal["train", "eval"]
@@ -104,3 +105,16 @@ def make_env(cfg: TrainConfig, tokenizer: Any, stage: Stage) -> ToolEnv:
         raise ConfigError(f"env.id {cfg.env.id!r} makes a {type(env).__name__}, not an rlf ToolEnv; rlf_train "
                           "steps token-mode ToolEnvs (subclass rlf_envs.ToolEnv for your own env)")
     return env
+
+
+def make_envs(cfg: TrainConfig, tokenizer: Any, stage: Stage, n: int) -> ToolVectorEnv:
+    """A ToolVectorEnv of `n` envs made by `rlf_train.envs.make_env` for training or eval."""
+    envs = [make_env(cfg, tokenizer, stage) for _ in range(n)]
+    return ToolVectorEnv([(lambda e=e: e) for e in envs])
+
+
+def env_tasks(env: Any) -> list[Any]:
+    tasks = getattr(env, "tasks", None)
+    if not tasks:
+        raise ValueError("the env exposes no tasks (need env.tasks to sample prompts)")
+    return list(tasks)

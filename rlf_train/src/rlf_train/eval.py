@@ -22,7 +22,8 @@ def evaluate_policy(cfg: TrainConfig, checkpoint: Path | None, records_dir: Path
                     num_records: int = 8) -> dict[str, Any]:
     """Held-out stats per mode; with `records_dir`, also store `num_records` episodes per mode there."""
     from rlf_envs.records import write_trajectories
-    from rlf_train.trainer import env_tasks, episode_stats, is_success, make_envs
+    from rlf_train.envs import env_tasks, make_envs
+    from rlf_train.trainer import episode_stats, is_success
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)

@@ -18,7 +18,7 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
-from rlf_train.agent import AgentSource
+from rlf_train.agent import AgentSource, AgentWorker
 from rlf_train.async_rollout import (
     Admission,
     AsyncRollout,
@@ -40,26 +40,14 @@ from rlf_train.checkpoint import (
 )
 from rlf_train.config import ConfigError, TrainConfig, dump_config
 from rlf_train.endpoint.sessions import SessionLimits
-from rlf_train.envs import Stage, make_env
+from rlf_train.envs import Stage, env_tasks, make_envs
 from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
-from rlf_train.rollout import Rollouts, RolloutStats, SamplingParams, local_generate_batch, rollout
+from rlf_train.rollout import Rollouts, RolloutStats, SamplingParams
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
+from rlf_train.sources import EnvSource
 from rlf_train.vllm_engine import VllmRollout, check_policy_shape
-
-
-def make_envs(cfg: TrainConfig, tokenizer: Any, stage: Stage, n: int) -> ToolVectorEnv:
-    """A ToolVectorEnv of `n` envs made by `rlf_train.envs.make_env` for training or eval."""
-    envs = [make_env(cfg, tokenizer, stage) for _ in range(n)]
-    return ToolVectorEnv([(lambda e=e: e) for e in envs])
-
-
-def env_tasks(env: Any) -> list[Any]:
-    tasks = getattr(env, "tasks", None)
-    if not tasks:
-        raise ValueError("the env exposes no tasks (need env.tasks to sample prompts)")
-    return list(tasks)
 
 
 def is_success(t: Trajectory) -> bool:
@@ -158,13 +146,16 @@ class Trainer:
         # rollout.engine vllm: built at the first rollout, its weights reloaded whenever policy_version moved on
         # (every update, the end of SFT)
         self.policy_version = 0
-        self.vllm: VllmRollout | None = None
         if r.engine == "vllm":
             mc = self.model.config
             check_policy_shape(mc.hidden_size, mc.num_attention_heads, self.device.type == "cpu")
+        envs = {"train": self.train_envs, "eval": self._eval_envs}
+        # where episodes come from (rlf_train.sources): the env with the configured engine, or the agent's code
+        self.engine = EnvSource(cfg, self.tokenizer, envs, self.run_dir, lambda: self.model,
+                                lambda: self.policy_version)
         self.agent: AgentSource | None = None
         if r.agent is not None:  # the env gives tasks, format and verifier; the agent's code makes the episodes
-            self.agent = AgentSource(r.agent, self.tokenizer, self.train_envs.envs[0].format,
+            self.agent = AgentSource(r.agent, self.tokenizer, envs, self.engine,
                                      SessionLimits(r.max_total_tokens, r.max_new_tokens_per_turn, r.agent_timeout_s,
                                                    r.agent_max_calls), r.agent_concurrency)
         self.gen = torch.Generator().manual_seed(cfg.seed + 1)
@@ -173,7 +164,7 @@ class Trainer:
         self.order_pos = 0
         self.ref_model: torch.nn.Module | None = None
         self.admission: Admission | None = None  # async RL: the staleness bound, with a log of every start
-        self.async_worker: AsyncRollout | ProcessRollout | None = None
+        self.async_worker: AsyncRollout | ProcessRollout | AgentWorker | None = None
         # applied to the train envs before RL (in the async worker process too; must then be picklable): e.g.
         # benchmarks/async_training.py's slow-search wrapper
         self.train_env_hook: Callable[[ToolVectorEnv], None] | None = None
@@ -259,53 +250,25 @@ class Trainer:
     def eval_envs(self) -> ToolVectorEnv:
         return self._eval_envs
 
-    def _vllm_engine(self) -> VllmRollout:
-        """rollout.engine vllm: built at the first rollout, given the current weights on every call."""
-        if self.vllm is None:
-            r = self.cfg.rollout
-            self.vllm = VllmRollout(self.model, self.tokenizer, self.run_dir / "vllm", version=self.policy_version,
-                                    seed=self.cfg.seed, max_model_len=r.max_total_tokens,
-                                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, timeout_s=r.vllm_timeout_s)
-        self.vllm.sync(self.model, self.policy_version)
-        return self.vllm
+    @property
+    def vllm(self) -> VllmRollout | None:
+        """rollout.engine vllm's engine, once the first rollout built it."""
+        return self.engine.vllm
 
     def rollouts(self, venv: ToolVectorEnv, task_indices: Sequence[int], params: SamplingParams,
                  seed_base: int, gen: torch.Generator | None) -> tuple[list[Trajectory], RolloutStats]:
-        """Env-driven episodes (env i on task_indices[i]) with the configured engine."""
-        seeds = [seed_base + i for i in range(len(task_indices))]
-        if self.cfg.rollout.engine == "vllm":
-            trajs, stats = self._vllm_engine().rollout(venv, task_indices, params, seeds, gen)
-            return [copy.copy(t) for t in trajs], stats
-        trajs, stats = rollout(venv, task_indices, self.model, self.tokenizer, params, seeds=seeds,
-                               batch_size=self.cfg.rollout.batch_size, gen=gen)
-        return [copy.copy(t) for t in trajs], stats
+        """Env-driven episodes (env i of `venv` on task_indices[i]) with the configured engine."""
+        return self.engine.rollouts(venv, task_indices, params, seed_base, gen)
 
     def collect(self, stage: Stage, task_indices: Sequence[int], params: SamplingParams, seed_base: int,
                 gen: torch.Generator | None) -> Rollouts:
-        """The episodes of `task_indices` from the rollout source: the env (`rollouts`) or, with rollout.agent,
-        the agent's code against the policy endpoint (one row per segment)."""
+        """The episodes of `task_indices` (of `stage`'s split) as GRPO rows: env-driven (`rollouts`), or with
+        rollout.agent the agent's sessions (one row per segment; `rlf_train.sources`)."""
+        if self.agent is not None:
+            return self.agent.collect(stage, task_indices, params, seed_base, gen)
         venv = self.train_envs if stage == "train" else self._eval_envs
-        if self.agent is None:
-            trajs, stats = self.rollouts(venv, task_indices, params, seed_base, gen)
-            return Rollouts(trajs, list(range(len(trajs))), stats, {})
-        env = venv.envs[0]
-        if self.cfg.rollout.engine == "vllm":
-            batch_fn = self._vllm_engine().generate_batch(params, gen)
-        else:
-            batch_fn = local_generate_batch(self.model, self.tokenizer, params, env.format.stop_strings,
-                                            batch_size=self.cfg.rollout.batch_size, gen=gen, logprobs=True)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            eps = self.agent.run([env.tasks[i] for i in task_indices], env.verifier, batch_fn, self.policy_version)
-        finally:
-            self.model.train(was_training)
-        front = self.agent.front
-        assert front is not None
-        stats = RolloutStats(gen_seconds=front.stats.gen_seconds, total_seconds=eps.stats.seconds,
-                             gen_tokens=front.stats.gen_tokens, turns=int(eps.stats.calls))
-        front.stats = type(front.stats)()
-        return Rollouts(eps.trajectories, eps.episode_of_row, stats, eps.stats.metrics(), eps.rewards)
+        trajs, stats = self.rollouts(venv, task_indices, params, seed_base, gen)
+        return Rollouts(trajs, list(range(len(trajs))), stats, {})
 
     def store_trajectories(self, step: int, trajs: Sequence[Trajectory], source: str) -> None:
         """Sampled episodes for the viewer (run_dir/trajectories/step_K.jsonl); evals also get a TensorBoard
@@ -428,7 +391,8 @@ class Trainer:
         t_step = time.perf_counter()
         prompts = self._next_tasks(r.prompts_per_step)
         task_indices = [p for p in prompts for _ in range(r.samples_per_prompt)]
-        got = self.collect("train", task_indices, self._sampling(), seed_base=self._seed_base(step), gen=self.gen)
+        got = self.collect("train", task_indices, self._sampling(), seed_base=self._seed_base(step),
+                                  gen=self.gen)
         rstats = got.stats
         rec = self.update(step, got.trajectories, task_indices, optimizer, scheduler, behaviour=False,
                           episodes=got if self.agent is not None else None)
@@ -632,9 +596,15 @@ class Trainer:
                                  f"of versions {list(need)} in the checkpoint, which was not written by a fixed-"
                                  "schedule run with this max_staleness; resume with rollout.async_schedule: free")
             history = {v: saved[v] for v in need}
-        worker: AsyncRollout | ProcessRollout
+        worker: AsyncRollout | ProcessRollout | AgentWorker
         store: WeightStore | SharedWeights
-        if r.async_worker == "process":
+        if self.agent is not None:  # agent episodes ahead of the learner, against an endpoint of their own
+            store = WeightStore(keep=keep)
+            worker = AgentWorker(self.agent, self._frozen_copy(), self._sampling(), store=store,
+                                 admission=self.admission, prompts_for=prompts.__getitem__,
+                                 group_size=r.samples_per_prompt, first_update=start_step + 1, last_update=steps,
+                                 batch_size=r.batch_size, gen=self.gen)
+        elif r.async_worker == "process":
             import torch.multiprocessing as tmp
 
             ctx = tmp.get_context("spawn")
@@ -643,11 +613,8 @@ class Trainer:
             worker = ProcessRollout(spec, store, self.admission, ctx)
         else:
             store = WeightStore(keep=keep)
-            worker_model = copy.deepcopy(self.model)
-            for p in worker_model.parameters():
-                p.requires_grad_(False)
             worker = AsyncRollout(
-                self.train_envs, worker_model, self.tokenizer, self._sampling(), store=store,
+                self.train_envs, self._frozen_copy(), self.tokenizer, self._sampling(), store=store,
                 admission=self.admission, prompts_for=prompts.__getitem__,
                 seed_for=lambda u, row: self._seed_base(u) + row,
                 gen_seed_for=lambda u: sampler_seed(cfg.seed, u),
@@ -679,7 +646,10 @@ class Trainer:
                 t_wait = time.perf_counter() - t_step
                 step_prompts, data_state = drawn.pop(step)
                 task_indices = [p for p in step_prompts for _ in range(r.samples_per_prompt)]
-                rec = self.update(step, batch.trajectories, task_indices, optimizer, scheduler, behaviour=True)
+                rec = self.update(step, batch.trajectories, task_indices, optimizer, scheduler, behaviour=True,
+                                  episodes=batch.episodes)
+                if batch.episodes is not None:
+                    rec.update(batch.episodes.metrics)
                 publish(step)
                 if fixed:
                     data_state = {**data_state, "async_weights": {v: w for v, w in history.items() if v < step}}
@@ -690,6 +660,13 @@ class Trainer:
                 self._after_step(progress, step, rec, optimizer, scheduler, data_state)
         finally:
             worker.stop()
+
+    def _frozen_copy(self) -> torch.nn.Module:
+        """A copy of the policy for a rollout worker (no gradients)."""
+        worker_model = copy.deepcopy(self.model)
+        for p in worker_model.parameters():
+            p.requires_grad_(False)
+        return worker_model
 
     def _reference_model(self) -> torch.nn.Module:
         ref = load_policy(self.cfg.model, self.tokenizer, self.cfg.seed)
@@ -708,9 +685,7 @@ class Trainer:
         """Shut rollout.engine vllm's engine down (no-op otherwise)."""
         if self.agent is not None:
             self.agent.close()
-        if self.vllm is not None:
-            self.vllm.close()
-            self.vllm = None
+        self.engine.close()
 
     def _run_stages(self, progress: Progress) -> None:
         """SFT (unless done), the eval before RL, then RL, each resumed from where the checkpoint left it."""

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass, field
-from typing import Any
 
 from rlf_envs.adapters.episode import GenerateBatchFn, Generation
 
@@ -52,6 +51,9 @@ class EngineFront:
         self.window_s = window_s
         self.max_wait_s = max_wait_s
         self.expected: Callable[[], int] = lambda: 1  # how many requests a full round has (the open sessions)
+        # called on the engine's thread before each batch; returns the policy version that will generate it
+        # (async RL: the newest published weights are loaded there, between engine calls)
+        self.refresh: Callable[[], int] | None = None
         self.max_batch = max_batch
         self.stats = EngineStats()
         self._queue: list[_Pending] = []
@@ -140,11 +142,9 @@ class EngineFront:
                 self._wake.set()
             if not batch:
                 continue
-            version = self.version
             t0 = time.perf_counter()
             try:
-                gens = await self._call(self.generate_batch, [p.prompt for p in batch],
-                                        [p.max_tokens for p in batch])
+                gens, version = await self._call([p.prompt for p in batch], [p.max_tokens for p in batch])
                 if len(gens) != len(batch):
                     raise RuntimeError(f"the engine returned {len(gens)} generations for {len(batch)} prompts")
             except Exception as e:  # every waiting request gets the error (HTTP 500), the server goes on
@@ -174,9 +174,14 @@ class EngineFront:
             seen = len(self._queue)
             await asyncio.sleep(self.window_s)
 
-    async def _call(self, fn: Callable[..., Any], contexts: list[list[int]], max_tokens: list[int]
-                    ) -> Sequence[Generation]:
+    async def _generate(self, contexts: list[list[int]], max_tokens: list[int]
+                        ) -> tuple[Sequence[Generation], int]:
+        """On the engine's thread: the weights swap (`refresh`), then the batch; the version that generated it."""
+        version = self.refresh() if self.refresh is not None else self.version
+        return await self.generate_batch(contexts, max_tokens, self.stop), version
+
+    async def _call(self, contexts: list[list[int]], max_tokens: list[int]) -> tuple[Sequence[Generation], int]:
         assert self._loop is not None
-        fut: ThreadFuture[Sequence[Generation]] = asyncio.run_coroutine_threadsafe(
-            fn(contexts, max_tokens, self.stop), self._loop)
+        fut: ThreadFuture[tuple[Sequence[Generation], int]] = asyncio.run_coroutine_threadsafe(
+            self._generate(contexts, max_tokens), self._loop)
         return await asyncio.wrap_future(fut)
