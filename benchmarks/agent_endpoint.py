@@ -9,8 +9,9 @@ Two engines, each measured directly (its `GenerateBatchFn` awaited in this proce
 - `tiny`: rlf's local sampler on the quickstart-shaped policy (0.5M parameters, random weights, 8 new
   tokens): an engine whose time matters, batched as the trainer batches it.
 
-Latency: one session at a time, each call a fresh one-turn conversation; overhead = endpoint - direct at the
-same percentile. Throughput: N sessions at once, each a --turns-call conversation whose calls extend the
+Latency: one session at a time, each call a fresh one-turn conversation, from the official `openai` SDK (what
+agents run) and from a bare aiohttp client (the endpoint's own share); overhead = that - direct at the same
+percentile. Throughput: N sessions at once, each a --turns-call conversation whose calls extend the
 previous one (tool results appended), vs the direct engine given the same N contexts per round.
 """
 
@@ -27,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import openai
 import torch
@@ -108,6 +110,20 @@ class Bench:
             self.server.sessions.remove(s)
         return out
 
+    async def raw_latency(self, http: aiohttp.ClientSession, calls: int) -> list[float]:
+        """The same calls from a bare HTTP client: the endpoint's own share, without the SDK's."""
+        out = []
+        for k in range(calls):
+            s = self.session()
+            t0 = time.perf_counter()
+            async with http.post(f"{self.server.base_url(s)}/chat/completions",
+                                 json={"model": "p", "messages": self.prompt(k), "tools": TOOLS}) as r:
+                assert r.status == 200
+                await r.json()
+            out.append(time.perf_counter() - t0)
+            self.server.sessions.remove(s)
+        return out
+
     async def endpoint_rate(self, http: httpx.AsyncClient, sessions: int, turns: int) -> float:
         async def one(k: int) -> None:
             s = self.session()
@@ -139,17 +155,21 @@ class Bench:
 async def measure(name: str, bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     await bench.server.start()
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024), timeout=600)
+    raw = aiohttp.ClientSession()
     try:
         await bench.endpoint_latency(http, 20)  # warm-up: connections, caches
+        await bench.raw_latency(raw, 20)
         await bench.direct_latency(20)
-        lat_d, lat_e = [], []
-        for _ in range(3):  # interleaved, so a load change on the box hits both
+        lat_d, lat_e, lat_r = [], [], []
+        for _ in range(3):  # interleaved, so a load change on the box hits all three
             lat_d += await bench.direct_latency(args.calls // 3)
             lat_e += await bench.endpoint_latency(http, args.calls // 3)
+            lat_r += await bench.raw_latency(raw, args.calls // 3)
         row: dict[str, Any] = {"engine": name}
         for q, label in ((0.5, "p50"), (0.99, "p99")):
-            d, e = pct(lat_d, q) * 1e3, pct(lat_e, q) * 1e3
+            d, e, w = pct(lat_d, q) * 1e3, pct(lat_e, q) * 1e3, pct(lat_r, q) * 1e3
             row[f"direct_{label}_ms"], row[f"endpoint_{label}_ms"], row[f"overhead_{label}_ms"] = d, e, e - d
+            row[f"raw_{label}_ms"], row[f"raw_overhead_{label}_ms"] = w, w - d
         row["rates"] = []
         for n in args.sessions:
             d = statistics.median([await bench.direct_rate(n, args.turns) for _ in range(2)])
@@ -157,6 +177,7 @@ async def measure(name: str, bench: Bench, args: argparse.Namespace) -> dict[str
             row["rates"].append({"sessions": n, "direct_calls_s": d, "endpoint_calls_s": e, "ratio": e / d})
         return row
     finally:
+        await raw.close()
         await http.aclose()
         await bench.server.close()
 
@@ -178,11 +199,14 @@ def main() -> None:
     load = os.getloadavg()[0]
     print(f"policy endpoint vs the same engine called directly ({platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cpus, load {load:.1f}; openai {openai.__version__}, {NEW_TOKENS} new tokens)")
-    print(f"{'engine':<6} {'direct p50/p99 ms':>18} {'endpoint p50/p99 ms':>20} {'overhead p50/p99 ms':>20}")
+    print(f"{'engine':<6} {'direct p50/p99 ms':>18} {'openai SDK p50/p99':>19} {'overhead p50/p99':>17} "
+          f"{'bare HTTP p50/p99':>18} {'overhead p50/p99':>17}")
     for r in rows:
         print(f"{r['engine']:<6} {r['direct_p50_ms']:>8.2f} / {r['direct_p99_ms']:<7.2f} "
-              f"{r['endpoint_p50_ms']:>9.2f} / {r['endpoint_p99_ms']:<8.2f} "
-              f"{r['overhead_p50_ms']:>9.2f} / {r['overhead_p99_ms']:<8.2f}")
+              f"{r['endpoint_p50_ms']:>8.2f} / {r['endpoint_p99_ms']:<8.2f} "
+              f"{r['overhead_p50_ms']:>7.2f} / {r['overhead_p99_ms']:<7.2f} "
+              f"{r['raw_p50_ms']:>8.2f} / {r['raw_p99_ms']:<7.2f} "
+              f"{r['raw_overhead_p50_ms']:>7.2f} / {r['raw_overhead_p99_ms']:<7.2f}")
     print(f"\n{'engine':<6} {'sessions':>8} {'direct calls/s':>15} {'endpoint calls/s':>17} {'ratio':>6}")
     for r in rows:
         for x in r["rates"]:
