@@ -59,6 +59,7 @@ whole threat model: docs/security.md ("Threat model: running untrusted code").
 
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult
 from rlf_envs.sandbox.pool import SandboxPool, default_pool
-from rlf_envs.sandbox.runner import SandboxDir, run_python, run_tests
+from rlf_envs.sandbox.runner import SandboxDir, hide_from_runs, run_python, run_tests
 
-__all__ = ["SandboxDir", "SandboxLimits", "SandboxPool", "SandboxResult", "default_pool", "run_python", "run_tests"]
+__all__ = ["SandboxDir", "SandboxLimits", "SandboxPool", "SandboxResult", "default_pool", "hide_from_runs",
+           "run_python", "run_tests"]

@@ -583,7 +583,8 @@ def _choose_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | 
     """The uid the worker runs as (None: ours) and its RLIMIT_NPROC (None: no process-count guard)."""
     lim = job["limits"]
     want = lim["max_processes"]
-    blocked = [p for p in job["python_dirs"] if _hidden_top(p)] if not {"hidden_dirs", "minimal_root"} & set(g.applied) else []
+    reachable = {"hidden_dirs", "minimal_root"} & set(g.applied)  # the run's uid can reach the interpreter
+    blocked = [p for p in job["python_dirs"] if _hidden_top(p)] if not reachable else []
     if os.geteuid() == 0 and job["drop_uid"] is not None and blocked:
         g.no("uid", f"runs as root: the interpreter's directory {blocked[0]} is inside {_hidden_top(blocked[0])}, "
                     "which other uids cannot enter, and no mount namespace is available to expose it; install "
@@ -1214,6 +1215,42 @@ class Remote:
     __str__ = __repr__
 
 
+#: stdlib modules a solution's name may shadow that are not imported here to stand in for it (side effects)
+_NOT_IMPORTED = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "webbrowser"})
+
+
+def _test_namespace(names: dict[Any, Any]) -> dict[str, Any]:
+    """The tests' globals: the solution's top-level names (proxies), except that no name of a builtin or of a stdlib
+    module resolves to the solution's: `abs`, `len`, `sorted`, `set`, `math`, `re` stay the real ones here, whatever
+    the solution defined (its own code, in the worker, still sees its own definitions). A stdlib module's name is
+    the real module (imported here) even if the solution bound it to something else. Also the module `solution`
+    (`import solution`, `from solution import f`) with all its names; `from solution import *` gets only the ones
+    that shadow nothing. A rewritten worker may send any names: dunder names and non-identifiers are dropped."""
+    import importlib
+
+    ns: dict[str, Any] = {"__name__": "__test__", "__builtins__": builtins}
+    own: dict[str, Any] = {}
+    for k, v in names.items():
+        if type(k) is not str or not k.isidentifier() or k.startswith("__"):
+            continue
+        own[k] = v
+        if hasattr(builtins, k):
+            continue  # the builtin stays (the test can still reach the solution's as solution.<name>)
+        if k in sys.stdlib_module_names:
+            if k in sys.modules or k not in _NOT_IMPORTED:
+                try:
+                    ns[k] = importlib.import_module(k)
+                except Exception:
+                    pass  # (not importable here: the test must import what it uses)
+            continue
+        ns[k] = v
+    module = types.ModuleType("solution")
+    module.__dict__.update(own)
+    module.__all__ = [k for k in own if k in ns and ns[k] is own[k]]  # type: ignore[attr-defined]
+    sys.modules["solution"] = module
+    return ns
+
+
 def _run_tests(ch: Channel, tests: list[str], results: list[bool], errors: list[str]) -> None:
     """Append one verdict per test to `results` (those done stay if the deadline interrupts us)."""
     try:
@@ -1227,10 +1264,7 @@ def _run_tests(ch: Channel, tests: list[str], results: list[bool], errors: list[
         results += [False] * len(tests)
         errors += [f"solution failed to load: {type(e).__name__}: {e}"[:500]] * len(tests)
         return
-    module = types.ModuleType("solution")
-    module.__dict__.update(names)
-    sys.modules["solution"] = module
-    ns: dict[str, Any] = {"__name__": "__test__", "__builtins__": builtins, **names}
+    ns = _test_namespace(names)
     for i, test in enumerate(tests):
         try:
             exec(compile(test, f"test_{i}.py", "exec"), ns)
