@@ -310,3 +310,31 @@ def test_a_solution_that_redefines_builtins_still_runs_as_written() -> None:
              "import math\nassert math.pi > 3"]
     r = asyncio.run(run_tests(solution, tests, FAST))
     assert r.test_results == (True,) * len(tests), list(zip(r.test_results, r.test_errors, strict=True))
+
+
+def test_a_minimal_root_still_has_what_programs_use(pool: SandboxPool | bool) -> None:
+    """The other side of the minimal root: device nodes, shared memory, a shell, the time zone, the user database,
+    the work dir (writable) and scratch space; the rest of the root read-only."""
+    code = textwrap.dedent("""
+        import os, pwd, subprocess, time, multiprocessing
+        open("/dev/null", "w").write("x")
+        assert len(open("/dev/urandom", "rb").read(8)) == 8 and open("/dev/zero", "rb").read(2) == b"\\0\\0"
+        lock = multiprocessing.Lock()  # a POSIX semaphore in /dev/shm
+        with lock:
+            pass
+        sh = subprocess.run(["/bin/sh", "-c", "echo sh ok"], capture_output=True, text=True, timeout=10)
+        print(sh.stdout.strip())
+        print(pwd.getpwuid(0).pw_name, time.tzname[0] != "")
+        open("here.txt", "w").write("work dir")
+        open("/tmp/t.txt", "w").write("scratch")
+        for p in ("/x", "/etc/x", "/usr/x", "/dev/x"):
+            try:
+                open(p, "w")
+                print("WROTE", p)
+            except OSError:
+                pass
+        print("done")
+    """)
+    r = run(code, pool)
+    _need_root_of_its_own(r)
+    assert r.exit_code == 0 and r.stdout.split("\n") == ["sh ok", "root True", "done", ""], r

@@ -23,6 +23,7 @@ import select
 import selectors
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -46,7 +47,7 @@ PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 NEW_ROOT = "/tmp"
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf", "hosts",
-             "os-release", "mime.types")
+             "os-release")
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
 MNT_DETACH, AT_FDCWD, AT_RECURSIVE = 2, -100, 0x8000
 MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
@@ -186,17 +187,17 @@ class _MountAttr(ctypes.Structure):
                 ("userns_fd", ctypes.c_uint64)]
 
 
-def _bind(src: str, dst: str, writable: bool = False) -> None:
-    """Bind `src` (and what is mounted below it) at `dst`: nosuid, nodev and, unless `writable`, read-only, all
-    the way down (mount_setattr, Linux >= 5.12; before, the top mount only)."""
+def _bind(src: str, dst: str, writable: bool = False, device: bool = False) -> None:
+    """Bind `src` (and what is mounted below it) at `dst`: nosuid, nodev (unless `device`: a device node's own bind)
+    and, unless `writable`, read-only, all the way down (mount_setattr, Linux >= 5.12; before, the top mount only)."""
     _mount(src, dst, None, MS_BIND | MS_REC)
-    attr = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | (0 if writable else MOUNT_ATTR_RDONLY)
+    attr = MOUNT_ATTR_NOSUID | (0 if device else MOUNT_ATTR_NODEV) | (0 if writable else MOUNT_ATTR_RDONLY)
     a = _MountAttr(attr, 0, 0, 0)
     if _libc.syscall(MOUNT_SETATTR, AT_FDCWD, dst.encode(), AT_RECURSIVE, ctypes.byref(a), ctypes.sizeof(a)) == 0:
         return
     if ctypes.get_errno() != errno.ENOSYS:
         _check(-1, f"mount_setattr {dst}")
-    flags = MS_BIND | MS_REMOUNT | MS_NOSUID | MS_NODEV | (0 if writable else MS_RDONLY)
+    flags = MS_BIND | MS_REMOUNT | MS_NOSUID | (0 if device else MS_NODEV) | (0 if writable else MS_RDONLY)
     if os.statvfs(dst).f_flag & os.ST_NOEXEC:
         flags |= MS_NOEXEC  # a flag locked by a more privileged namespace must be kept
     _mount(None, dst, None, flags)
@@ -206,8 +207,42 @@ def _under(path: str, dirs: Any) -> bool:
     return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
+_SNAPSHOT: tuple[list[str], list[tuple[str, str, Any]], list[tuple[str, int]]] | None = None
+
+
+def _host_snapshot() -> tuple[list[str], list[tuple[str, str, Any]], list[tuple[str, int]]]:
+    """What every root copies from the host, read once per process (the zygote, at start: its forks inherit it): the
+    system directories that are directories (not links), the entries of ETC_FILES as (name, "link" | "dir" | "file",
+    target | None | bytes), one level deep, and the device numbers of DEV_NODES."""
+    global _SNAPSHOT
+    if _SNAPSHOT is None:
+        system = ["/" + d for d in SYSTEM_DIRS if os.path.isdir("/" + d) and not os.path.islink("/" + d)]
+        etc: list[tuple[str, str, Any]] = []
+
+        def add(name: str, depth: int) -> None:
+            host = "/etc/" + name
+            try:
+                if os.path.islink(host):
+                    etc.append((name, "link", os.readlink(host)))
+                elif os.path.isdir(host) and depth == 0:
+                    etc.append((name, "dir", None))
+                    for sub in sorted(os.listdir(host)):
+                        add(f"{name}/{sub}", 1)
+                elif os.path.isfile(host):
+                    with open(host, "rb") as f:
+                        etc.append((name, "file", f.read(1 << 20)))
+            except OSError:
+                pass
+
+        for name in ETC_FILES:
+            add(name, 0)
+        devs = [(n, os.stat("/dev/" + n).st_rdev) for n in DEV_NODES if os.path.exists("/dev/" + n)]
+        _SNAPSHOT = (system, etc, devs)
+    return _SNAPSHOT
+
+
 def _system_dirs() -> list[str]:
-    return ["/" + d for d in SYSTEM_DIRS if os.path.isdir("/" + d) and not os.path.islink("/" + d)]
+    return _host_snapshot()[0]
 
 
 def _own_python_dirs() -> list[str]:
@@ -233,11 +268,16 @@ def _mountpoint(r: str, path: str) -> None:
     if _under(path, PRIVATE_DIRS):
         os.makedirs(r + path, mode=0o755, exist_ok=True)
         return
-    _mount(None, r, None, MS_REMOUNT | MS_NOSUID | MS_NODEV)
+    _mount(None, r, None, _root_flags(0))
     try:
         os.makedirs(r + path, mode=0o755, exist_ok=True)
     finally:
-        _mount(None, r, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        _mount(None, r, None, _root_flags(MS_RDONLY))
+
+
+def _root_flags(extra: int) -> int:
+    """The root tmpfs's remount flags: as root it holds the device nodes (so no nodev); in a user namespace, nodev."""
+    return MS_REMOUNT | MS_NOSUID | (0 if os.geteuid() == 0 else MS_NODEV) | extra
 
 
 def build_root(r: str, python_dirs: list[str]) -> frozenset[str]:
@@ -253,31 +293,44 @@ def build_root(r: str, python_dirs: list[str]) -> frozenset[str]:
     try:
         for p in dirs:  # held open: `r` may hide them (a venv under /tmp)
             keep_fds[p] = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
-        _mount("tmpfs", r, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=4096,mode=0755")
+        # as root the device nodes are made in it (they work only without nodev; the run can make none: no
+        # CAP_MKNOD, and the root is read-only); in a user namespace they are binds of the host's
+        root = os.geteuid() == 0
+        _mount("tmpfs", r, "tmpfs", MS_NOSUID | (0 if root else MS_NODEV), "size=1m,nr_inodes=4096,mode=0755")
         try:
+            _, etc, devs = _host_snapshot()
             for d in SYSTEM_DIRS:
                 host = "/" + d
                 if os.path.islink(host):
                     os.symlink(os.readlink(host), r + host)
-                elif os.path.isdir(host):
+                elif host in system:
                     os.mkdir(r + host)
                     _bind(host, r + host)
             os.mkdir(r + "/etc")
-            for name in ETC_FILES:
-                host = "/etc/" + name
-                if os.path.islink(host):
-                    os.symlink(os.readlink(host), r + host)
-                elif os.path.isdir(host):
-                    os.mkdir(r + host)
-                    _bind(host, r + host)
-                elif os.path.isfile(host):
-                    os.close(os.open(r + host, os.O_WRONLY | os.O_CREAT, 0o644))
-                    _bind(host, r + host)
+            for name, kind, data in etc:  # copies, not binds: fewer mounts to make and tear down per run
+                path = f"{r}/etc/{name}"
+                if kind == "link":
+                    os.symlink(data, path)
+                elif kind == "dir":
+                    os.mkdir(path)
+                else:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    try:
+                        os.write(fd, data)
+                    finally:
+                        os.close(fd)
             for d in ("/dev", "/proc", "/var", *PRIVATE_DIRS):
                 os.mkdir(r + d, 0o755)
-            for name in DEV_NODES:
-                os.close(os.open(r + "/dev/" + name, os.O_WRONLY | os.O_CREAT, 0o644))
-                _bind("/dev/" + name, r + "/dev/" + name, writable=True)
+            for name, rdev in devs:
+                path = f"{r}/dev/{name}"
+                try:
+                    if not root:
+                        raise PermissionError
+                    os.mknod(path, stat.S_IFCHR | 0o666, rdev)
+                    os.chmod(path, 0o666)
+                except PermissionError:
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+                    _bind("/dev/" + name, path, writable=True, device=True)
             for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
                                  ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
                 os.symlink(target, r + "/dev/" + name)
@@ -285,7 +338,7 @@ def build_root(r: str, python_dirs: list[str]) -> frozenset[str]:
                 if not _under(p, PRIVATE_DIRS):  # (those go into the run's fresh scratch tmpfs: per run)
                     os.makedirs(r + p, mode=0o755, exist_ok=True)
                     _bind(f"/proc/self/fd/{keep_fds[p]}", r + p)
-            _mount(None, r, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)  # the root itself: read-only
+            _mount(None, r, None, _root_flags(MS_RDONLY))  # the root itself: read-only
         except BaseException:
             _libc.umount2(r.encode(), MNT_DETACH)
             raise
@@ -523,10 +576,20 @@ def _deny_keyrings() -> None:
     keyring stays until reboot, its serial is listed in /proc/keys and, with permissions opened to all, any uid
     can read it -- a channel from one run to the next, and per-uid kernel memory that one uid per run never
     gives back. Python code has no use for them."""
-    ins = _keyring_filter()
-    arr = (_SockFilter * len(ins))(*[_SockFilter(*i) for i in ins])
-    prog = _SockFprog(len(ins), ctypes.cast(arr, ctypes.POINTER(_SockFilter)))
-    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0), "seccomp")
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(_seccomp_prog()), 0, 0), "seccomp")
+
+
+_PROG: tuple[Any, Any] | None = None
+
+
+def _seccomp_prog() -> Any:
+    """The filter of `_deny_keyrings` as the kernel takes it; made once per process (the zygote's forks inherit it)."""
+    global _PROG
+    if _PROG is None:
+        ins = _keyring_filter()
+        arr = (_SockFilter * len(ins))(*[_SockFilter(*i) for i in ins])
+        _PROG = (arr, _SockFprog(len(ins), ctypes.cast(arr, ctypes.POINTER(_SockFilter))))
+    return _PROG[1]
 
 
 def _drop_capabilities() -> None:
@@ -1548,6 +1611,8 @@ def _warm_up() -> None:
         f.write("")
     with open(os.devnull, encoding="utf-8") as f:
         f.read()
+    _host_snapshot()  # what each run's root copies from the host
+    _seccomp_prog()
 
 
 def zygote(size: int, base_dir: str, preload: list[str]) -> None:
