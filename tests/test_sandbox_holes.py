@@ -338,3 +338,29 @@ def test_a_minimal_root_still_has_what_programs_use(pool: SandboxPool | bool) ->
     r = run(code, pool)
     _need_root_of_its_own(r)
     assert r.exit_code == 0 and r.stdout.split("\n") == ["sh ok", "root True", "done", ""], r
+
+
+def test_a_work_dir_outside_tmp_gets_a_root_of_its_own(pool: SandboxPool | bool) -> None:
+    """A work dir whose mount point the shared, read-only root lacks (not under /tmp): the run builds its own root
+    rather than make the one every run shares writable, and the next run's root is the pristine one."""
+    from rlf_envs.sandbox import SandboxDir
+
+    parent = None
+    for cand in ("/srv", "/opt", "/run/lock", "/var/lock"):
+        if os.path.isdir(cand) and os.access(cand, os.W_OK | os.X_OK):
+            parent = tempfile.mkdtemp(prefix="rlf_wd_", dir=cand)
+            os.chmod(parent, 0o755)
+            break
+    if parent is None:
+        pytest.skip("no writable directory outside /tmp")
+    try:
+        with SandboxDir(parent=parent) as wd:
+            r = run("import os\nopen('kept.txt', 'w').write('1')\nprint(sorted(os.listdir('/')))", pool, workdir=wd)
+            _need_root_of_its_own(r)
+            assert (wd.path / "kept.txt").read_text() == "1", r
+            assert "minimal_root" in r.guards, r.missing_guards
+            first = parent.split("/")[1]
+            nxt = run("import os\nprint(sorted(os.listdir('/')))", pool)
+            assert first in r.stdout and f"'{first}'" not in nxt.stdout.replace("'tmp'", ""), (r.stdout, nxt.stdout)
+    finally:
+        subprocess.run(["rm", "-rf", parent], check=False, timeout=60)

@@ -258,6 +258,9 @@ def _own_python_dirs() -> list[str]:
 _ROOT: tuple[str, frozenset[str]] | None = None
 #: in the zygote and its forks: the empty directory (in the pool's base dir) where idle ones build that root
 _ROOT_MOUNT: str | None = None
+#: whether _ROOT is the zygote's, built once in its own mount namespace (as root) and so a copy in every namespace
+#: its forks make: its tmpfs (read-only) is shared by all their runs, so it is never made writable
+_SHARED = False
 
 
 def _mountpoint(r: str, path: str) -> None:
@@ -367,15 +370,20 @@ def _make_root(job: dict[str, Any], g: Guards, workdir: str) -> None:
     package's data in the interpreter's site-packages). The worker then makes it its root (`_enter_root`): nothing
     else of the host is visible, no /run, /home, /srv, /var, /sys, no checkout, no dataset, no Unix socket of the
     host. Raises OSError if the kernel refuses a step."""
-    global _ROOT
+    global _ROOT, _SHARED
     system = _system_dirs()
     dirs = [p for p in job["python_dirs"] if p != "/" and not _under(p, system)]
+    if _ROOT is not None and _SHARED and not all(
+            _under(p, PRIVATE_DIRS) or os.path.isdir(_ROOT[0] + p) for p in [workdir, *dirs] if p not in _ROOT[1]):
+        # the zygote's root is shared (read-only) by every run: a mount point it lacks means a root of our own
+        _libc.umount2(_ROOT[0].encode(), MNT_DETACH)
+        _ROOT, _SHARED = (None, False)
     keep_fds: dict[str, int] = {}
     try:  # held open: NEW_ROOT may hide them (a work dir, a venv under /tmp)
         keep = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
         for p in dirs:
             keep_fds[p] = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
-        prebuilt = _ROOT is not None
+        how = " (built once by the pool's zygote)" if _SHARED else " (built while idle)" if _ROOT else ""
         if _ROOT is None:
             _ROOT = (NEW_ROOT, build_root(NEW_ROOT, job["python_dirs"]))
     except BaseException:
@@ -383,7 +391,7 @@ def _make_root(job: dict[str, Any], g: Guards, workdir: str) -> None:
             os.close(fd)
         raise
     r, bound = _ROOT
-    _ROOT = None  # one run per root
+    _ROOT, _SHARED = None, False  # one run per root (a shared one: this namespace's copy)
     dirs = [p for p in dirs if p not in bound]
     try:
         size = f"size={max(16, job['limits']['file_mb'] * 4)}m"
@@ -409,7 +417,7 @@ def _make_root(job: dict[str, Any], g: Guards, workdir: str) -> None:
     job["_new_root"], job["_root_cwd"] = r, workdir
     g.ok("minimal_root", "the run's root is a read-only tmpfs with read-only binds of " + ", ".join(system)
          + ", the interpreter and a few files of /etc; the device nodes " + ", ".join(DEV_NODES)
-         + "; nothing else of the host" + (" (built while idle)" if prebuilt else ""))
+         + "; nothing else of the host" + how)
     g.ok("private_tmp", "fresh tmpfs over " + ", ".join(PRIVATE_DIRS) + f" ({size} each); the work dir is the only "
                         "writable directory of the host")
 
@@ -1643,12 +1651,22 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
     os.close(devnull)
     os.chdir("/")
     pid_ns_fd = _direct_pid_ns()
-    global _ROOT_MOUNT
+    global _ROOT_MOUNT, _ROOT, _SHARED
+    root_mount = os.path.join(base_dir, ".root")
     try:
-        os.mkdir(os.path.join(base_dir, ".root"), 0o700)
-        _ROOT_MOUNT = os.path.join(base_dir, ".root")
+        os.mkdir(root_mount, 0o700)
     except OSError:  # (each run builds its whole root then)
-        pass
+        root_mount = ""
+    if root_mount and os.geteuid() == 0:
+        # as root: the static part of every run's root, once, in a mount namespace of our own; each supervisor or
+        # direct worker we fork copies it when it makes its own (no mount of it on a run's path, nor idle)
+        try:
+            _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+            _ROOT, _SHARED = (root_mount, build_root(root_mount, _own_python_dirs())), True
+        except OSError:
+            _ROOT, _SHARED = None, False
+    if root_mount and _ROOT is None:
+        _ROOT_MOUNT = root_mount  # each idle supervisor or direct worker builds it in its own namespace
     children: set[int] = set()
     idle: list[tuple[int, int, int, int]] = []
     # direct workers: idle ones (pid, pidfd, the scoring process's fds, status write end); the status write end
@@ -1765,6 +1783,8 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
+        if root_mount:
+            _libc.umount2(root_mount.encode(), MNT_DETACH)  # (ours: the host never had it mounted)
         shutil.rmtree(base_dir, ignore_errors=True)
 
 
