@@ -195,15 +195,19 @@ def test_kernel_keyrings_are_out_of_reach(pool: SandboxPool | bool) -> None:
 
 def test_a_run_holds_no_capabilities(pool: SandboxPool | bool) -> None:
     """A worker forked inside a user namespace (a non-root pool) kept every capability there (CapEff all ones),
-    enough to unmount its private /tmp and see the host's; as root the run's uid has none either."""
+    enough to unmount its private /tmp and see the host's; as root the run's uid has none either. Nor can the run
+    get them back in a user namespace of its own (the kernel refuses one to a chrooted process)."""
     r = run("import ctypes\nprint(open('/proc/self/status').read().split('CapEff:')[1].split()[0])\n"
             "libc = ctypes.CDLL(None, use_errno=True)\n"
-            "print('UMOUNT', libc.umount2(b'/tmp', 2), ctypes.get_errno())", pool)
+            "print('UMOUNT', libc.umount2(b'/tmp', 2), ctypes.get_errno())\n"
+            "print('USERNS', libc.unshare(0x10000000), ctypes.get_errno())", pool)
     if "uid" not in r.guards and os.geteuid() == 0:
         pytest.skip("runs as root here")
-    cap, umount = r.stdout.splitlines()
+    cap, umount, userns = r.stdout.splitlines()
     assert int(cap, 16) == 0, r
     assert umount.startswith("UMOUNT -1"), r
+    if "minimal_root" in r.guards:  # no new user namespace (full capabilities there) from inside a chroot
+        assert userns.startswith("USERNS -1"), r
 
 
 def test_rlf_envs_task_data_is_unreadable(pool: SandboxPool | bool) -> None:

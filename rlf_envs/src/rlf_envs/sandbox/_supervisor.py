@@ -299,7 +299,7 @@ def build_root(r: str, python_dirs: list[str]) -> frozenset[str]:
         # as root the device nodes are made in it (they work only without nodev; the run can make none: no
         # CAP_MKNOD, and the root is read-only); in a user namespace they are binds of the host's
         root = os.geteuid() == 0
-        _mount("tmpfs", r, "tmpfs", MS_NOSUID | (0 if root else MS_NODEV), "size=1m,nr_inodes=4096,mode=0755")
+        _mount("tmpfs", r, "tmpfs", MS_NOSUID | (0 if root else MS_NODEV), "size=4m,nr_inodes=4096,mode=0755")
         try:
             _, etc, devs = _host_snapshot()
             for d in SYSTEM_DIRS:
