@@ -23,7 +23,8 @@ from rlf_envs.types import Score, Task, Trajectory
 
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 #: guards reported per score as `code/guard/<name>` (1 = in force)
-_REPORTED_GUARDS = ("uid", "pid_ns", "net_ns", "nproc", "private_tmp", "user_ns", "fresh_worker")
+_REPORTED_GUARDS = ("uid", "pid_ns", "net_ns", "nproc", "private_tmp", "minimal_root", "no_keyrings", "user_ns",
+                    "fresh_worker")
 
 
 def extract_code(answer: str) -> str:

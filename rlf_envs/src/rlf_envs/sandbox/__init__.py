@@ -19,18 +19,26 @@ Process tree and why
 
   - namespaces (as root directly, otherwise inside a new user namespace): the worker is pid 1 of a new pid
     namespace (it sees and can signal no outside process; when it dies the kernel kills everything it
-    started), a network namespace with no interface up (no network), a private mount namespace with fresh
-    tmpfs over /tmp, /var/tmp and /dev/shm (only the work dir is bound back), ipc/uts namespaces;
+    started), a network namespace with no interface up (no network), a private mount namespace in which the
+    worker's root is a minimal one (a read-only tmpfs with read-only binds of /usr, /bin, /lib*, the interpreter's
+    directories, a copy of a few /etc files, the usual device nodes; fresh bounded tmpfs /tmp, /var/tmp and
+    /dev/shm; the work dir, the only writable host directory): no other host file, directory or Unix socket is
+    reachable, and task data registered with `hide_from_runs` is covered even inside what is bound;
+    ipc/uts namespaces;
   - as root: the worker runs as an unprivileged uid unique to the run (so it cannot signal, trace or read
     the environment of our processes or write our files, and `RLIMIT_NPROC` bounds its process count,
     which root ignores); `PR_SET_NO_NEW_PRIVS` stops setuid binaries from regaining root;
-  - always: a minimal explicit environment, the work dir as cwd/HOME/TMPDIR, rlimits on address space,
+  - always: no kernel keyrings (a seccomp filter fails add_key/request_key/keyctl: keys outlive processes and
+    are readable across uids), no capabilities (a worker forked in a user namespace drops them), a minimal
+    explicit environment, the work dir as cwd/HOME/TMPDIR, rlimits on address space,
     CPU time, file size, open files and core dumps, capped stdout/stderr, a wall-clock deadline, and a
     whole-tree kill at the end (pid namespace, or the subreaper walk plus every process of the run's uid).
 
 * **The verdict cannot be forged from inside the solution.** The tests run in the supervisor, not in the
   solution's interpreter: each top-level name of the solution becomes a proxy, calls send plain data to
   the worker over a pipe and plain data (JSON with type tags, decoded strictly and bounded) comes back.
+  Names of builtins and stdlib modules in the tests stay the real ones whatever the solution defines (`abs`,
+  `sorted`, `math`: `_supervisor._test_namespace`).
   So the solution cannot walk frames or `gc` to find expected values (they live in another process),
   cannot rig `builtins`, `sys.exit` or `os._exit` of the harness (exiting only fails the remaining tests),
   and cannot fake a result line: the verdict goes to the trainer on the supervisor's stdout, a pipe the
@@ -59,6 +67,7 @@ whole threat model: docs/security.md ("Threat model: running untrusted code").
 
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult
 from rlf_envs.sandbox.pool import SandboxPool, default_pool
-from rlf_envs.sandbox.runner import SandboxDir, run_python, run_tests
+from rlf_envs.sandbox.runner import SandboxDir, hide_from_runs, run_python, run_tests
 
-__all__ = ["SandboxDir", "SandboxLimits", "SandboxPool", "SandboxResult", "default_pool", "run_python", "run_tests"]
+__all__ = ["SandboxDir", "SandboxLimits", "SandboxPool", "SandboxResult", "default_pool", "hide_from_runs",
+           "run_python", "run_tests"]

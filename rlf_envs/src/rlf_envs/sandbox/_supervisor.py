@@ -23,6 +23,7 @@ import select
 import selectors
 import signal
 import socket
+import stat
 import struct
 import sys
 import time
@@ -39,6 +40,18 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NAME, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 15, 36, 38
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+#: the run's root filesystem (`_make_root`): a read-only tmpfs holding read-only binds of the system's programs and
+#: libraries, a few files of /etc, the usual device nodes, the interpreter's directories, fresh bounded tmpfs
+#: scratch dirs and the work dir; built at NEW_ROOT in the run's mount namespace, then made the worker's root
+#: (`_enter_root`): nothing else of the host is reachable, whatever its permissions
+NEW_ROOT = "/tmp"
+SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf", "hosts",
+             "os-release")
+DEV_NODES = ("null", "zero", "full", "random", "urandom")
+MNT_DETACH, AT_FDCWD, AT_RECURSIVE = 2, -100, 0x8000
+MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 1, 2, 4
+MOUNT_SETATTR = 442  # the same number on every architecture (Linux >= 5.12)
 MAX_REPLY_BYTES = 8 << 20
 MAX_JOB_BYTES = 256 << 20
 PYTHON_INT_DIGITS = sys.get_int_max_str_digits()  # the default a fresh interpreter has
@@ -53,6 +66,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 def _check(ret: int, what: str) -> None:
@@ -168,6 +182,264 @@ def _make_private_mounts(job: dict[str, Any], g: Guards, workdir: str) -> None:
         g.ok("hidden_dirs", ", ".join(sorted(hidden)))
 
 
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
+
+
+def _bind(src: str, dst: str, writable: bool = False, device: bool = False) -> None:
+    """Bind `src` (and what is mounted below it) at `dst`: nosuid, nodev (unless `device`: a device node's own bind)
+    and, unless `writable`, read-only, all the way down (mount_setattr, Linux >= 5.12; before, the top mount only)."""
+    _mount(src, dst, None, MS_BIND | MS_REC)
+    attr = MOUNT_ATTR_NOSUID | (0 if device else MOUNT_ATTR_NODEV) | (0 if writable else MOUNT_ATTR_RDONLY)
+    a = _MountAttr(attr, 0, 0, 0)
+    if _libc.syscall(MOUNT_SETATTR, AT_FDCWD, dst.encode(), AT_RECURSIVE, ctypes.byref(a), ctypes.sizeof(a)) == 0:
+        return
+    if ctypes.get_errno() != errno.ENOSYS:
+        _check(-1, f"mount_setattr {dst}")
+    flags = MS_BIND | MS_REMOUNT | MS_NOSUID | (0 if device else MS_NODEV) | (0 if writable else MS_RDONLY)
+    if os.statvfs(dst).f_flag & os.ST_NOEXEC:
+        flags |= MS_NOEXEC  # a flag locked by a more privileged namespace must be kept
+    _mount(None, dst, None, flags)
+
+
+def _under(path: str, dirs: Any) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in dirs)
+
+
+_SNAPSHOT: tuple[list[str], list[tuple[str, str, Any]], list[tuple[str, int]]] | None = None
+
+
+def _host_snapshot() -> tuple[list[str], list[tuple[str, str, Any]], list[tuple[str, int]]]:
+    """What every root copies from the host, read once per process (the zygote, at start: its forks inherit it): the
+    system directories that are directories (not links), the entries of ETC_FILES as (name, "link" | "dir" | "file",
+    target | None | bytes), one level deep, and the device numbers of DEV_NODES."""
+    global _SNAPSHOT
+    if _SNAPSHOT is None:
+        system = ["/" + d for d in SYSTEM_DIRS if os.path.isdir("/" + d) and not os.path.islink("/" + d)]
+        etc: list[tuple[str, str, Any]] = []
+
+        def add(name: str, depth: int) -> None:
+            host = "/etc/" + name
+            try:
+                if os.path.islink(host):
+                    etc.append((name, "link", os.readlink(host)))
+                elif os.path.isdir(host) and depth == 0:
+                    etc.append((name, "dir", None))
+                    for sub in sorted(os.listdir(host)):
+                        add(f"{name}/{sub}", 1)
+                elif os.path.isfile(host):
+                    with open(host, "rb") as f:
+                        etc.append((name, "file", f.read(1 << 20)))
+            except OSError:
+                pass
+
+        for name in ETC_FILES:
+            add(name, 0)
+        devs = [(n, os.stat("/dev/" + n).st_rdev) for n in DEV_NODES if os.path.exists("/dev/" + n)]
+        _SNAPSHOT = (system, etc, devs)
+    return _SNAPSHOT
+
+
+def _system_dirs() -> list[str]:
+    return _host_snapshot()[0]
+
+
+def _own_python_dirs() -> list[str]:
+    """What `runner._python_dirs` gives for this interpreter: the pool's template binds them while idle."""
+    exe = sys.executable
+    dirs = {os.path.dirname(os.path.dirname(os.path.realpath(exe))), os.path.dirname(os.path.dirname(exe)),
+            sys.prefix, sys.base_prefix}
+    return sorted(d for d in dirs if os.path.isdir(d))
+
+
+#: a root built ahead of any job by an idle pooled supervisor or direct worker (`build_root`): where, and which of
+#: the interpreter's directories it holds
+_ROOT: tuple[str, frozenset[str]] | None = None
+#: in the zygote and its forks: the empty directory (in the pool's base dir) where idle ones build that root
+_ROOT_MOUNT: str | None = None
+#: whether _ROOT is the zygote's, built once in its own mount namespace (as root) and so a copy in every namespace
+#: its forks make: its tmpfs (read-only) is shared by all their runs, so it is never made writable
+_SHARED = False
+
+
+def _mountpoint(r: str, path: str) -> None:
+    """Create `path` (absolute) in the root at `r`: in one of its scratch tmpfs, or in the root tmpfs itself, which
+    is read-only once built (so made writable for the moment)."""
+    if os.path.isdir(r + path):
+        return
+    if _under(path, PRIVATE_DIRS):
+        os.makedirs(r + path, mode=0o755, exist_ok=True)
+        return
+    _mount(None, r, None, _root_flags(0))
+    try:
+        os.makedirs(r + path, mode=0o755, exist_ok=True)
+    finally:
+        _mount(None, r, None, _root_flags(MS_RDONLY))
+
+
+def _root_flags(extra: int) -> int:
+    """The root tmpfs's remount flags: as root it holds the device nodes (so no nodev); in a user namespace, nodev."""
+    return MS_REMOUNT | MS_NOSUID | (0 if os.geteuid() == 0 else MS_NODEV) | extra
+
+
+def build_root(r: str, python_dirs: list[str]) -> frozenset[str]:
+    """In our new mount namespace: build what every run's root has (see NEW_ROOT) at `r`, an existing directory,
+    and make it read-only. Returns the interpreter directories bound in it. The per-run part (the scratch tmpfs,
+    the work dir, hidden paths) is `_make_root`'s. On failure whatever was mounted is detached and the error
+    raised."""
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    system = _system_dirs()
+    dirs = [p for p in python_dirs if p != "/" and not _under(p, system)]
+    keep_fds: dict[str, int] = {}
+    old_umask = os.umask(0o022)
+    try:
+        for p in dirs:  # held open: `r` may hide them (a venv under /tmp)
+            keep_fds[p] = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+        # as root the device nodes are made in it (they work only without nodev; the run can make none: no
+        # CAP_MKNOD, and the root is read-only); in a user namespace they are binds of the host's
+        root = os.geteuid() == 0
+        _mount("tmpfs", r, "tmpfs", MS_NOSUID | (0 if root else MS_NODEV), "size=4m,nr_inodes=4096,mode=0755")
+        try:
+            _, etc, devs = _host_snapshot()
+            for d in SYSTEM_DIRS:
+                host = "/" + d
+                if os.path.islink(host):
+                    os.symlink(os.readlink(host), r + host)
+                elif host in system:
+                    os.mkdir(r + host)
+                    _bind(host, r + host)
+            os.mkdir(r + "/etc")
+            for name, kind, data in etc:  # copies, not binds: fewer mounts to make and tear down per run
+                path = f"{r}/etc/{name}"
+                if kind == "link":
+                    os.symlink(data, path)
+                elif kind == "dir":
+                    os.mkdir(path)
+                else:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    try:
+                        os.write(fd, data)
+                    finally:
+                        os.close(fd)
+            for d in ("/dev", "/proc", "/var", *PRIVATE_DIRS):
+                os.mkdir(r + d, 0o755)
+            for name, rdev in devs:
+                path = f"{r}/dev/{name}"
+                try:
+                    if not root:
+                        raise PermissionError
+                    os.mknod(path, stat.S_IFCHR | 0o666, rdev)
+                    os.chmod(path, 0o666)
+                except PermissionError:
+                    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
+                    _bind("/dev/" + name, path, writable=True, device=True)
+            for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                                 ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+                os.symlink(target, r + "/dev/" + name)
+            for p in dirs:
+                if not _under(p, PRIVATE_DIRS):  # (those go into the run's fresh scratch tmpfs: per run)
+                    os.makedirs(r + p, mode=0o755, exist_ok=True)
+                    _bind(f"/proc/self/fd/{keep_fds[p]}", r + p)
+            _mount(None, r, None, _root_flags(MS_RDONLY))  # the root itself: read-only
+        except BaseException:
+            _libc.umount2(r.encode(), MNT_DETACH)
+            raise
+    finally:
+        os.umask(old_umask)
+        for fd in keep_fds.values():
+            os.close(fd)
+    return frozenset(p for p in dirs if not _under(p, PRIVATE_DIRS))
+
+
+def prebuild_root(r: str) -> None:
+    """In an idle pooled supervisor or direct worker, inside its mount namespace: the static part of the run's root
+    (`build_root`, for this interpreter), so that a run only adds its own part. A failure leaves it to the run."""
+    global _ROOT
+    try:
+        _ROOT = (r, build_root(r, _own_python_dirs()))
+    except OSError:
+        _ROOT = None
+
+
+def _make_root(job: dict[str, Any], g: Guards, workdir: str) -> None:
+    """The run's root (see NEW_ROOT), in our new mount namespace: the static part built while idle
+    (`prebuild_root`) or now, at NEW_ROOT; then the run's own part: fresh bounded tmpfs over its /tmp, /var/tmp and
+    /dev/shm, the interpreter's directories not bound yet (read-only), the work dir (the only writable directory of
+    the host) and `job["hide"]`, paths (task data) hidden even where they lie inside what is bound (an installed
+    package's data in the interpreter's site-packages). The worker then makes it its root (`_enter_root`): nothing
+    else of the host is visible, no /run, /home, /srv, /var, /sys, no checkout, no dataset, no Unix socket of the
+    host. Raises OSError if the kernel refuses a step."""
+    global _ROOT, _SHARED
+    system = _system_dirs()
+    dirs = [p for p in job["python_dirs"] if p != "/" and not _under(p, system)]
+    if _ROOT is not None and _SHARED and not all(
+            _under(p, PRIVATE_DIRS) or os.path.isdir(_ROOT[0] + p) for p in [workdir, *dirs] if p not in _ROOT[1]):
+        # the zygote's root is shared (read-only) by every run: a mount point it lacks means a root of our own
+        _libc.umount2(_ROOT[0].encode(), MNT_DETACH)
+        _ROOT, _SHARED = (None, False)
+    keep_fds: dict[str, int] = {}
+    try:  # held open: NEW_ROOT may hide them (a work dir, a venv under /tmp)
+        keep = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+        for p in dirs:
+            keep_fds[p] = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+        how = " (built once by the pool's zygote)" if _SHARED else " (built while idle)" if _ROOT else ""
+        if _ROOT is None:
+            _ROOT = (NEW_ROOT, build_root(NEW_ROOT, job["python_dirs"]))
+    except BaseException:
+        for fd in keep_fds.values():
+            os.close(fd)
+        raise
+    r, bound = _ROOT
+    _ROOT, _SHARED = None, False  # one run per root (a shared one: this namespace's copy)
+    dirs = [p for p in dirs if p not in bound]
+    try:
+        size = f"size={max(16, job['limits']['file_mb'] * 4)}m"
+        for d in PRIVATE_DIRS:
+            _mount("tmpfs", r + d, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+        for p in dirs:
+            _mountpoint(r, p)
+            _bind(f"/proc/self/fd/{keep_fds[p]}", r + p)
+        _mountpoint(r, workdir)
+        _bind(f"/proc/self/fd/{keep}", r + workdir, writable=True)
+        for p in job.get("hide", ()):
+            if os.path.isdir(r + p):
+                _mount("tmpfs", r + p, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555")
+            elif os.path.lexists(r + p):
+                _bind("/dev/null", r + p)
+    except BaseException:
+        _libc.umount2(r.encode(), MNT_DETACH)
+        raise
+    finally:
+        os.close(keep)
+        for fd in keep_fds.values():
+            os.close(fd)
+    job["_new_root"], job["_root_cwd"] = r, workdir
+    g.ok("minimal_root", "the run's root is a read-only tmpfs with read-only binds of " + ", ".join(system)
+         + ", the interpreter and a few files of /etc; the device nodes " + ", ".join(DEV_NODES)
+         + "; nothing else of the host" + how)
+    g.ok("private_tmp", "fresh tmpfs over " + ", ".join(PRIVATE_DIRS) + f" ({size} each); the work dir is the only "
+                        "writable directory of the host")
+
+
+def _run_cwd(job: dict[str, Any], workdir: str) -> str:
+    """The work dir's path before the worker enters the run's root (there, inside NEW_ROOT); `_enter_root` then
+    moves it to the work dir's own path."""
+    return job["_new_root"] + job["_root_cwd"] if job.get("_new_root") else workdir
+
+
+def _enter_root(root: str, workdir: str) -> None:
+    """In the worker (pid 1 of the run's pid namespace), before it drops its privileges: mount its /proc in the root
+    `_make_root` built and make that root its own (chroot). The host's tree stays mounted in the run's mount
+    namespace, outside that root: getting out of a chroot takes a capability (CAP_SYS_CHROOT, CAP_SYS_ADMIN) and
+    the worker holds none once set up (the run's uid; `_drop_capabilities` in a user namespace), no process of the
+    run's pid namespace is outside it (so no /proc/<pid>/root leads out) and no descriptor of the host is left
+    open. (pivot_root + detaching the host's tree cost ~4 ms of wall time per run, an RCU grace period.)"""
+    _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.chroot(root)
+    os.chdir(workdir)
+
+
 def _unshare(network: bool, g: Guards, new_pid: bool = True) -> bool:
     """Unshare pid/mount/ipc/uts (+net unless `network`); as non-root inside a new user namespace. Records the
     guards in `g`; returns whether the namespaces are in force (the next child is pid 1 of a new pid namespace).
@@ -206,14 +478,17 @@ def _unshare(network: bool, g: Guards, new_pid: bool = True) -> bool:
 _PRECONFINED: tuple[bool, Guards] | None = None
 
 
-def preconfine() -> None:
+def preconfine(root_mount: str | None = None) -> None:
     """In an idle pooled supervisor, before it reads a job: enter the namespaces every default job gets (pid,
     mount, ipc, uts, net; a user namespace as non-root), so that creating them is not on a run's path. Only jobs
     with `namespaces=True, network=False` are sent to such a supervisor (`SandboxPool.lease(confined=True)`);
-    everything per run (the private mounts, the run's uid, rlimits, the worker's fork) still happens per run."""
+    everything per run (the private mounts, the run's uid, rlimits, the worker's fork) still happens per run.
+    `root_mount`: an empty directory where the static part of the run's root is built now (`prebuild_root`)."""
     global _PRECONFINED
     g = Guards()
     _PRECONFINED = (_unshare(False, g), g)
+    if _PRECONFINED[0] and root_mount:
+        prebuild_root(root_mount)
 
 
 def _enter_namespaces(job: dict[str, Any], g: Guards, workdir: str) -> bool:
@@ -234,11 +509,23 @@ def _enter_namespaces(job: dict[str, Any], g: Guards, workdir: str) -> bool:
         return False
     elif not _unshare(lim["network"], g):
         return False
+    _private_filesystem(job, g, workdir)
+    return True
+
+
+def _private_filesystem(job: dict[str, Any], g: Guards, workdir: str) -> None:
+    """The run's own root (`_make_root`), or where the kernel refuses a step of it, the older private /tmp
+    (`_make_private_mounts`: fresh tmpfs over /tmp, /var/tmp, /dev/shm, the rest of the host visible)."""
+    try:
+        _make_root(job, g, workdir)
+        return
+    except OSError as e:
+        g.no("minimal_root", f"could not build the run's own root ({e}); it sees the host's files (read-only "
+                             "where the run's uid cannot write), /tmp, /var/tmp and /dev/shm are private")
     try:
         _make_private_mounts(job, g, workdir)
     except OSError as e:
         g.no("private_tmp", f"mount failed ({e}); /tmp is shared with the host")
-    return True
 
 
 # ---------------------------------------------------------------------------------------------- worker
@@ -258,6 +545,69 @@ def _parent_gone(parent_fd: int) -> bool:
     return bool(poller.poll(0))
 
 
+#: the kernel's key management calls (add_key, request_key, keyctl) per audit arch: a seccomp filter makes them fail
+#: with EPERM in every run (`_deny_keyrings`). x32 calls are x86_64 numbers with bit 30 set (masked off below).
+AUDIT_ARCH_X86_64, AUDIT_ARCH_I386, AUDIT_ARCH_AARCH64, AUDIT_ARCH_ARM = 0xC000003E, 0x40000003, 0xC00000B7, 0x40000028
+KEY_SYSCALLS = {AUDIT_ARCH_X86_64: (248, 249, 250), AUDIT_ARCH_I386: (286, 287, 288),
+                AUDIT_ARCH_AARCH64: (217, 218, 219), AUDIT_ARCH_ARM: (309, 310, 311)}
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _keyring_filter() -> list[tuple[int, int, int, int]]:
+    """A classic BPF seccomp program: for each known arch, its three key calls return EPERM; all else is allowed."""
+    ld_w_abs, jeq_k, alu_and_k, ret_k = 0x20, 0x15, 0x54, 0x06
+    prog: list[tuple[int, int, int, int]] = []
+    for arch, nrs in KEY_SYSCALLS.items():
+        body = [(ld_w_abs, 0, 0, 0)]  # seccomp_data.nr
+        if arch == AUDIT_ARCH_X86_64:
+            body.append((alu_and_k, 0, 0, 0xBFFFFFFF))  # x32 numbers are x86_64's + 0x40000000
+        for i, nr in enumerate(nrs):
+            body.append((jeq_k, len(nrs) - i - 1 + 1, 0, nr))  # -> the EPERM return after the ALLOW
+        body += [(ret_k, 0, 0, SECCOMP_RET_ALLOW), (ret_k, 0, 0, SECCOMP_RET_ERRNO | errno.EPERM)]
+        prog += [(ld_w_abs, 0, 0, 4), (jeq_k, 0, len(body), arch), *body]  # seccomp_data.arch; else skip
+    return [*prog, (ret_k, 0, 0, SECCOMP_RET_ALLOW)]
+
+
+def _deny_keyrings() -> None:
+    """No kernel keyring calls in the run (seccomp filter, after PR_SET_NO_NEW_PRIVS; inherited by every process
+    the code starts, kept across exec). Keys are kernel objects that outlive processes: a key added to a user
+    keyring stays until reboot, its serial is listed in /proc/keys and, with permissions opened to all, any uid
+    can read it -- a channel from one run to the next, and per-uid kernel memory that one uid per run never
+    gives back. Python code has no use for them."""
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(_seccomp_prog()), 0, 0), "seccomp")
+
+
+_PROG: tuple[Any, Any] | None = None
+
+
+def _seccomp_prog() -> Any:
+    """The filter of `_deny_keyrings` as the kernel takes it; made once per process (the zygote's forks inherit it)."""
+    global _PROG
+    if _PROG is None:
+        ins = _keyring_filter()
+        arr = (_SockFilter * len(ins))(*[_SockFilter(*i) for i in ins])
+        _PROG = (arr, _SockFprog(len(ins), ctypes.cast(arr, ctypes.POINTER(_SockFilter))))
+    return _PROG[1]
+
+
+def _drop_capabilities() -> None:
+    """Empty effective, permitted and inheritable sets (capset): a worker forked inside a user namespace holds every
+    capability there until it execs, enough to undo its mounts."""
+    header = (ctypes.c_uint32 * 2)(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    _check(_libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset")
+
+
 def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: int | None,
                     parent_fd: int | None = None, reset_signals: bool = True) -> Any:
     """The worker's own set-up, run in the child before the code. `parent_fd`: a pidfd of the supervisor
@@ -268,7 +618,9 @@ def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: i
     def preexec() -> None:
         if reset_signals:
             _reset_signals()
-        if pid_ns:
+        if pid_ns and job.get("_new_root"):
+            _enter_root(job["_new_root"], job["_root_cwd"])
+        elif pid_ns:
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
         mem = lim["memory_mb"] << 20
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
@@ -282,7 +634,10 @@ def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: i
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
+        if uid is None and os.geteuid() != 0:
+            _drop_capabilities()  # a forked worker keeps what its user namespace gave the supervisor
         _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, sudo, ping) cannot regain privileges
+        _deny_keyrings()
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: we die -> the worker dies
         # the supervisor may have died before the line above, and then no signal ever comes: its pidfd is
         # readable once it has exited (getppid() cannot tell in a new pid namespace: it is 0 either way)
@@ -299,7 +654,8 @@ def _choose_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | 
     """The uid the worker runs as (None: ours) and its RLIMIT_NPROC (None: no process-count guard)."""
     lim = job["limits"]
     want = lim["max_processes"]
-    blocked = [p for p in job["python_dirs"] if _hidden_top(p)] if "hidden_dirs" not in g.applied else []
+    reachable = {"hidden_dirs", "minimal_root"} & set(g.applied)  # the run's uid can reach the interpreter
+    blocked = [p for p in job["python_dirs"] if _hidden_top(p)] if not reachable else []
     if os.geteuid() == 0 and job["drop_uid"] is not None and blocked:
         g.no("uid", f"runs as root: the interpreter's directory {blocked[0]} is inside {_hidden_top(blocked[0])}, "
                     "which other uids cannot enter, and no mount namespace is available to expose it; install "
@@ -335,6 +691,8 @@ def _run_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | Non
     uid, nproc = _choose_identity(job, g)
     g.ok("rlimits", "address space {memory_mb} MB, CPU {cpu_s} s, file size {file_mb} MB, {max_open_files} "
                     "open files, no core dumps".format(**job["limits"]))
+    g.ok("no_keyrings", "seccomp: add_key, request_key and keyctl fail with EPERM (no key of a run outlives it or "
+                        "reaches another run)")
     return uid, nproc
 
 
@@ -413,7 +771,7 @@ class Forked:
 
 
 def _fork_worker(preexec: Any, argv: list[str], stdin_fd: int, pass_fds: tuple[int, ...],
-                 workdir: str, setup_fds: tuple[int, ...] = ()) -> tuple[Forked, int, int]:
+                 workdir: str, setup_fds: tuple[int, ...] = (), cwd: str | None = None) -> tuple[Forked, int, int]:
     """Fork the worker: the child sets itself up exactly as `subprocess.Popen(..., preexec_fn=preexec)` would
     (new session, fds 0/1/2 and `pass_fds` only, cwd, the minimal environment), then runs `argv`'s program in
     its own interpreter copy; `setup_fds` stay open through the set-up only. Raises OSError (with the child's
@@ -423,7 +781,7 @@ def _fork_worker(preexec: Any, argv: list[str], stdin_fd: int, pass_fds: tuple[i
     st_r, st_w = os.pipe()  # the child's set-up verdict: closed empty = ok, else the error text
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
-        _worker_child(preexec, argv, stdin_fd, out_w, err_w, st_w, pass_fds, workdir, setup_fds)
+        _worker_child(preexec, argv, stdin_fd, out_w, err_w, st_w, pass_fds, workdir, setup_fds, cwd)
     for fd in (out_w, err_w, st_w):
         os.close(fd)
     status = bytearray()
@@ -458,8 +816,8 @@ def _stdin_memfd(text: str) -> int:
 
 
 def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_w: int, st_w: int,
-                  pass_fds: tuple[int, ...], workdir: str,
-                  setup_fds: tuple[int, ...] = ()) -> None:  # pragma: no cover - runs in the child
+                  pass_fds: tuple[int, ...], workdir: str, setup_fds: tuple[int, ...] = (),
+                  cwd: str | None = None) -> None:  # pragma: no cover - runs in the child
     try:
         os.setsid()
         _set_name(b"rlf-sbx-run")
@@ -467,7 +825,7 @@ def _worker_child(preexec: Any, argv: list[str], stdin_fd: int, out_w: int, err_
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         _close_fds_except({0, 1, 2, st_w, *pass_fds, *setup_fds})  # everything else goes: the result channel, the job
-        os.chdir(workdir)
+        os.chdir(cwd or workdir)  # (`cwd`: the work dir inside the run's root, `_run_cwd`)
         preexec()
         for fd in setup_fds:
             os.close(fd)
@@ -597,10 +955,11 @@ class Worker:
                 # pooled: fork this fresh supervisor (a copy of the zygote's clean template plus this run's public
                 # job) instead of starting an interpreter; `argv` is then what the child runs in-process
                 self.proc, out_fd, err_fd = _fork_worker(preexec, argv, stdin_fd, pass_fds, workdir,
-                                                         () if parent_fd is None else (parent_fd,))
+                                                         () if parent_fd is None else (parent_fd,),
+                                                         _run_cwd(job, workdir))
             else:  # (preexec_fn runs before close_fds: the child still has parent_fd there)
                 self.proc = subprocess.Popen(
-                    argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir,
+                    argv, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=_run_cwd(job, workdir),
                     env=_worker_env(workdir), close_fds=True, pass_fds=pass_fds, start_new_session=True,
                     preexec_fn=preexec,
                 )
@@ -927,6 +1286,42 @@ class Remote:
     __str__ = __repr__
 
 
+#: stdlib modules a solution's name may shadow that are not imported here to stand in for it (side effects)
+_NOT_IMPORTED = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "webbrowser"})
+
+
+def _test_namespace(names: dict[Any, Any]) -> dict[str, Any]:
+    """The tests' globals: the solution's top-level names (proxies), except that no name of a builtin or of a stdlib
+    module resolves to the solution's: `abs`, `len`, `sorted`, `set`, `math`, `re` stay the real ones here, whatever
+    the solution defined (its own code, in the worker, still sees its own definitions). A stdlib module's name is
+    the real module (imported here) even if the solution bound it to something else. Also the module `solution`
+    (`import solution`, `from solution import f`) with all its names; `from solution import *` gets only the ones
+    that shadow nothing. A rewritten worker may send any names: dunder names and non-identifiers are dropped."""
+    import importlib
+
+    ns: dict[str, Any] = {"__name__": "__test__", "__builtins__": builtins}
+    own: dict[str, Any] = {}
+    for k, v in names.items():
+        if type(k) is not str or not k.isidentifier() or k.startswith("__"):
+            continue
+        own[k] = v
+        if hasattr(builtins, k):
+            continue  # the builtin stays (the test can still reach the solution's as solution.<name>)
+        if k in sys.stdlib_module_names:
+            if k in sys.modules or k not in _NOT_IMPORTED:
+                try:
+                    ns[k] = importlib.import_module(k)
+                except Exception:
+                    pass  # (not importable here: the test must import what it uses)
+            continue
+        ns[k] = v
+    module = types.ModuleType("solution")
+    module.__dict__.update(own)
+    module.__all__ = [k for k in own if k in ns and ns[k] is own[k]]  # type: ignore[attr-defined]
+    sys.modules["solution"] = module
+    return ns
+
+
 def _run_tests(ch: Channel, tests: list[str], results: list[bool], errors: list[str]) -> None:
     """Append one verdict per test to `results` (those done stay if the deadline interrupts us)."""
     try:
@@ -940,10 +1335,7 @@ def _run_tests(ch: Channel, tests: list[str], results: list[bool], errors: list[
         results += [False] * len(tests)
         errors += [f"solution failed to load: {type(e).__name__}: {e}"[:500]] * len(tests)
         return
-    module = types.ModuleType("solution")
-    module.__dict__.update(names)
-    sys.modules["solution"] = module
-    ns: dict[str, Any] = {"__name__": "__test__", "__builtins__": builtins, **names}
+    ns = _test_namespace(names)
     for i, test in enumerate(tests):
         try:
             exec(compile(test, f"test_{i}.py", "exec"), ns)
@@ -1107,7 +1499,7 @@ def _spawn_supervisor(worker_src: str, confined: bool) -> tuple[int, int, int, i
             os.dup2(err_theirs, 2)
             os.closerange(3, 1 << 20)  # the control socket, the other idle supervisors' sockets
             if confined:
-                preconfine()
+                preconfine(_ROOT_MOUNT)
             main(worker_src)
         except BaseException:
             status = 1
@@ -1146,6 +1538,8 @@ def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None: 
         _close_fds_except({0, 1, 2, job_fd, zygote_fd})  # the control socket, the other workers' fds go
         g = Guards()
         ok = _unshare(False, g, new_pid=False)
+        if ok and _ROOT_MOUNT:
+            prebuild_root(_ROOT_MOUNT)
         os.write(job_fd, DIRECT_READY if ok else DIRECT_UNCONFINED)
         if not ok:
             os._exit(0)
@@ -1155,17 +1549,14 @@ def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None: 
             raise RuntimeError("a direct sandbox worker got a job that is not a default run (rlf_envs.sandbox.runner "
                                "must lease a supervisor for it)")
         workdir = job["workdir"]
-        try:
-            _make_private_mounts(job, g, workdir)
-        except OSError as e:
-            g.no("private_tmp", f"mount failed ({e}); /tmp is shared with the host")
+        _private_filesystem(job, g, workdir)
         g.ok("supervisor", "the scoring process holds the output pipes, the deadline and a pidfd; the zygote "
                            "reports the exit status; the worker holds neither")
         uid, nproc = _run_identity(job, g)
         stdin_fd = _stdin_memfd(job["stdin"])
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)
-        os.chdir(workdir)
+        os.chdir(_run_cwd(job, workdir))
         _worker_preexec(job, True, uid, nproc, zygote_fd, reset_signals=False)()  # the zygote's are a fresh one's
         os.close(zygote_fd)
         os.environ.clear()
@@ -1228,6 +1619,8 @@ def _warm_up() -> None:
         f.write("")
     with open(os.devnull, encoding="utf-8") as f:
         f.read()
+    _host_snapshot()  # what each run's root copies from the host
+    _seccomp_prog()
 
 
 def zygote(size: int, base_dir: str, preload: list[str]) -> None:
@@ -1258,6 +1651,22 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
     os.close(devnull)
     os.chdir("/")
     pid_ns_fd = _direct_pid_ns()
+    global _ROOT_MOUNT, _ROOT, _SHARED
+    root_mount = os.path.join(base_dir, ".root")
+    try:
+        os.mkdir(root_mount, 0o700)
+    except OSError:  # (each run builds its whole root then)
+        root_mount = ""
+    if root_mount and os.geteuid() == 0:
+        # as root: the static part of every run's root, once, in a mount namespace of our own; each supervisor or
+        # direct worker we fork copies it when it makes its own (no mount of it on a run's path, nor idle)
+        try:
+            _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+            _ROOT, _SHARED = (root_mount, build_root(root_mount, _own_python_dirs())), True
+        except OSError:
+            _ROOT, _SHARED = None, False
+    if root_mount and _ROOT is None:
+        _ROOT_MOUNT = root_mount  # each idle supervisor or direct worker builds it in its own namespace
     children: set[int] = set()
     idle: list[tuple[int, int, int, int]] = []
     # direct workers: idle ones (pid, pidfd, the scoring process's fds, status write end); the status write end
@@ -1374,6 +1783,8 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
+        if root_mount:
+            _libc.umount2(root_mount.encode(), MNT_DETACH)  # (ours: the host never had it mounted)
         shutil.rmtree(base_dir, ignore_errors=True)
 
 

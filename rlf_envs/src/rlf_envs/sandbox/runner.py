@@ -37,6 +37,19 @@ _warned: set[str] = set()
 _uid_sequence = itertools.count(secrets.randbelow(UID_SPAN))
 
 
+#: paths no run may read (task data: answers, hidden tests, reference programs), wherever they lie: `hide_from_runs`
+_HIDDEN: set[str] = {os.path.realpath(Path(__file__).resolve().parents[1] / "data")}  # rlf_envs' shipped datasets
+
+
+def hide_from_runs(path: str | os.PathLike[str]) -> None:
+    """Make `path` (a file or a directory of task data) unreadable from every sandboxed run of this process. A run's
+    root holds only the system's directories, the interpreter's and its work dir, so data elsewhere is out of its
+    reach anyway; a path inside those (e.g. a dataset installed into the interpreter's site-packages) is covered
+    in the run by an empty read-only directory, or /dev/null for a file. `rlf_envs.tasks.load_tasks` calls this for
+    every file it loads, and rlf_envs' own data directory is always hidden."""
+    _HIDDEN.add(os.path.realpath(path))
+
+
 def _is_root() -> bool:
     return os.geteuid() == 0
 
@@ -145,7 +158,7 @@ async def _supervise(job: dict[str, Any], private: dict[str, Any], workdir: Sand
     nonce = secrets.token_hex(16)
     job = {**job, "limits": limits.model_dump(), "drop_uid": workdir.uid, "workdir": str(workdir.path),
            "drop_uid_reason": "SandboxLimits.drop_privileges=False" if not limits.drop_privileges else "",
-           "python_dirs": list(_python_dirs(job["python"]))}
+           "python_dirs": list(_python_dirs(job["python"])), "hide": sorted(_HIDDEN)}
     secret = frame({**private, "nonce": nonce})
     chosen = _pool_for(pool, job["python"])
     t0 = time.monotonic()

@@ -55,11 +55,15 @@ def load_jsonl(path: str | os.PathLike[str]) -> list[Task]:
 
 
 def load_tasks(source: TaskSource) -> list[Task]:
-    """Tasks from a list (Task or dict), a `.jsonl` file or a Search-R1 `.parquet` file."""
+    """Tasks from a list (Task or dict), a `.jsonl` file or a Search-R1 `.parquet` file (which no sandboxed run can
+    read from then on: `rlf_envs.sandbox.hide_from_runs`)."""
     if isinstance(source, str | os.PathLike):
         p = Path(source)
         if not p.exists():
             raise FileNotFoundError(f"task file {p} does not exist")
+        from rlf_envs.sandbox import hide_from_runs
+
+        hide_from_runs(p)  # answers, hidden tests: never readable from a sandboxed run
         if p.suffix == ".parquet":
             from rlf_envs.tasks.parquet import load_search_r1_parquet
 
