@@ -6,10 +6,13 @@ All functions are pure tensor code so they can be checked against hand-computed 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from rlf_envs.types import Trajectory
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
@@ -219,3 +222,67 @@ def _entropy(logp: torch.Tensor) -> torch.Tensor:
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return _entropy(torch.log_softmax(logits.float(), dim=-1))
+
+
+def token_returns(trajs: Sequence[Trajectory], T: int, per_turn: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-target-position returns [N, T] (target t = token t+1) and episode returns [N]."""
+    N = len(trajs)
+    ret = torch.zeros((N, T))
+    ep = torch.zeros(N)
+    for i, tr in enumerate(trajs):
+        turn_r = [t.reward for t in tr.turns] if per_turn else []
+        total = tr.reward + sum(turn_r)
+        ep[i] = total
+        ret[i, :] = total
+        if per_turn and any(turn_r):
+            togo = tr.reward
+            for k in range(len(tr.turns) - 1, -1, -1):
+                togo += turn_r[k]
+                span = tr.turns[k].action_span
+                if span is not None:
+                    s, e = span
+                    ret[i, max(s - 1, 0):max(e - 1, 0)] = togo
+    return ret, ep
+
+
+def check_groups(task_ids: Sequence[str], group_size: int) -> None:
+    """Fail loudly unless rows i*G..(i+1)*G-1 share one task (the advantage groups of `token_advantages`)."""
+    bad = [g // group_size for g in range(0, len(task_ids), group_size) if len(set(task_ids[g:g + group_size])) != 1]
+    if len(task_ids) % group_size or bad:
+        raise RuntimeError(f"GRPO group layout broken: {len(task_ids)} rows, group size {group_size}, groups {bad[:4]} "
+                           f"mix tasks ({[list(task_ids[g * group_size:(g + 1) * group_size]) for g in bad[:2]]}): "
+                           "advantages would compare samples of different prompts")
+
+
+def row_advantages(episode_returns: torch.Tensor, episode_of_row: Sequence[int], T: int, group_size: int,
+                   std_normalize: bool, eps: float = 1e-6) -> torch.Tensor:
+    """[N, T] advantages when rows are segments of episodes (an agent's sessions, `rlf_train.agent`): row i gets
+    its episode's group advantage (`token_advantages` over the episodes, groups of `group_size` episodes)."""
+    ep_adv = token_advantages(episode_returns.unsqueeze(1), episode_returns, group_size, std_normalize, eps)
+    return ep_adv[torch.tensor(list(episode_of_row), dtype=torch.long)].expand(len(episode_of_row), T).clone()
+
+
+def behaviour_logprobs(trajs: Sequence[Trajectory], T: int) -> torch.Tensor:
+    """[N, T] log-probs the rollout recorded when it sampled each policy token (target t = token t+1),
+    from `Turn.behaviour_logprobs`; 0 at non-policy positions."""
+    out = torch.zeros((len(trajs), T))
+    for i, tr in enumerate(trajs):
+        mask = tr.loss_mask or []
+        for k, turn in enumerate(tr.turns):
+            if turn.action_span is None:
+                continue
+            s, e = turn.action_span
+            lps = turn.behaviour_logprobs
+            if lps is None or len(lps) < e - s:
+                raise RuntimeError(f"episode {i} turn {k}: {0 if lps is None else len(lps)} behaviour "
+                                   f"log-probs recorded for {e - s} action tokens (the async rollout records "
+                                   "one per sampled token)")
+            if s >= 1:
+                out[i, s - 1:e - 1] = torch.tensor(lps[:e - s])
+        covered = torch.zeros(T, dtype=torch.bool)
+        for turn in tr.turns:
+            if turn.action_span is not None and turn.action_span[0] >= 1:
+                covered[turn.action_span[0] - 1:turn.action_span[1] - 1] = True
+        if any(m and not covered[t - 1] for t, m in enumerate(mask) if t >= 1 and t - 1 < T):
+            raise RuntimeError(f"episode {i}: a policy token lies outside every turn's action span")
+    return out

@@ -41,7 +41,15 @@ from rlf_train.checkpoint import (
 from rlf_train.config import ConfigError, TrainConfig, dump_config
 from rlf_train.endpoint.sessions import SessionLimits
 from rlf_train.envs import Stage, env_tasks, make_envs
-from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
+from rlf_train.grpo import (
+    behaviour_logprobs,
+    check_groups,
+    masked_logprobs,
+    policy_loss,
+    row_advantages,
+    token_advantages,
+    token_returns,
+)
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
 from rlf_train.rollout import Rollouts, RolloutStats, SamplingParams
@@ -69,36 +77,6 @@ def episode_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "tokens_total_mean": sum(len(t.token_ids or []) for t in trajs) / n,
         "tokens_policy_mean": sum(sum(t.loss_mask or []) for t in trajs) / n,
     }
-
-
-def token_returns(trajs: Sequence[Trajectory], T: int, per_turn: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-target-position returns [N, T] (target t = token t+1) and episode returns [N]."""
-    N = len(trajs)
-    ret = torch.zeros((N, T))
-    ep = torch.zeros(N)
-    for i, tr in enumerate(trajs):
-        turn_r = [t.reward for t in tr.turns] if per_turn else []
-        total = tr.reward + sum(turn_r)
-        ep[i] = total
-        ret[i, :] = total
-        if per_turn and any(turn_r):
-            togo = tr.reward
-            for k in range(len(tr.turns) - 1, -1, -1):
-                togo += turn_r[k]
-                span = tr.turns[k].action_span
-                if span is not None:
-                    s, e = span
-                    ret[i, max(s - 1, 0):max(e - 1, 0)] = togo
-    return ret, ep
-
-
-def check_groups(task_ids: Sequence[str], group_size: int) -> None:
-    """Fail loudly unless rows i*G..(i+1)*G-1 share one task (the advantage groups of `token_advantages`)."""
-    bad = [g // group_size for g in range(0, len(task_ids), group_size) if len(set(task_ids[g:g + group_size])) != 1]
-    if len(task_ids) % group_size or bad:
-        raise RuntimeError(f"GRPO group layout broken: {len(task_ids)} rows, group size {group_size}, groups {bad[:4]} "
-                           f"mix tasks ({[list(task_ids[g * group_size:(g + 1) * group_size]) for g in bad[:2]]}): "
-                           "advantages would compare samples of different prompts")
 
 
 class Trainer:
@@ -403,29 +381,8 @@ class Trainer:
         return rec
 
     def behaviour_logprobs(self, trajs: Sequence[Trajectory], T: int) -> torch.Tensor:
-        """[N, T] log-probs the rollout recorded when it sampled each policy token (target t = token t+1),
-        from `Turn.behaviour_logprobs`; 0 at non-policy positions."""
-        out = torch.zeros((len(trajs), T))
-        for i, tr in enumerate(trajs):
-            mask = tr.loss_mask or []
-            for k, turn in enumerate(tr.turns):
-                if turn.action_span is None:
-                    continue
-                s, e = turn.action_span
-                lps = turn.behaviour_logprobs
-                if lps is None or len(lps) < e - s:
-                    raise RuntimeError(f"episode {i} turn {k}: {0 if lps is None else len(lps)} behaviour "
-                                       f"log-probs recorded for {e - s} action tokens (the async rollout records "
-                                       "one per sampled token)")
-                if s >= 1:
-                    out[i, s - 1:e - 1] = torch.tensor(lps[:e - s])
-            covered = torch.zeros(T, dtype=torch.bool)
-            for turn in tr.turns:
-                if turn.action_span is not None and turn.action_span[0] >= 1:
-                    covered[turn.action_span[0] - 1:turn.action_span[1] - 1] = True
-            if any(m and not covered[t - 1] for t, m in enumerate(mask) if t >= 1 and t - 1 < T):
-                raise RuntimeError(f"episode {i}: a policy token lies outside every turn's action span")
-        return out
+        """`grpo.behaviour_logprobs`: what the rollout recorded when it sampled each policy token."""
+        return behaviour_logprobs(trajs, T)
 
     def update(self, step: int, trajs: Sequence[Trajectory], task_indices: Sequence[int],
                optimizer: torch.optim.Optimizer, scheduler: Any, behaviour: bool,
@@ -470,11 +427,9 @@ class Trainer:
         if episodes is None:
             returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
             adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
-        else:  # an episode's advantage on each of its rows
+        else:  # rows are an agent's segments: each gets its episode's advantage
             ep_returns = torch.tensor(episodes.episode_rewards(), dtype=torch.float32)
-            ep_adv = token_advantages(ep_returns.unsqueeze(1), ep_returns, r.samples_per_prompt, a.std_normalize,
-                                      a.eps)
-            adv = ep_adv[torch.tensor(episodes.episode_of_row)].expand(N, T).clone()
+            adv = row_advantages(ep_returns, episodes.episode_of_row, T, r.samples_per_prompt, a.std_normalize, a.eps)
         norm_len = r.max_total_tokens
         losses, kls, clips, ents, gns, isw = [], [], [], [], [], []
         self.model.train()
