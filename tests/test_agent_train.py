@@ -203,3 +203,26 @@ def test_async_agent_rollouts_label_versions_and_keep_the_bound(tmp_path: Path,
     events = tr.admission.events
     assert [e.group for e in events] == list(range(3 * P))
     assert all(e.version >= e.update - 1 - 1 for e in events)
+
+
+def test_an_agent_run_resumes_from_its_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoint/resume as for env-driven runs (not bit-identical: which requests share an engine batch depends
+    on timing, so the sampler's draws do too)."""
+    cfg = agent_cfg(tmp_path / "run", ["logging.save_every=1", "algorithm.steps=3"])
+    tr = Trainer(cfg)
+    orig = tr.update
+
+    def crash_at_3(step: int, *a: Any, **k: Any) -> Any:
+        if step == 3:
+            raise KeyboardInterrupt("killed")
+        return orig(step, *a, **k)
+
+    monkeypatch.setattr(tr, "update", crash_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        tr.run()
+    resumed = Trainer(cfg, run_dir=tmp_path / "run", resume=True)
+    assert resumed.meta is not None and resumed.meta.step == 2
+    resumed.run()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows if x["stage"] == "rl"] == [1, 2, 3]
+    assert (tmp_path / "run" / "checkpoints" / "step_3").is_dir()

@@ -243,6 +243,55 @@ def killed_at_deadline(call: str) -> str:
             rf"running\)\. If the engine is only slow .* raise rollout.vllm_timeout_s$")
 
 
+def test_agent_endpoint_generates_with_the_vllm_engine(trainer: Any) -> None:
+    """rollout.agent with rollout.engine vllm: agent code's completions come from the trainer's vLLM engine,
+    through the same GenerateBatchFn as env rollouts; each segment holds exactly what vLLM generated, with vLLM's
+    log-prob for every generated token."""
+    import asyncio
+
+    from rlf_train.agent import AgentRunner
+    from rlf_train.endpoint.engine import EngineFront
+    from rlf_train.endpoint.sessions import SessionLimits
+
+    env = trainer.train_envs.envs[0]
+    codec_stop = list(env.format.stop_strings)
+    inner = trainer.engine.generate_batch(params(trainer), trainer.gen, codec_stop)
+    generated: list[list[int]] = []
+
+    async def spy(contexts: list[list[int]], max_tokens: list[int], stop: list[str]) -> Any:
+        gens = await inner(contexts, max_tokens, stop)
+        generated.extend(list(g.ids) for g in gens)
+        return gens
+
+    async def agent(task: Any, client: Any) -> None:
+        messages = [{"role": "user", "content": f"Question: {task.question}\n"}]
+        for _ in range(2):
+            r = await client.chat.completions.create(model=client.model, messages=messages, max_tokens=8)
+            messages += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": " more"}]
+
+    from rlf_envs.formats.chat import ChatCodec
+
+    codec = ChatCodec(env.format)
+
+    async def main() -> Any:
+        runner = AgentRunner(agent, codec, trainer.tokenizer, SessionLimits(512, 8, 300), 4,
+                             EngineFront(spy, codec.stop_strings))
+        await runner.start()
+        try:
+            return await runner.run([env.tasks[i] for i in range(4)], env.verifier)
+        finally:
+            await runner.close()
+
+    eps = asyncio.run(main())
+    assert eps.stats.errors == 0 and eps.stats.calls == 8 and len(eps.trajectories) == 4  # one segment each
+    for t in eps.trajectories:
+        ids = [x for x, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
+        mine = [g for g in generated if g and ids[:len(g)] == g]
+        assert mine, "the segment's generated ids are what vLLM returned"
+        assert all(len(turn.behaviour_logprobs) == turn.action_span[1] - turn.action_span[0] for turn in t.turns)
+        assert all(lp <= 0 for turn in t.turns for lp in turn.behaviour_logprobs)
+
+
 def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: Any) -> None:
     """Runs last: it kills the module's engine. SIGSTOP freezes the engine-core process (as a deadlock or a stuck
     kernel would) while the trainer's workers and sockets stay up: the generate call would wait forever."""
