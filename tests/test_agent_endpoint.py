@@ -267,7 +267,7 @@ def test_a_retried_request_is_recorded_once(qwen3: Any) -> None:
 
 
 def test_wire_errors_are_json_4xx(qwen3: Any) -> None:
-    with running_endpoint(qwen3, max_body_bytes=64 << 10) as ep:
+    with running_endpoint(qwen3, max_body_bytes=256 << 10) as ep:
         s = ep.open()
         url = f"{ep.base_url(s)}/chat/completions"
 
@@ -285,9 +285,10 @@ def test_wire_errors_are_json_4xx(qwen3: Any) -> None:
             (url, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, False, 400,
              "unsupported_content"),
             (url, {"messages": QUESTION, "max_tokens": 0}, False, 400, "invalid_max_tokens"),
+            (url, {"messages": [{"role": "user"}] * 4097}, False, 400, "too_many_messages"),
             (url, {"messages": "hi"}, False, 400, "invalid_request"),
             (url, {"messages": QUESTION, "tools": [{"type": "function"}]}, False, 400, "invalid_tools"),
-            (url, {"messages": [{"role": "user", "content": "x" * (100 << 10)}]}, False, 413, "request_too_large"),
+            (url, {"messages": [{"role": "user", "content": "x" * (300 << 10)}]}, False, 413, "request_too_large"),
             (f"{ep.server.url}/sessions/nope/v1/chat/completions", {"messages": QUESTION}, False, 404,
              "session_not_found"),
         ]

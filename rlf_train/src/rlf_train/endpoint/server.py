@@ -88,7 +88,13 @@ def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
     return "".join(parts)
 
 
+MAX_MESSAGES = 4096  # per request (matching a conversation is linear in it; the body is bounded too)
+
+
 def to_messages(req: ChatRequest) -> tuple[ChatMessage, ...]:
+    if len(req.messages) > MAX_MESSAGES:
+        raise SessionError(400, "too_many_messages", f"{len(req.messages)} messages; the endpoint takes at most "
+                                                     f"{MAX_MESSAGES} per request")
     out = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
