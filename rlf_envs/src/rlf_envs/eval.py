@@ -24,7 +24,7 @@ How an env's text protocol meets a chat API (`ChatProtocol`):
   call's id); otherwise the assistant's text and a user message holding the env's observation text without
   chat markup (tool responses, `<information>` blocks, corrections).
 
-Needs `pip install 'rlf-envs[openai]'`.
+Needs `pip install -e './rlf_envs[openai]'`.
 """
 
 from __future__ import annotations
@@ -138,7 +138,9 @@ class ChatPolicy:
         try:
             from openai import AsyncOpenAI
         except ImportError as e:
-            raise RuntimeError("rlf_envs.eval needs the openai client: pip install 'rlf-envs[openai]'") from e
+            from rlf_envs.extras import pip_install
+
+            raise RuntimeError(f"rlf_envs.eval needs the openai client: {pip_install('openai')}") from e
         self.client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=request_timeout_s,
                                   max_retries=max_retries)
         self.model = model

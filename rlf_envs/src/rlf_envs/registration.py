@@ -8,7 +8,7 @@ itself, e.g. with `register_env`)::
     [project.entry-points."rlf_envs.envs"]
     myenv = "my_rlf_env:ENVS"          # ENVS = {"myenv/Arithmetic-v0": "my_rlf_env.env:ArithmeticEnv"}
 
-`import rlf_envs` registers them all (gymnasium 1.x loads no plugins itself), so after `pip install my-rlf-env`,
+`import rlf_envs` registers them all (gymnasium 1.x loads no plugins itself), so once such a package is installed,
 `gymnasium.make("myenv/Arithmetic-v0")` and `python -m rlf_envs.eval --env myenv/Arithmetic-v0` need no import
 of the package. A broken package is skipped with a warning; it never breaks `import rlf_envs`.
 """

@@ -6,8 +6,8 @@ The tool is backed either by a retrieval server (`retriever="http://127.0.0.1:80
 built once into a cache directory). Results are shown like Search-R1 shows them:
 `Doc 1(Title: "X") text`. Reward: exact match against the task's answers (ToolEnv's default).
 
-In-process BM25 search (the default) needs `pip install 'rlf-envs[bm25]'`, a dense in-process index
-`rlf-envs[search]`; the HTTP mode needs nothing extra.
+In-process BM25 search (the default) needs `pip install -e './rlf_envs[bm25]'`, a dense in-process index
+`./rlf_envs[search]`; the HTTP mode needs nothing extra.
 """
 
 from __future__ import annotations
