@@ -53,6 +53,33 @@ def test_search_env_without_bm25s_asks_for_the_bm25_extra() -> None:
     assert "[search]" not in str(err.value)
 
 
+def test_search_env_without_bm25s_is_one_short_error_and_leaves_no_partial_index(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """A missing bm25 extra: one exception (no chained ImportError traceback), raised before the index build
+    starts, so nothing is left in the cache dir for a later call to "resume"."""
+    import sys
+
+    import gymnasium as gym
+
+    import rlf_envs  # noqa: F401
+    from rlf_envs.retrieval import RetrievalError, build_index
+
+    monkeypatch.setenv("RLF_CACHE_DIR", str(tmp_path / "cache"))
+    for name in [m for m in sys.modules if m == "bm25s" or m.startswith("bm25s.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "bm25s", None)  # as if not installed
+    with pytest.raises(MissingDependency, match=r"pip install -e '.*/rlf_envs\[bm25\]'") as err:
+        gym.make("rlf/Search-v0")
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert len(str(err.value).splitlines()) == 1 and "[search]" not in str(err.value)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": "1", "contents": "a\\nb"}\n')
+    with pytest.raises(RetrievalError, match="needs `bm25s`"):
+        build_index(corpus, tmp_path / "idx" / "bm25", kind="bm25", show_progress=False)
+    assert not (tmp_path / "idx").exists() or not any((tmp_path / "idx").iterdir())
+
+
 @pytest.mark.skipif(importlib.util.find_spec("pyarrow") is not None, reason="pyarrow is installed here")
 def test_parquet_without_pyarrow_asks_for_the_parquet_extra(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from rlf_envs.tasks.parquet import load_search_r1_parquet
