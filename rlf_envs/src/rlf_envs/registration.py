@@ -69,6 +69,8 @@ def env_options(env_id: str) -> set[str] | None:
     try:
         entry = gym.spec(env_id).entry_point
         fn = gym.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
+        if fn is None:
+            return None
         if not isinstance(fn, type):
             params = inspect.signature(fn).parameters.values()
             return None if any(p.kind is p.VAR_KEYWORD for p in params) else _named(params)
