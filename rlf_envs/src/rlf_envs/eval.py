@@ -392,7 +392,8 @@ def run_eval(args: EvalArgs, stream: TextIO = sys.stderr) -> EvalSummary:
 
 
 EXIT_STATUS = """exit status:
-  0  the episodes ran; success may still be 0 (summary.json says how they ended)
+  0  at least one episode ran to an end of its own (an answer, the turn limit, ...); its success may still be 0,
+     and the episodes that failed as below are counted in summary.json's policy_errors
   1  every episode failed on infrastructure, so nothing was evaluated: each one's requests to the endpoint
      failed after --max-retries (connection refused, DNS, timeouts, 4xx/5xx answers, a wrong --model) or it
      passed --episode-timeout. The files are written all the same; one line on stderr says why
