@@ -260,14 +260,15 @@ def test_adapters_package_imports_no_trainer() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     assert set(ADAPTERS) >= {"trl", "verifiers"}
     assert ADAPTERS["trl"].install == rlf_envs.extras.install_hint("trl")
-    assert rlf_envs.extras.install_hint("trl") == "pip install 'rlf-envs[trl]'"
+    assert rlf_envs.extras.install_hint("trl") == rlf_envs.extras.pip_install("trl")
+    assert rlf_envs.extras.install_hint("trl").endswith("/rlf_envs[trl]'")
 
 
 def test_a_missing_trainer_names_its_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "trl", None)  # as if not installed
-    with pytest.raises(MissingDependency, match=r"pip install 'rlf-envs\[trl\]'"):
+    with pytest.raises(MissingDependency, match=r"pip install -e '.*/rlf_envs\[trl\]'"):
         require_trainer("trl")
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)
     with pytest.raises(MissingDependency, match=r"pip install --no-deps verifiers==0.4.0"):

@@ -113,3 +113,49 @@ def test_cli_rejects_bad_env_kwargs(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--env", "rlf/Calculator-v0", "--base-url", "http://127.0.0.1:9/v1", "--model", "m",
               "--env-kwargs", "[1]"])
     assert "JSON object" in capsys.readouterr().err
+
+
+def _dead_url() -> str:
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def test_cli_exits_1_when_every_episode_failed_on_the_endpoint(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["--env", "rlf/Calculator-v0", "--base-url", _dead_url(), "--model", "m", "-n", "4", "--concurrency",
+               "2", "--max-retries", "0", "--request-timeout", "5", "--out", str(tmp_path), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err[-1].startswith("error: all 4 episodes failed on the policy endpoint") and "APIConnectionError" in err[-1]
+    summary = json.loads((tmp_path / "summary.json").read_text())  # the files are written all the same
+    assert summary["policy_errors"] == 4 and len(read_records(step_path(tmp_path, 0))) == 4
+
+
+def test_cli_exits_0_when_episodes_ran(chat_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fake = chat_server()
+    assert main(["--env", "rlf/Calculator-v0", "--base-url", fake.url, "--model", "fake", "-n", "2",
+                 "--out", str(tmp_path), "--no-progress"]) == 0
+    assert "error" not in capsys.readouterr().err
+
+
+def test_cli_misspelt_env_kwarg_is_one_line_before_any_request(capsys: pytest.CaptureFixture[str],
+                                                               tmp_path: Path) -> None:
+    rc = main(["--env", "rlf/Search-v0", "--base-url", _dead_url(), "--model", "m", "--env-kwargs",
+               '{"splt": "test"}', "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "Traceback" not in err
+    assert err.startswith("error: --env-kwargs: 'splt' is not an option of rlf/Search-v0 (did you mean 'split'?)")
+    assert not (tmp_path / "out").exists()
+    assert main(["--env", "rlf/Serch-v0", "--base-url", _dead_url(), "--model", "m"]) == 2
+    assert "did you mean rlf/Search-v0" in capsys.readouterr().err
+
+
+def test_help_says_what_counts_as_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "exit status:" in out and "every episode failed on infrastructure" in out and "--episode-timeout" in out

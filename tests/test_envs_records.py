@@ -119,3 +119,23 @@ def test_step_files_replace_a_source_instead_of_duplicating(tmp_path: Path) -> N
     assert all(r.step == 5 for r in recs)
     append_step_records(tmp_path, 12, [TrajectoryRecord.from_trajectory(trajs[0], step=12)])
     assert [s for s, _ in list_steps(tmp_path)] == [5, 12]
+
+
+def test_atomic_writes_get_the_mode_a_plain_write_gets(tmp_path: Path) -> None:
+    """summary.json / eval.json were 0600 (mkstemp's mode) beside 0644 run files."""
+    import os
+    import stat
+
+    from rlf_envs.records import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        for mask in (0o022, 0o027):
+            os.umask(mask)
+            plain = tmp_path / f"plain{mask:o}.txt"
+            plain.write_text("x")
+            atomic_write_text(tmp_path / f"atomic{mask:o}.json", "{}")
+            mode = stat.S_IMODE((tmp_path / f"atomic{mask:o}.json").stat().st_mode)
+            assert mode == stat.S_IMODE(plain.stat().st_mode) == 0o666 & ~mask
+    finally:
+        os.umask(old)

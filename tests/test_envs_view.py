@@ -177,3 +177,15 @@ def test_viewer_assets_live_in_the_rlf_envs_package() -> None:
     pkg = Path(rlf_envs.__file__).parent
     assert ASSETS.is_relative_to(pkg)
     assert {p.name for p in ASSETS.iterdir()} >= {"viewer.html", "viewer.js", "viewer.css"}
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the viewer's JavaScript")
+def test_viewer_counts_agree_in_number() -> None:
+    """The run header said "at 1 steps": counts go through one helper that writes "1 step", "2 steps"."""
+    js = (ASSETS / "viewer.js").read_text()
+    m = re.search(r"^  function count\(n, noun\) \{.*?\}$", js, re.M)
+    assert m is not None
+    code = m.group(0) + '\nconsole.log([count(1, "step"), count(2, "step"), count(0, "stored episode")].join("|"));'
+    out = subprocess.run(["node", "-e", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "1 step|2 steps|0 stored episodes"
+    assert not re.search(r'\+ " (steps|tokens|stored episodes)', js)  # no count spelt by hand

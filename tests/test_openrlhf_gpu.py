@@ -1,5 +1,6 @@
 """backend openrlhf end to end on a GPU (Ray + vLLM + DeepSpeed): configs/openrlhf_tiny_1gpu.yaml for a few
-steps. Needs a CUDA GPU and `pip install 'rlf-train[openrlhf]'`; skipped otherwise, with the reason shown."""
+steps. Needs a CUDA GPU and `pip install -e ./rlf_envs -e './rlf_train[openrlhf]'`; skipped otherwise, with the
+reason shown."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.openrlhf, pytest.mark.slow]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None or importlib.util.find_spec("deepspeed") is None,
-                    reason="needs vLLM and DeepSpeed: pip install 'rlf-train[openrlhf]' on a GPU machine")
+                    reason="needs vLLM and DeepSpeed: pip install -e ./rlf_envs -e './rlf_train[openrlhf]' "
+                           "on a GPU machine")
 def test_tiny_recipe_trains_on_one_gpu(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = subprocess.run(

@@ -273,5 +273,5 @@ def test_without_openai_the_error_names_the_judge_extra(monkeypatch: pytest.Monk
     import sys
 
     monkeypatch.setitem(sys.modules, "openai", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"pip install 'rlf-envs\[judge\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '.*/rlf_envs\[judge\]'"):
         build_verifier({"type": "judge", "base_url": "http://127.0.0.1:1/v1", "model": "m"})

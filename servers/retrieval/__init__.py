@@ -1,7 +1,8 @@
 """Search-R1-compatible retrieval server: a thin aiohttp layer over `rlf_envs.retrieval`.
 
-rlf-retrieval build --corpus CORPUS.jsonl --out INDEX_DIR [--kind dense|bm25]   # after `pip install ./servers`
+rlf-retrieval build --corpus CORPUS.jsonl --out INDEX_DIR [--kind dense|bm25]
 rlf-retrieval serve --index INDEX_DIR [--host 127.0.0.1] [--port 8000]
+(installed from the checkout's root: `pip install -e ./rlf_envs ./servers`)
 (in the repo, without installing: `python -m servers.retrieval ...`)
 """
 

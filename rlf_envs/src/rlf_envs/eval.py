@@ -5,7 +5,8 @@ All episodes run concurrently on one event loop (`--concurrency` at a time, one 
 a deadline (`--request-timeout`) and a bounded number of retries (`--max-retries`, the `openai` client's
 backoff on connection errors, timeouts, 429 and 5xx), every episode has a deadline (`--episode-timeout`).
 An episode whose policy fails for good is recorded with `end_reason: "policy_error"` and reward 0, and the
-run goes on. Output in `--out` (default `runs/eval-<model>`): `trajectories/step_0.jsonl` (the same records as
+run goes on; when every episode failed so, nothing was evaluated and the command exits 1 (see `EXIT_STATUS`).
+Output in `--out` (default `runs/eval-<model>`): `trajectories/step_0.jsonl` (the same records as
 training writes, source "api_eval"; `python -m rlf_envs.view DIR` shows them) and `summary.json`
 (success, reward, tool calls, errors, tokens, latency).
 
@@ -24,7 +25,7 @@ How an env's text protocol meets a chat API (`ChatProtocol`):
   call's id); otherwise the assistant's text and a user message holding the env's observation text without
   chat markup (tool responses, `<information>` blocks, corrections).
 
-Needs `pip install 'rlf-envs[openai]'`.
+Needs `pip install -e './rlf_envs[openai]'`.
 """
 
 from __future__ import annotations
@@ -138,7 +139,9 @@ class ChatPolicy:
         try:
             from openai import AsyncOpenAI
         except ImportError as e:
-            raise RuntimeError("rlf_envs.eval needs the openai client: pip install 'rlf-envs[openai]'") from e
+            from rlf_envs.extras import pip_install
+
+            raise RuntimeError(f"rlf_envs.eval needs the openai client: {pip_install('openai')}") from e
         self.client = AsyncOpenAI(base_url=base_url, api_key=api_key, timeout=request_timeout_s,
                                   max_retries=max_retries)
         self.model = model
@@ -326,8 +329,12 @@ def summarize(args: EvalArgs, results: Sequence[EpisodeResult], wall_s: float) -
 
 
 def make_env(env_id: str, env_kwargs: dict[str, Any]) -> ToolEnv:
-    from rlf_envs.registration import make_tool_env
+    """The env, or a one-line ValueError naming what is wrong (an unknown id, a misspelt --env-kwargs key with
+    the nearest accepted one, a value the env refuses)."""
+    from rlf_envs.registration import check_env_kwargs, make_tool_env, register_envs
 
+    register_envs()
+    check_env_kwargs(env_id, env_kwargs, where="--env-kwargs")
     env: ToolEnv = make_tool_env(env_id, **env_kwargs)
     if env.token_mode:
         raise ValueError("rlf_envs.eval drives envs in text mode: do not pass a tokenizer in --env-kwargs")
@@ -384,6 +391,25 @@ def run_eval(args: EvalArgs, stream: TextIO = sys.stderr) -> EvalSummary:
     return summary
 
 
+EXIT_STATUS = """exit status:
+  0  at least one episode ran to an end of its own (an answer, the turn limit, ...); its success may still be 0,
+     and the episodes that failed as below are counted in summary.json's policy_errors
+  1  every episode failed on infrastructure, so nothing was evaluated: each one's requests to the endpoint
+     failed after --max-retries (connection refused, DNS, timeouts, 4xx/5xx answers, a wrong --model) or it
+     passed --episode-timeout. The files are written all the same; one line on stderr says why
+  2  bad arguments, found before any request: an unknown --env, an --env-kwargs key the env does not take
+     (with the nearest one it does), a value it refuses, a missing extra"""
+
+
+def infrastructure_failure(summary: EvalSummary) -> str | None:
+    """Why nothing was evaluated (every episode a policy error), or None."""
+    if summary.episodes == 0 or summary.policy_errors < summary.episodes:
+        return None
+    example = summary.policy_error_examples[0] if summary.policy_error_examples else "no reply"
+    return (f"all {summary.episodes} episodes failed on the policy endpoint {summary.base_url} (model "
+            f"{summary.model!r}), so nothing was evaluated; e.g. {' '.join(example.split())[:200]}")
+
+
 def _json_arg(text: str) -> dict[str, Any]:
     try:
         val = json.loads(text)
@@ -396,7 +422,8 @@ def _json_arg(text: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rlf_envs.eval",
-                                description="Evaluate an OpenAI-compatible chat endpoint as the policy on an rlf env.")
+                                description="Evaluate an OpenAI-compatible chat endpoint as the policy on an rlf env.",
+                                epilog=EXIT_STATUS, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--env", required=True, help="a registered env id, e.g. rlf/Search-v0")
     p.add_argument("--base-url", required=True, help="the endpoint's /v1 URL, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", required=True, help="model name the endpoint serves")
@@ -423,12 +450,16 @@ def main(argv: list[str] | None = None) -> int:
                     progress=not a.no_progress)
     try:
         summary = run_eval(args)
-    except (ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, RuntimeError, ImportError) as e:  # ImportError: a missing extra (MissingDependency)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     out = args.out or default_out(args.model)
     print(summary.model_dump_json(indent=2))
     print(f"wrote {out / 'summary.json'} and {out / 'trajectories' / 'step_0.jsonl'}", file=sys.stderr)
+    why = infrastructure_failure(summary)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -170,11 +170,26 @@ class RecordError(ValueError):
     """A trajectory file that cannot be read as records."""
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc; elsewhere the common 022)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically (a temp file in the same folder, then a rename), with the mode a plain
+    `open(path, "w")` gives (0644 under the usual umask; mkstemp's temp files are 0600)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             f.write(text)
             f.flush()
             os.fsync(f.fileno())

@@ -22,8 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run in RUN_DIR from its latest checkpoint (uses RUN_DIR/config.yaml "
                         "unless --config is given)")
     p.add_argument("--dry-run", action="store_true",
-                   help="validate, print the resolved config and plan, exit (backend openrlhf: also write the run "
-                        "dir and print the exact OpenRLHF command; needs no GPU and no OpenRLHF)")
+                   help="check everything the real run checks before its work starts (config keys, tokenizer, "
+                        "device, env id, env kwargs and splits, SFT demos, run dir), print the resolved config and "
+                        "plan, exit; writes nothing (backend openrlhf: writes the run dir and prints the exact "
+                        "OpenRLHF command; needs no GPU and no OpenRLHF)")
     return p
 
 
@@ -41,6 +43,50 @@ def plan(cfg: TrainConfig) -> str:
     lines.append(f"eval: {cfg.eval.num_tasks} {cfg.env.eval_split} tasks "
                  f"{'every ' + str(cfg.eval.every) + ' steps' if cfg.eval.every else 'at the end'}")
     return "\n".join(lines)
+
+
+def preflight(cfg: TrainConfig, resume: bool = False) -> None:
+    """What `Trainer.__init__` checks before any training work, without its work: nothing is written and no
+    policy is built. Raises what the real run raises (ConfigError, FileNotFoundError, FileExistsError, ValueError),
+    so `--dry-run` fails exactly where the run would (tests/test_train_dry_run.py runs both on the same configs)."""
+    import os
+
+    from rlf_train.checkpoint import latest_checkpoint
+    from rlf_train.envs import make_env
+    from rlf_train.model import load_tokenizer, resolve_device
+    from rlf_train.sft import load_demos
+    from rlf_train.trainer import env_tasks
+
+    tokenizer = load_tokenizer(cfg.model)
+    device = resolve_device(cfg.model.device)
+    run_dir = cfg.resolved_run_dir()
+    if resume:
+        if not (run_dir / "config.yaml").is_file():
+            raise FileNotFoundError(f"--resume {run_dir}: no run there (no config.yaml); check the path, or start a "
+                                    "new run without --resume")
+    elif (run_dir / "metrics.jsonl").exists() or latest_checkpoint(run_dir) is not None:
+        raise FileExistsError(f"run dir {run_dir} already holds a run; continue it with --resume {run_dir}, or pick "
+                              "another logging.run_dir / name (or delete that dir)")
+    train_env = make_env(cfg, tokenizer, "train")
+    train_tasks = env_tasks(train_env)
+    env_tasks(make_env(cfg, tokenizer, "eval"))
+    c = cfg.sft
+    if c.enabled and c.steps > 0 and c.demos_path:
+        bad = [d.task_index for d in load_demos(c.demos_path) if not 0 <= d.task_index < len(train_tasks)]
+        if bad:
+            raise ConfigError(f"sft.demos_path {c.demos_path}: task_index {bad[0]} is out of range (the "
+                              f"{cfg.env.train_split!r} split has {len(train_tasks)} tasks; {len(bad)} demos "
+                              "affected); fix the file or point sft.demos_path elsewhere")
+    existing = run_dir.resolve()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise ConfigError(f"logging.run_dir: cannot write to {run_dir} ({existing} is not a writable directory); "
+                          "set logging.run_dir (or name) to a writable directory")
+    if cfg.rollout.engine == "vllm" and cfg.model.name_or_path == "tiny":
+        from rlf_train.vllm_engine import check_policy_shape
+
+        check_policy_shape(cfg.model.tiny.hidden_size, cfg.model.tiny.num_heads, device.type == "cpu")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.backend == "openrlhf":
         return run_openrlhf(cfg, resume=args.resume is not None, dry_run=args.dry_run)
     if args.dry_run:
+        try:
+            preflight(cfg, resume=args.resume is not None)
+        except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         print(dump_config(cfg))
         print("plan:\n" + plan(cfg))
         return 0

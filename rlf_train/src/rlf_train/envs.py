@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import difflib
 import importlib
-import inspect
 import re
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -33,18 +32,11 @@ def import_env_modules(imports: Sequence[str]) -> None:
 
 
 def _entry_point_params(env_id: str) -> set[str] | None:
-    """Keyword names the env id's entry point accepts (None: it takes **kwargs or cannot be inspected)."""
-    import gymnasium
+    """Keyword names the env id accepts, its base classes' included where its `**kwargs` go on to them (rlf's envs
+    to ToolEnv); None: not known (an env that keeps `**kwargs` for itself)."""
+    from rlf_envs.registration import env_options
 
-    try:
-        entry = gymnasium.spec(env_id).entry_point
-        fn = gymnasium.envs.registration.load_env_creator(entry) if isinstance(entry, str) else entry
-        params = inspect.signature(fn).parameters.values()
-    except (gymnasium.error.Error, ImportError, AttributeError, TypeError, ValueError):
-        return None
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return env_options(env_id)
 
 
 def _one_line(e: BaseException, limit: int = 300, text: str | None = None) -> str:

@@ -42,8 +42,10 @@ class MetricsLogger:
             try:
                 import wandb
             except ImportError as e:
+                from rlf_envs.extras import pip_install
+
                 raise RuntimeError("logging.wandb_project is set but wandb is not installed: "
-                                   "pip install 'rlf-train[wandb]'") from e
+                                   + pip_install("wandb", dist="rlf-train")) from e
             self._wandb = wandb.init(project=self.wandb_project, mode=self.wandb_mode, dir=str(self.run_dir),
                                      config=self.config_dict or {})
             for stage in ("sft", "rl", "eval"):

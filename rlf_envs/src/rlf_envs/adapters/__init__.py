@@ -6,7 +6,7 @@ token-mode episodes driven by any generate function (`run_token_episodes`).
 
 | trainer | module | install |
 |---|---|---|
-| TRL (GRPOTrainer) | `rlf_envs.adapters.trl` | `pip install 'rlf-envs[trl]'` |
+| TRL (GRPOTrainer) | `rlf_envs.adapters.trl` | `pip install -e './rlf_envs[trl]'` (from the checkout's root) |
 | verifiers (PrimeIntellect, `verifiers.v1`) | `rlf_envs.adapters.verifiers` (taskset id `rlf_verifiers`) | see below |
 
 verifiers 0.4.0 pins `mcp==2.0.0` and `openai<3`, which rlf-envs cannot use (it needs `mcp>=2.3`), so it has
@@ -21,7 +21,7 @@ import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
-from rlf_envs.extras import MissingDependency
+from rlf_envs.extras import MissingDependency, pip_install
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,18 +35,18 @@ class AdapterInfo:
 
 
 ADAPTERS: dict[str, AdapterInfo] = {
-    "trl": AdapterInfo("rlf_envs.adapters.trl", "trl", "pip install 'rlf-envs[trl]'"),
+    "trl": AdapterInfo("rlf_envs.adapters.trl", "trl", pip_install("trl")),
     "verifiers": AdapterInfo(
         "rlf_envs.adapters.verifiers", "verifiers.v1",
         "pip install --no-deps verifiers==0.4.0 plus its requirements other than mcp/openai (its pins "
         "mcp==2.0.0, openai<3 clash with rlf-envs; see docs/integrations/verifiers.md)"),
-    "skyrl": AdapterInfo("rlf_envs.adapters.skyrl", "skyrl_gym.envs.base_text_env", "pip install 'rlf-envs[skyrl]'"),
+    "skyrl": AdapterInfo("rlf_envs.adapters.skyrl", "skyrl_gym.envs.base_text_env", pip_install("skyrl")),
     "verl": AdapterInfo("rlf_envs.adapters.verl", "verl.experimental.agent_loop.agent_loop",
-                        "pip install 'rlf-envs[verl]' (or, CPU only: see docs/integrations/verl.md)"),
+                        pip_install("verl") + " (or, CPU only: see docs/integrations/verl.md)"),
     "nemo_gym": AdapterInfo("rlf_envs.adapters.nemo_gym", "resources_servers.gymnasium",
                             "pip install --no-deps nemo-gym==0.4.0 plus its requirements other than mcp (Python >= "
                             "3.12; its mcp<2 pin clashes with rlf-envs; see docs/integrations/nemo-gym.md)"),
-    "openenv": AdapterInfo("rlf_envs.adapters.openenv", "openenv.core.env_server", "pip install 'rlf-envs[openenv]'"),
+    "openenv": AdapterInfo("rlf_envs.adapters.openenv", "openenv.core.env_server", pip_install("openenv")),
 }
 
 

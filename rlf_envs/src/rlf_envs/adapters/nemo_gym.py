@@ -1,4 +1,4 @@
-"""rlf envs served as NeMo-Gym resources servers (`pip install 'rlf-envs[nemo-gym]'`; NeMo-Gym needs Python >= 3.12).
+"""rlf envs served as NeMo-Gym resources servers (no extra: see docs/integrations/nemo-gym.md; Python >= 3.12).
 
 `RlfGymnasiumServer` is a NeMo-Gym `GymnasiumServer` (the resources-server base that pairs with NeMo-Gym's
 `gymnasium_agent`): `/reset` starts an episode of any registered rlf env for the rollout's session, `/step` takes

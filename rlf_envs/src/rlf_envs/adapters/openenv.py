@@ -1,4 +1,4 @@
-"""rlf envs served as OpenEnv environments (`pip install 'rlf-envs[openenv]'`).
+"""rlf envs served as OpenEnv environments (`pip install -e './rlf_envs[openenv]'`).
 
     from rlf_envs.adapters.openenv import RlfEnvClient, create_rlf_app
 

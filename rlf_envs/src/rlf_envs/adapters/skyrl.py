@@ -1,4 +1,4 @@
-"""rlf envs as SkyRL-Gym environments (`pip install 'rlf-envs[skyrl]'`).
+"""rlf envs as SkyRL-Gym environments (`pip install -e './rlf_envs[skyrl]'`).
 
     import skyrl_gym
     from rlf_envs.adapters.skyrl import register_skyrl

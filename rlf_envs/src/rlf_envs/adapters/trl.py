@@ -1,4 +1,4 @@
-"""rlf envs in TRL's `GRPOTrainer` (`pip install 'rlf-envs[trl]'`).
+"""rlf envs in TRL's `GRPOTrainer` (`pip install -e './rlf_envs[trl]'`).
 
 Two ways in, both taking any registered rlf env id and its kwargs:
 

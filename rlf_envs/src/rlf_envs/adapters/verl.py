@@ -1,4 +1,4 @@
-"""rlf envs as a verl agent loop (`pip install 'rlf-envs[verl]'`): `RlfAgentLoop`, registered as "rlf_agent".
+"""rlf envs as a verl agent loop (`pip install -e './rlf_envs[verl]'`): `RlfAgentLoop`, registered as "rlf_agent".
 
 verl runs one agent loop per dataset row (`agent_name` column) on its AgentLoopWorker; the loop calls the
 rollout server manager's `generate(request_id, prompt_ids=..., sampling_params=...)` (token ids in, `TokenOutput`

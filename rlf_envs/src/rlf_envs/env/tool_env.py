@@ -242,8 +242,27 @@ class ToolEnv(gym.Env[Any, Any]):
         return self._done
 
     # -- reset --------------------------------------------------------------------------------------
+    #: the reset options rlf envs take: `task` (a Task or a task dict), `task_index` (into `tasks`), `task_id` (the
+    #: id of one of `tasks`); any other key is refused, not ignored
+    RESET_OPTIONS = ("task", "task_index", "task_id")
+
     def _pick_task(self, options: dict[str, Any] | None) -> Task:
         options = options or {}
+        unknown = sorted(set(options) - set(self.RESET_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown reset options {unknown}: an rlf env takes task (a Task or task dict), "
+                             "task_index (an index into env.tasks) or task_id (the id of one of env.tasks)")
+        if "task_id" in options:
+            ids = getattr(self, "_task_ids", None)  # (tasks, their count, id -> first index), built once
+            if ids is None or ids[0] is not self.tasks or ids[1] != len(self.tasks):
+                index: dict[str, int] = {}
+                for n, t in enumerate(self.tasks):
+                    index.setdefault(t.id, n)
+                ids = self._task_ids = (self.tasks, len(self.tasks), index)
+            tid = str(options["task_id"])
+            if tid not in ids[2]:
+                raise ValueError(f"task_id {tid!r}: none of this env's {len(self.tasks)} tasks has that id")
+            return self.tasks[ids[2][tid]]
         if "task" in options:
             t = options["task"]
             return t if isinstance(t, Task) else load_tasks([t])[0]

@@ -6,8 +6,8 @@ The tool is backed either by a retrieval server (`retriever="http://127.0.0.1:80
 built once into a cache directory). Results are shown like Search-R1 shows them:
 `Doc 1(Title: "X") text`. Reward: exact match against the task's answers (ToolEnv's default).
 
-In-process BM25 search (the default) needs `pip install 'rlf-envs[bm25]'`, a dense in-process index
-`rlf-envs[search]`; the HTTP mode needs nothing extra.
+In-process BM25 search (the default) needs `pip install -e './rlf_envs[bm25]'`, a dense in-process index
+`./rlf_envs[search]`; the HTTP mode needs nothing extra.
 """
 
 from __future__ import annotations
@@ -309,8 +309,10 @@ def default_index_dir(world: str = "default") -> Path:
     ~/.cache/rlf), built once."""
     from rlf_envs.data.search import CORPUS_PATH
     from rlf_envs.data.search.generate import world_dir
+    from rlf_envs.extras import require
     from rlf_envs.retrieval import FORMAT_VERSION, RetrievalError, build_index
 
+    require("bm25s", "rlf/Search-v0's in-process BM25 search (retriever='inprocess', the default)")
     corpus = CORPUS_PATH if world == "default" else world_dir(world) / "corpus.jsonl"
     digest = hashlib.sha256(corpus.read_bytes()).hexdigest()[:12]
     cache = Path(os.environ.get("RLF_CACHE_DIR") or Path.home() / ".cache" / "rlf")

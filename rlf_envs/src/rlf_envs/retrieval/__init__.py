@@ -1,6 +1,6 @@
 """The retrieval core: build, load and search dense (faiss) and BM25 indexes over a wiki-18-style corpus.
 
-Optional extra: `pip install 'rlf-envs[search]'`. faiss, bm25s and sentence-transformers (torch)
+Optional extra: `pip install -e './rlf_envs[search]'`. faiss, bm25s and sentence-transformers (torch)
 are imported only when an index is built or loaded, never when this package is imported. Used by
 `servers.retrieval` (the Search-R1-compatible HTTP server) and by the Search env's in-process mode.
 

@@ -20,7 +20,7 @@ def require(module: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         hint = install_hint(module)
-        raise RetrievalError(f"the retrieval core needs `{module}` ({e}); install it with: {hint}") from e
+        raise RetrievalError(f"the retrieval core needs `{module}` ({e}); install it with: {hint}") from None
 
 
 def resolve_model_dir(model: str | None) -> Path:

@@ -204,6 +204,10 @@ def build_index(
     for name, value in (("embed_chunk", embed_chunk), ("batch_size", batch_size), ("recall_k", recall_k)):
         if value < 1:
             raise RetrievalError(f"{name} must be >= 1, got {value}")
+    # the packages the build needs, before anything is written: a missing one must not leave a partial build
+    # behind (a later call would "resume" it)
+    for module in ("bm25s",) if kind == "bm25" else ("faiss", "sentence_transformers"):
+        require(module)
     corpus = Path(corpus_path)
     out = Path(out_dir)
     if out.exists() and not overwrite:

@@ -1,6 +1,6 @@
 """Model judge: score answers with any OpenAI-compatible chat-completions endpoint (vLLM, SGLang, ...).
 
-Requests go through the official `openai` async client (`pip install 'rlf-envs[judge]'`), which does the
+Requests go through the official `openai` async client (`pip install -e './rlf_envs[judge]'`), which does the
 HTTP, the per-attempt timeout, the bounded retries with backoff on 5xx / 429 / timeouts / connection
 errors (honouring Retry-After) and the typed response. On top of it the judge keeps: a semaphore for
 concurrency, an overall deadline per verdict, an LRU cache keyed by a hash of (model, messages, sampling

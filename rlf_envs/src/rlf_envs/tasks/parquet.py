@@ -3,7 +3,7 @@
 Schema: `data_source` (str), `prompt` (list of {"role", "content"}), `ability` (str),
 `reward_model` ({"style", "ground_truth": {"target": [str]}}), `extra_info` ({"split", "index"});
 the original `id` / `question` / `golden_answers` columns are used when present.
-Needs pyarrow (`pip install 'rlf-envs[parquet]'`).
+Needs pyarrow (`pip install -e './rlf_envs[parquet]'`).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.extras import pip_install
 from rlf_envs.records import atomic_write_text
 from rlf_train.config import ConfigError, TrainConfig, dump_config
 from rlf_train.openrlhf.data import write_prompts
@@ -85,7 +86,7 @@ def check_flags(flags: list[str]) -> str:
     try:
         parse_flags(probe)
     except ModuleNotFoundError:
-        return "not checked: openrlhf is not installed here (pip install 'rlf-train[openrlhf]')"
+        return f"not checked: openrlhf is not installed here ({pip_install('openrlhf', dist='rlf-train')})"
     except OpenRLHFFlagError as e:
         raise ConfigError(f"OpenRLHF {openrlhf_version()} refuses the generated flags: {e}") from None
     return f"checked by OpenRLHF {openrlhf_version()}'s own parser"
@@ -177,7 +178,7 @@ def _missing_secrets(argv: list[str]) -> list[str]:
 def preflight(launch: Launch) -> None:
     """What must hold before starting (raises ConfigError saying what to install or set)."""
     if launch.checked.startswith("not checked"):
-        raise ConfigError("backend openrlhf needs OpenRLHF here: pip install 'rlf-train[openrlhf]' "
+        raise ConfigError(f"backend openrlhf needs OpenRLHF here: {pip_install('openrlhf', dist='rlf-train')} "
                           "(--dry-run writes the run files and prints the command without it)")
     if launch.argv[0] == "ray":
         if shutil.which("ray") is None:

@@ -23,6 +23,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from rlf_envs.extras import pip_install
+
 MODULE = "openrlhf.cli.train_ppo_ray"
 _lock = threading.Lock()
 
@@ -67,7 +69,7 @@ def openrlhf_options() -> frozenset[str]:
     read from the same entry block `parse_flags` runs (stopped at its `parse_args`)."""
     spec = importlib.util.find_spec(MODULE)
     if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(f"{MODULE} not found: pip install 'rlf-train[openrlhf]'")
+        raise ModuleNotFoundError(f"{MODULE} not found: {pip_install('openrlhf', dist='rlf-train')}")
     code = compile(_main_block(Path(spec.origin)), spec.origin, "exec")
 
     def stop(self: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> Any:
@@ -93,7 +95,7 @@ def parse_flags(flags: list[str]) -> SimpleNamespace:
     ModuleNotFoundError when openrlhf is not installed."""
     spec = importlib.util.find_spec(MODULE)
     if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(f"{MODULE} not found: pip install 'rlf-train[openrlhf]'")
+        raise ModuleNotFoundError(f"{MODULE} not found: {pip_install('openrlhf', dist='rlf-train')}")
     code = compile(_main_block(Path(spec.origin)), spec.origin, "exec")
     got: list[Any] = []
     scope = _scope(got.append)

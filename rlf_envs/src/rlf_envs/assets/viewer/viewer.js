@@ -29,6 +29,8 @@
   function fmt(x) { return typeof x === "number" ? (Math.round(x * 1000) / 1000).toString() : String(x); }
   function uniq(xs) { var s = {}, out = []; xs.forEach(function (x) { if (!s[x]) { s[x] = 1; out.push(x); } }); return out; }
   function numSort(a, b) { return a - b; }
+  // "1 step", "2 steps"
+  function count(n, noun) { return n + " " + noun + (n === 1 ? "" : "s"); }
 
   // ---------------------------------------------------------------- state (the URL fragment)
   function readState() {
@@ -194,7 +196,7 @@
   // ---------------------------------------------------------------- one episode as a chat
   function tokInfo(t, what) {
     if (!t) return null;
-    return el("span", { "class": "tok" }, t.tokens + " tokens, loss mask " + (t.trained === t.tokens ? "1" : t.trained ? "mixed" : "0") +
+    return el("span", { "class": "tok" }, count(t.tokens, "token") + ", loss mask " + (t.trained === t.tokens ? "1" : t.trained ? "mixed" : "0") +
       (what ? " (" + what + ")" : ""));
   }
   function message(cls, who, text, info) {
@@ -294,7 +296,7 @@
     document.body.setAttribute("data-ready", "1");
   }
   document.getElementById("run-name").textContent = "rlf viewer · " + DATA.run;
-  document.getElementById("run-info").textContent = EPISODES.length + " stored episodes at " + allSteps().length + " steps";
+  document.getElementById("run-info").textContent = count(EPISODES.length, "stored episode") + " at " + count(allSteps().length, "step");
   if (DATA.problems && DATA.problems.length) {
     var p = el("div", { "class": "problems" }, "could not read: " + DATA.problems.join("; "));
     document.body.insertBefore(p, document.querySelector("main"));
