@@ -187,7 +187,9 @@ class AgentRunner:
         try:
             import openai
         except ImportError as e:
-            raise ImportError("rollout.agent needs the openai SDK: pip install -e './rlf_train[agents]'") from e
+            from rlf_envs.extras import pip_install
+
+            raise ImportError(f"rollout.agent needs the openai SDK: {pip_install('agents', 'rlf-train')}") from e
         c = openai.AsyncOpenAI(base_url=self.server.base_url(s), api_key=s.key, max_retries=2,
                                timeout=timeout_s or self.limits.timeout_s, http_client=self._http)
         c.model = "rlf-policy"  # type: ignore[attr-defined]  # what agents pass as `model` (any name works)
