@@ -124,14 +124,24 @@ class Bench:
             self.server.sessions.remove(s)
         return out
 
-    async def endpoint_rate(self, http: httpx.AsyncClient, sessions: int, turns: int) -> float:
+    async def endpoint_rate(self, http: httpx.AsyncClient | aiohttp.ClientSession, sessions: int, turns: int
+                            ) -> float:
+        """`sessions` agents at once, `turns` calls each, from the openai SDK (an httpx client) or bare HTTP."""
+        async def call(s: Session, messages: list[Any]) -> dict[str, Any]:
+            if isinstance(http, aiohttp.ClientSession):
+                async with http.post(f"{self.server.base_url(s)}/chat/completions",
+                                     json={"model": "p", "messages": messages, "tools": TOOLS}) as r:
+                    return dict((await r.json())["choices"][0]["message"])
+            c = openai.AsyncOpenAI(base_url=self.server.base_url(s), api_key=s.key, http_client=http, max_retries=0)
+            r = await c.chat.completions.create(model="p", messages=messages, tools=TOOLS)
+            return r.choices[0].message.model_dump(exclude_none=True)
+
         async def one(k: int) -> None:
             s = self.session()
-            c = openai.AsyncOpenAI(base_url=self.server.base_url(s), api_key=s.key, http_client=http, max_retries=0)
             messages: list[Any] = self.prompt(k)
             for t in range(turns):
-                r = await c.chat.completions.create(model="p", messages=messages, tools=TOOLS)
-                messages = [*messages, r.choices[0].message.model_dump(exclude_none=True),
+                reply = await call(s, messages)
+                messages = [*messages, {k: v for k, v in reply.items() if v is not None},
                             {"role": "user", "content": f"Result {t}: nothing found."}]
             assert len(s.segments) == 1, "every call extends the conversation: one segment"
             self.server.sessions.remove(s)
@@ -154,8 +164,10 @@ class Bench:
 
 async def measure(name: str, bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     await bench.server.start()
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024), timeout=600)
-    raw = aiohttp.ClientSession()
+    # pools sized to the sessions, as the trainer's agent runner sizes its own (httpx scans its pool per request)
+    n = max(args.sessions)
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=n, max_keepalive_connections=n), timeout=600)
+    raw = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n))
     try:
         await bench.endpoint_latency(http, 20)  # warm-up: connections, caches
         await bench.raw_latency(raw, 20)
@@ -172,9 +184,14 @@ async def measure(name: str, bench: Bench, args: argparse.Namespace) -> dict[str
             row[f"raw_{label}_ms"], row[f"raw_overhead_{label}_ms"] = w, w - d
         row["rates"] = []
         for n in args.sessions:
-            d = statistics.median([await bench.direct_rate(n, args.turns) for _ in range(2)])
-            e = statistics.median([await bench.endpoint_rate(http, n, args.turns) for _ in range(2)])
-            row["rates"].append({"sessions": n, "direct_calls_s": d, "endpoint_calls_s": e, "ratio": e / d})
+            d, e, w = [], [], []
+            for _ in range(2):  # interleaved
+                d.append(await bench.direct_rate(n, args.turns))
+                e.append(await bench.endpoint_rate(http, n, args.turns))
+                w.append(await bench.endpoint_rate(raw, n, args.turns))
+            dm, em, wm = statistics.median(d), statistics.median(e), statistics.median(w)
+            row["rates"].append({"sessions": n, "direct_calls_s": dm, "endpoint_calls_s": em, "raw_calls_s": wm,
+                                 "ratio": em / dm, "raw_ratio": wm / dm})
         return row
     finally:
         await raw.close()
@@ -207,11 +224,12 @@ def main() -> None:
               f"{r['overhead_p50_ms']:>7.2f} / {r['overhead_p99_ms']:<7.2f} "
               f"{r['raw_p50_ms']:>8.2f} / {r['raw_p99_ms']:<7.2f} "
               f"{r['raw_overhead_p50_ms']:>7.2f} / {r['raw_overhead_p99_ms']:<7.2f}")
-    print(f"\n{'engine':<6} {'sessions':>8} {'direct calls/s':>15} {'endpoint calls/s':>17} {'ratio':>6}")
+    print(f"\n{'engine':<6} {'sessions':>8} {'direct calls/s':>15} {'openai SDK calls/s':>19} {'ratio':>6} "
+          f"{'bare HTTP calls/s':>18} {'ratio':>6}")
     for r in rows:
         for x in r["rates"]:
-            print(f"{r['engine']:<6} {x['sessions']:>8} {x['direct_calls_s']:>15.0f} {x['endpoint_calls_s']:>17.0f} "
-                  f"{x['ratio']:>6.2f}")
+            print(f"{r['engine']:<6} {x['sessions']:>8} {x['direct_calls_s']:>15.0f} {x['endpoint_calls_s']:>19.0f} "
+                  f"{x['ratio']:>6.2f} {x['raw_calls_s']:>18.0f} {x['raw_ratio']:>6.2f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"load": load, "python": sys.version.split()[0], "rows": rows}, indent=1))
