@@ -28,6 +28,7 @@ import asyncio
 import importlib
 import inspect
 import logging
+import secrets
 import threading
 import time
 import traceback
@@ -177,8 +178,6 @@ class AgentRunner:
 
     def open_session(self, meta: Any = None) -> Session:
         self._n += 1
-        import secrets
-
         s = Session(f"{self._n:06d}{secrets.token_hex(6)}", self.codec, self.adapter.encode, self.limits, meta)
         self.server.sessions.add(s)
         return s
@@ -308,6 +307,12 @@ class AgentSource:
     def __init__(self, spec: str, tokenizer: Any, envs: dict[str, Any], engine: Any, limits: SessionLimits,
                  concurrency: int) -> None:
         self.agent = load_agent(spec)
+        try:
+            import openai  # noqa: F401  (each episode's client)
+        except ImportError:
+            from rlf_envs.extras import pip_install
+
+            raise ConfigError(f"rollout.agent needs the openai SDK: {pip_install('agents', 'rlf-train')}") from None
         self.envs = envs
         self.engine = engine  # rlf_train.sources.EnvSource
         self.codec = ChatCodec(envs["train"].envs[0].format)
