@@ -102,6 +102,13 @@ def test_agent_spec_errors_are_config_errors(tmp_path: Path) -> None:
                       (f"{tmp_path / 'nope.py'}:f", "no file")]:
         with pytest.raises(ConfigError, match=msg):
             load_agent(spec)
+    # --dry-run checks the agent as the run does
+    from rlf_train.cli import main
+
+    assert main(["--config", str(HERE.parent / "configs" / "quickstart.yaml"), "--dry-run", "--set",
+                 f"rollout.agent={HERE / 'agent_train_envs.py'}:missing", "--set",
+                 f"logging.run_dir={tmp_path / 'dry'}"]) != 0
+    assert not (tmp_path / "dry").exists()
     for bad in (["rollout.mode=async"], ["rollout.mode=async", "rollout.async_worker=thread",
                                         "rollout.async_schedule=fixed"]):
         with pytest.raises(ValueError, match="rollout.async_worker: thread"):

@@ -306,21 +306,30 @@ class AgentSource:
 
     def __init__(self, spec: str, tokenizer: Any, envs: dict[str, Any], engine: Any, limits: SessionLimits,
                  concurrency: int) -> None:
-        self.agent = load_agent(spec)
+        self.agent, self.codec = self.check(spec, envs["train"].envs[0].format)
+        self.envs = envs
+        self.engine = engine  # rlf_train.sources.EnvSource
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.concurrency = concurrency
+        self.runner: AgentRunner | None = None
+        self.front: EngineFront | None = None
+
+    @staticmethod
+    def check(spec: str, fmt: Any) -> tuple[AgentFn, ChatCodec]:
+        """What `rollout.agent` needs before any work (the trainer and `--dry-run` both check it): the function,
+        the openai SDK, a format the endpoint renders. A problem is a ConfigError naming the key."""
+        fn = load_agent(spec)
         try:
             import openai  # noqa: F401  (each episode's client)
         except ImportError:
             from rlf_envs.extras import pip_install
 
             raise ConfigError(f"rollout.agent needs the openai SDK: {pip_install('agents', 'rlf-train')}") from None
-        self.envs = envs
-        self.engine = engine  # rlf_train.sources.EnvSource
-        self.codec = ChatCodec(envs["train"].envs[0].format)
-        self.tokenizer = tokenizer
-        self.limits = limits
-        self.concurrency = concurrency
-        self.runner: AgentRunner | None = None
-        self.front: EngineFront | None = None
+        try:
+            return fn, ChatCodec(fmt)
+        except ValueError as e:
+            raise ConfigError(f"rollout.agent: {e}") from None
 
     def collect(self, stage: str, task_indices: Sequence[int], params: Any, seed_base: int, gen: Any) -> Any:
         """One agent episode per task of `stage`'s split, in order; rows are segments (`Rollouts`)."""

@@ -69,6 +69,10 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
                               "another logging.run_dir / name (or delete that dir)")
     train_env = make_env(cfg, tokenizer, "train")
     train_tasks = env_tasks(train_env)
+    if cfg.rollout.agent is not None:
+        from rlf_train.agent import AgentSource
+
+        AgentSource.check(cfg.rollout.agent, train_env.format)
     env_tasks(make_env(cfg, tokenizer, "eval"))
     c = cfg.sft
     if c.enabled and c.steps > 0 and c.demos_path:
