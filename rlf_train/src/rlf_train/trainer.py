@@ -41,6 +41,7 @@ from rlf_train.config import ConfigError, TrainConfig, dump_config
 from rlf_train.envs import Stage, make_env
 from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
+from rlf_train import lora
 from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
 from rlf_train.rollout import RolloutStats, SamplingParams, rollout
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
@@ -164,7 +165,7 @@ class Trainer:
         self.data_rng = np.random.default_rng(cfg.seed + 2)
         self.order: list[int] = []
         self.order_pos = 0
-        self.ref_model: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | lora.AdapterOff | None = None
         self.admission: Admission | None = None  # async RL: the staleness bound, with a log of every start
         self.async_worker: AsyncRollout | ProcessRollout | None = None
         # applied to the train envs before RL (in the async worker process too; must then be picklable): e.g.
@@ -448,7 +449,10 @@ class Trainer:
 
         with torch.no_grad():
             old_lp = all_logprobs(self.model)
-            ref_lp = all_logprobs(self.ref_model) if self.ref_model is not None else None
+            ref_lp = None
+            if self.ref_model is not None:
+                with lora.reference(self.ref_model) as ref:  # LoRA: the policy with its adapter off
+                    ref_lp = all_logprobs(ref)
         behav_lp = self.behaviour_logprobs(trajs, T).to(self.device) if behaviour else None
         returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
         adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
@@ -505,7 +509,10 @@ class Trainer:
 
     def run_rl(self, progress: Progress, start_step: int) -> None:
         cfg = self.cfg
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+        if cfg.model.lora is not None:  # RL trains an adapter on the policy as it is now (rlf_train.lora)
+            sft_base = cfg.sft.enabled and (self.run_dir / "checkpoints" / "sft").is_dir()
+            self.model = lora.attach(self.model, cfg.model.lora, cfg.seed, base="sft" if sft_base else None)
+        optimizer = torch.optim.AdamW(lora.trainable(self.model), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                       weight_decay=cfg.optim.weight_decay)
         warm = cfg.optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -629,7 +636,9 @@ class Trainer:
         finally:
             worker.stop()
 
-    def _reference_model(self) -> torch.nn.Module:
+    def _reference_model(self) -> torch.nn.Module | lora.AdapterOff:
+        if lora.is_lora(self.model):  # the base: the same weights with the adapter switched off, no copy
+            return lora.AdapterOff(self.model)
         ref = load_policy(self.cfg.model, self.tokenizer, self.cfg.seed)
         sft_ckpt = self.run_dir / "checkpoints" / "sft"
         if self.cfg.sft.enabled and sft_ckpt.is_dir():
