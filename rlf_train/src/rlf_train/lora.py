@@ -25,6 +25,7 @@ What the trainer gets from here:
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -73,7 +74,11 @@ def attach(model: PreTrainedModel, settings: LoraConfig, seed: int, base: str | 
         raise ValueError(f"model.lora.target_modules: {missing} name no module of this model (its linear layers "
                          f"include {sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))[:6]}"
                          "...); use layer names such as q_proj, v_proj, down_proj")
-    with torch.random.fork_rng(devices=[]):
+    for p in model.parameters():  # gradients left by an earlier stage (SFT) would count in the RL grad-norm clip
+        p.grad = None
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        # peft reads transformers' deprecated `is_gradient_checkpointing` (transformers 5.x warns)
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         torch.manual_seed(seed + 5)
         wrapped = peft.get_peft_model(model, conf)
     name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else \
