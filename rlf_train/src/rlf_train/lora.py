@@ -181,8 +181,12 @@ def merged_copy(model: Any) -> PreTrainedModel:
 
 
 def save_pretrained_merged(model: Any, out_dir: Path) -> None:
-    """`save_pretrained` of the policy as a plain transformers model (adapter merged)."""
-    merged_copy(model).save_pretrained(out_dir)
+    """`save_pretrained` of the policy as a plain transformers model, adapter merged (no second model is built: the
+    merged tensors are handed to the base model's `save_pretrained`)."""
+    if not is_lora(model):
+        model.save_pretrained(out_dir)
+        return
+    model.get_base_model().save_pretrained(out_dir, state_dict=hf_state(model, parameters_only=False))
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -249,9 +253,8 @@ def export_merged(ckpt_dir: Path, out_dir: Path) -> Path:
     cfg = load_config(run_cfg, ["model.device=cpu", "model.gradient_checkpointing=false"])
     tok = load_tokenizer(cfg.model)
     model = load_policy(cfg.model, tok, cfg.seed, weights_dir=ckpt_dir)
-    plain = merged_copy(model)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(out_dir)
+    save_pretrained_merged(model, out_dir)
     tok.save_pretrained(str(out_dir))
     return out_dir
