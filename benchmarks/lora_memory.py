@@ -11,8 +11,9 @@ shorten it on a small box), then the KL reference the trainer would build:
 Then `--updates` GRPO updates on one synthetic batch (the same token ids, loss mask and advantages in both modes),
 each as the trainer's `update` does it: old log-probs and reference log-probs (no grad), the policy's forward and
 backward with `grpo.policy_loss` (PPO-clip + k3 KL, kl_coef 0.05), grad-norm clip, AdamW step. Reported per run:
-RSS after the policy, after the reference, peak RSS (ru_maxrss), and seconds per update (the median after the first,
-which also allocates the optimizer state). Modes alternate (full, lora, full, lora, ...) `--repeats` times so that
+RSS after the policy, after the reference, peak RSS (ru_maxrss), and seconds per update, wall and CPU time of the
+process (the median after the first update, which also allocates the optimizer state; on a loaded shared box the
+wall time mostly measures waiting for a core, the CPU time much less so). Modes alternate (full, lora, full, lora, ...) `--repeats` times so that
 load on a shared machine hits both alike; the table gives each run and the LoRA/full ratios of the medians.
 
     python benchmarks/lora_memory.py --json out/lora_memory.json
@@ -85,9 +86,9 @@ def one_run(mode: str, layers: int, batch: int, seq: int, policy_tokens: int, up
     mask = torch.zeros(batch, seq - 1)
     mask[:, -policy_tokens:] = 1.0  # the policy's tokens: the end of each sequence
     adv = torch.randn(batch, generator=g)
-    times = []
+    times, cpu = [], []
     for _ in range(updates):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         with torch.no_grad():
             old = masked_logprobs(policy, ids[:, :-1], attn[:, :-1], ids[:, 1:], mask)[0]
             with lora.reference(ref) as m:
@@ -100,8 +101,12 @@ def one_run(mode: str, layers: int, batch: int, seq: int, policy_tokens: int, up
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
         opt.step()
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     out["update_s"] = times
+    out["update_cpu_s"] = cpu
     out["s_per_update"] = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    # CPU seconds of this process: what a loaded shared box distorts least (wall time waits for the CPU)
+    out["cpu_s_per_update"] = statistics.median(cpu[1:]) if len(cpu) > 1 else cpu[0]
     out["rss_end_mb"] = rss_mb()
     out["peak_rss_mb"] = peak_mb()
     return out
@@ -137,8 +142,9 @@ def main() -> None:
             r["repeat"] = rep
             runs.append(r)
             print(f"{mode:4s} #{rep}: peak RSS {r['peak_rss_mb']:8.0f} MiB  (policy {r['rss_policy_mb']:.0f}, "
-                  f"+ref {r['rss_ref_mb']:.0f})  {r['s_per_update']:6.2f} s/update  "
-                  f"updates {[round(x, 2) for x in r['update_s']]}", flush=True)
+                  f"+ref {r['rss_ref_mb']:.0f})  {r['s_per_update']:6.2f} s/update (wall), "
+                  f"{r['cpu_s_per_update']:6.2f} CPU s/update  updates {[round(x, 2) for x in r['update_s']]}",
+                  flush=True)
             if a.json:  # so far (a long run on a loaded box can be stopped and still leaves its runs)
                 a.json.parent.mkdir(parents=True, exist_ok=True)
                 a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "runs": runs}, indent=1))
@@ -147,16 +153,19 @@ def main() -> None:
         return statistics.median(r[key] for r in runs if r["mode"] == mode)
 
     summary = {k: {m: med(m, k) for m in ("full", "lora")} for k in
-               ("peak_rss_mb", "rss_policy_mb", "rss_ref_mb", "s_per_update", "trainable_params", "params")}
-    ratios = {k: summary[k]["lora"] / summary[k]["full"] for k in ("peak_rss_mb", "s_per_update")}
+               ("peak_rss_mb", "rss_policy_mb", "rss_ref_mb", "s_per_update", "cpu_s_per_update", "trainable_params", "params")}
+    ratios = {k: summary[k]["lora"] / summary[k]["full"] for k in ("peak_rss_mb", "s_per_update", "cpu_s_per_update")}
     print(f"\nQwen3-0.6B shape ({a.layers} layers, {summary['params']['full'] / 1e6:.0f}M params), batch "
           f"{a.batch} x {a.seq} tokens ({a.policy_tokens} policy tokens each), fp32, {a.threads} threads, "
           f"medians of {a.repeats} runs per mode")
-    print(f"{'':6s} {'trainable':>12s} {'RSS policy':>11s} {'RSS +ref':>9s} {'peak RSS':>9s} {'s/update':>9s}")
+    print(f"{'':6s} {'trainable':>12s} {'RSS policy':>11s} {'RSS +ref':>9s} {'peak RSS':>9s} {'s/update':>9s} "
+          f"{'CPU s/upd':>9s}")
     for m in ("full", "lora"):
         print(f"{m:6s} {summary['trainable_params'][m] / 1e6:11.2f}M {summary['rss_policy_mb'][m]:9.0f}Mi "
-              f"{summary['rss_ref_mb'][m]:7.0f}Mi {summary['peak_rss_mb'][m]:7.0f}Mi {summary['s_per_update'][m]:9.2f}")
-    print(f"lora/full: peak RSS {ratios['peak_rss_mb']:.2f}x, s/update {ratios['s_per_update']:.2f}x")
+              f"{summary['rss_ref_mb'][m]:7.0f}Mi {summary['peak_rss_mb'][m]:7.0f}Mi {summary['s_per_update'][m]:9.2f} "
+              f"{summary['cpu_s_per_update'][m]:9.2f}")
+    print(f"lora/full: peak RSS {ratios['peak_rss_mb']:.2f}x, s/update {ratios['s_per_update']:.2f}x (wall), "
+          f"{ratios['cpu_s_per_update']:.2f}x (CPU time)")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps({"args": vars(a) | {"json": str(a.json)}, "runs": runs, "summary": summary,
