@@ -142,6 +142,10 @@ def one_run(shape: str, mode: str, batch: int, seq: int, policy_tokens: int, upd
     return out
 
 
+def flag_args(kw: dict[str, Any]) -> list[str]:
+    return [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="qwen3-0.6b,qwen3-1.7b,qwen3-4b")
@@ -169,7 +173,7 @@ def main() -> None:
                 runs.append({"shape": shape, "mode": mode, "skipped": "time budget spent"})
                 continue
             argv = [sys.executable, __file__, "--child", shape, mode,
-                    *sum(([f"--{k.replace('_', '-')}", str(v)] for k, v in kw.items()), [])]
+                    *flag_args(kw)]
             try:
                 p = subprocess.run(argv, capture_output=True, text=True, timeout=max(left, 30))
                 lines = p.stdout.strip().splitlines()
@@ -180,7 +184,7 @@ def main() -> None:
             runs.append(r)
             peak = f"{r['peak_gib']:.1f} GiB" if "peak_gib" in r else "-"
             spu = f"{r['s_per_update']:.2f} s" if "s_per_update" in r else "-"
-            note = r.get("oom") and "OOM" or r.get("error", "")[:120]
+            note = (r.get("oom") and "OOM") or r.get("error", "")[:120]
             print(f"{shape:11s} {mode:4s} params {r.get('params', 0) / 1e9:5.2f}B trainable "
                   f"{r.get('trainable_params', 0) / 1e6:9.1f}M peak {peak:>9s} {spu:>8s}/update {note}", flush=True)
             if a.json:

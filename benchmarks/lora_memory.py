@@ -13,8 +13,9 @@ each as the trainer's `update` does it: old log-probs and reference log-probs (n
 backward with `grpo.policy_loss` (PPO-clip + k3 KL, kl_coef 0.05), grad-norm clip, AdamW step. Reported per run:
 RSS after the policy, after the reference, peak RSS (ru_maxrss), and seconds per update, wall and CPU time of the
 process (the median after the first update, which also allocates the optimizer state; on a loaded shared box the
-wall time mostly measures waiting for a core, the CPU time much less so). Modes alternate (full, lora, full, lora, ...) `--repeats` times so that
-load on a shared machine hits both alike; the table gives each run and the LoRA/full ratios of the medians.
+wall time mostly measures waiting for a core, the CPU time much less so). Modes alternate (full, lora, full, lora,
+...) `--repeats` times so that load on a shared machine hits both alike; the table gives each run and the
+LoRA/full ratios of the medians.
 
     python benchmarks/lora_memory.py --json out/lora_memory.json
 """
@@ -112,6 +113,10 @@ def one_run(mode: str, layers: int, batch: int, seq: int, policy_tokens: int, up
     return out
 
 
+def flag_args(kw: dict[str, Any]) -> list[str]:
+    return [x for k, v in kw.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=28, help="decoder layers (Qwen3-0.6B: 28)")
@@ -133,8 +138,7 @@ def main() -> None:
     runs = []
     for rep in range(a.repeats):
         for mode in ("full", "lora"):
-            argv = [sys.executable, __file__, "--child", mode, *sum(([f"--{k.replace('_', '-')}", str(v)]
-                                                                     for k, v in kw.items()), [])]
+            argv = [sys.executable, __file__, "--child", mode, *flag_args(kw)]
             p = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
             if p.returncode != 0:
                 raise SystemExit(f"{mode} run failed:\n{p.stderr[-3000:]}")
@@ -152,8 +156,9 @@ def main() -> None:
     def med(mode: str, key: str) -> float:
         return statistics.median(r[key] for r in runs if r["mode"] == mode)
 
-    summary = {k: {m: med(m, k) for m in ("full", "lora")} for k in
-               ("peak_rss_mb", "rss_policy_mb", "rss_ref_mb", "s_per_update", "cpu_s_per_update", "trainable_params", "params")}
+    keys = ("peak_rss_mb", "rss_policy_mb", "rss_ref_mb", "s_per_update", "cpu_s_per_update", "trainable_params",
+            "params")
+    summary = {k: {m: med(m, k) for m in ("full", "lora")} for k in keys}
     ratios = {k: summary[k]["lora"] / summary[k]["full"] for k in ("peak_rss_mb", "s_per_update", "cpu_s_per_update")}
     print(f"\nQwen3-0.6B shape ({a.layers} layers, {summary['params']['full'] / 1e6:.0f}M params), batch "
           f"{a.batch} x {a.seq} tokens ({a.policy_tokens} policy tokens each), fp32, {a.threads} threads, "

@@ -161,8 +161,8 @@ def _other(key: str, value: Any) -> Any:
                "rollout.max_total_tokens": 600, "rollout.max_new_tokens_per_turn": 20,
                "rollout.mode": "async", "rollout.async_worker": "thread", "rollout.engine": "vllm",
                "rollout.async_schedule": "fixed",
-               "model.tiny.tokenizer_vocab_size": 1000,
-               "model.lora": {"rank": 8}}  # refused by name (flags.LORA_REFUSAL); see test_lora_keys_*  # below the shipped one: a tokenizer is trained
+               "model.tiny.tokenizer_vocab_size": 1000,  # below the shipped one: a tokenizer is trained
+               "model.lora": {"rank": 8}}  # refused by name (flags.LORA_REFUSAL); see test_lora_keys_*
     if key in special:
         return special[key]
     if value is None:

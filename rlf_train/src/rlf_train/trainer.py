@@ -18,6 +18,7 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
+from rlf_train import lora
 from rlf_train.async_rollout import (
     Admission,
     AsyncRollout,
@@ -41,7 +42,6 @@ from rlf_train.config import ConfigError, TrainConfig, dump_config
 from rlf_train.envs import Stage, make_env
 from rlf_train.grpo import masked_logprobs, policy_loss, token_advantages
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
-from rlf_train import lora
 from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
 from rlf_train.rollout import RolloutStats, SamplingParams, rollout
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
