@@ -161,7 +161,8 @@ def _other(key: str, value: Any) -> Any:
                "rollout.max_total_tokens": 600, "rollout.max_new_tokens_per_turn": 20,
                "rollout.mode": "async", "rollout.async_worker": "thread", "rollout.engine": "vllm",
                "rollout.async_schedule": "fixed",
-               "model.tiny.tokenizer_vocab_size": 1000}  # below the shipped one: a tokenizer is trained
+               "model.tiny.tokenizer_vocab_size": 1000,  # below the shipped one: a tokenizer is trained
+               "model.lora": {"rank": 8}}  # refused by name (flags.LORA_REFUSAL); see test_lora_keys_*
     if key in special:
         return special[key]
     if value is None:
@@ -268,3 +269,24 @@ def test_openrlhf_options_are_the_installed_parsers() -> None:
             "--train.agent_func_path", "--vllm.sync_backend"} <= opts
     assert "--rollout.samples" not in opts and all(o.startswith("-") for o in opts)
     assert openrlhf_options() is opts  # read once per process
+
+
+def test_lora_keys_map_to_openrlhfs_own_flags_and_are_refused_by_name(bm25_index_dir: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`model.lora` -> `--ds.lora.*` (OpenRLHF's own parser takes them, with every other flag of the run); refused
+    by name as long as OpenRLHF cannot sync a LoRA policy into its vLLM engines (flags.OPENRLHF_SYNCS_LORA)."""
+    from rlf_train.openrlhf import flags
+
+    lora = {"model.lora": {"rank": 8, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}}
+    with pytest.raises(ConfigError, match=r"model\.lora: OpenRLHF 0\.11\.2 trains LoRA .*#546") as e:
+        prepare(search_config(bm25_index_dir, tmp_path / "r", **lora))
+    assert [ln for ln in str(e.value).splitlines() if ln.strip().startswith("model.lora")] == [
+        f"  model.lora: {flags.LORA_REFUSAL}"]  # one line for the section
+    with pytest.raises(ConfigError, match=r"model\.lora\.alpha: OpenRLHF's --ds\.lora\.alpha is an integer"):
+        prepare(search_config(bm25_index_dir, tmp_path / "a", **{"model.lora": {"alpha": 2.5}}))
+    monkeypatch.setattr(flags, "OPENRLHF_SYNCS_LORA", True)
+    args = parse_flags(prepare(search_config(bm25_index_dir, tmp_path / "ok", **lora)).plan.flags)
+    assert (args.ds.lora.rank, args.ds.lora.alpha, args.ds.lora.dropout) == (8, 16, 0.05)
+    assert args.ds.lora.target_modules == ["q_proj", "v_proj"]
+    plain = parse_flags(prepare(search_config(bm25_index_dir, tmp_path / "p")).plan.flags)
+    assert plain.ds.lora.rank == 0  # no model.lora: OpenRLHF's default, full weights

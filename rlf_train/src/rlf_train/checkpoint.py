@@ -1,4 +1,5 @@
-"""Checkpoints: model weights as safetensors, trainer state (optimizer, RNG, data order) alongside.
+"""Checkpoints: model weights as safetensors (a LoRA policy: its adapter, `rlf_train.lora`), trainer state
+(optimizer, RNG, data order) alongside.
 Each checkpoint is written to a temp dir and renamed into place (atomic); keep-last-N pruning."""
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ def save_checkpoint(run_dir: Path, name: str, model: torch.nn.Module, trainer_st
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_weights(model, tmp / WEIGHTS)
+        from rlf_train import lora
+
+        if lora.is_lora(model):  # the adapter and the name of its frozen base (rlf_train.lora)
+            lora.save_adapter(model, tmp)
+        else:
+            save_weights(model, tmp / WEIGHTS)
         torch.save(trainer_state, tmp / STATE)
         if hasattr(model, "config"):
             (tmp / "config.json").write_text(model.config.to_json_string())

@@ -1,4 +1,5 @@
-"""`python -m rlf_train --config X.yaml [--set a.b=c ...] [--resume RUN_DIR] [--dry-run]`."""
+"""`python -m rlf_train --config X.yaml [--set a.b=c ...] [--resume RUN_DIR] [--dry-run]`, and
+`python -m rlf_train export --checkpoint RUN_DIR/checkpoints/step_N --out DIR` (merged Hugging Face weights)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ def plan(cfg: TrainConfig) -> str:
         src = cfg.sft.demos_path or (f"{cfg.sft.num_demos} scripted demos (no-search {cfg.sft.p_no_search:.0%}, "
                                      f"wrong query {cfg.sft.p_wrong_query:.0%})")
         lines.append(f"stage 1 SFT: {cfg.sft.steps} steps x {cfg.sft.batch_size} on {src}, lr {cfg.sft.lr}")
+    if cfg.model.lora is not None:
+        lo = cfg.model.lora
+        lines.append(f"LoRA in RL: rank {lo.rank}, alpha {lo.alpha:g}, dropout {lo.dropout:g} on "
+                     f"{', '.join(lo.target_modules)}; KL reference: the base (adapter off)")
     lines.append(f"stage 2 {a.name}: {a.steps} steps x {r.prompts_per_step} prompts x G={r.samples_per_prompt} "
                  f"(T={r.temperature}, max {r.max_turns} turns), lr {cfg.optim.lr}, std_norm={a.std_normalize}, "
                  f"agg={a.loss_agg}, kl={a.kl_coef}")
@@ -93,7 +98,30 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
         check_policy_shape(cfg.model.tiny.hidden_size, cfg.model.tiny.num_heads, device.type == "cpu")
 
 
+def export_main(argv: list[str]) -> int:
+    """`python -m rlf_train export`: a checkpoint (LoRA: base + adapter, merged) as a Hugging Face model dir."""
+    p = argparse.ArgumentParser(prog="python -m rlf_train export",
+                                description="Write a run's checkpoint as a Hugging Face model dir (config.json, "
+                                            "model.safetensors, tokenizer) that transformers and vLLM load; a LoRA "
+                                            "checkpoint's adapter is merged into its base.")
+    p.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint dir: RUN_DIR/checkpoints/step_N")
+    p.add_argument("--out", type=Path, required=True, help="the model dir to write")
+    args = p.parse_args(argv)
+    from rlf_train.lora import export_merged
+
+    try:
+        out = export_merged(args.checkpoint, args.out)
+    except (ConfigError, FileNotFoundError, ValueError, ImportError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     args = build_parser().parse_args(argv)
     config_path = args.config
     if config_path is None and args.resume is not None:

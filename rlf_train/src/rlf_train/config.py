@@ -40,6 +40,35 @@ class TinyModelConfig(_Section):
         return self
 
 
+#: Qwen3's linear layers (attention and MLP); the embedding and the (tied) output layer stay frozen
+QWEN3_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class LoraConfig(_Section):
+    """LoRA through `peft` (`rlf_train.lora`): RL trains a low-rank adapter on the frozen policy; the KL reference
+    is the same model with the adapter switched off. Backend local only (see docs/guides/lora.md)."""
+
+    rank: int = Field(16, ge=1, description="r: the adapter's rank")
+    alpha: float = Field(32.0, gt=0.0, description="the adapter's output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input; 0 keeps the PPO ratio "
+                                                          "of an on-policy token at exactly 1 (the forward is "
+                                                          "deterministic)")
+    target_modules: list[str] = Field(default_factory=lambda: list(QWEN3_LORA_TARGETS),
+                                      description="names of the linear layers that get an adapter (peft's "
+                                                  "target_modules, matched against module-name suffixes)")
+
+    @model_validator(mode="after")
+    def _targets(self) -> LoraConfig:
+        if not self.target_modules:
+            raise ValueError("target_modules is empty: name at least one linear layer, e.g. q_proj")
+        frozen = [t for t in self.target_modules if t in ("embed_tokens", "lm_head", "all-linear")]
+        if frozen:
+            raise ValueError(f"target_modules {frozen}: the embedding and the output layer (tied in Qwen3's small "
+                             "models) are not adapted here, and 'all-linear' would include lm_head; list the "
+                             f"linear layers by name (default: {QWEN3_LORA_TARGETS})")
+        return self
+
+
 class ModelConfig(_Section):
     """`name_or_path: tiny` builds the offline tiny model; anything else is a transformers causal LM path/id."""
 
@@ -50,6 +79,9 @@ class ModelConfig(_Section):
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N")
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    lora: LoraConfig | None = Field(None, description="train a LoRA adapter in RL instead of every weight (`lora: {}` "
+                                                      "for the defaults); the SFT warm start, if any, trains every "
+                                                      "weight and becomes the frozen base")
 
 
 class EnvConfig(_Section):
@@ -260,6 +292,9 @@ class TrainConfig(_Section):
         if self.algorithm.name == "ppo" and self.backend != "openrlhf":
             raise ValueError("algorithm.name: ppo (GAE with a critic) runs on backend: openrlhf only; "
                              "the local backend trains grpo or dr_grpo")
+        if self.model.lora is not None and self.backend == "local" and self.rollout.mode == "async":
+            raise ValueError("model.lora with rollout.mode: async is not supported yet (the async worker rebuilds a "
+                             "full-weight policy and receives full state dicts); use rollout.mode: sync with LoRA")
         return self
 
     def resolved_run_dir(self) -> Path:
@@ -288,9 +323,13 @@ def _model_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     model: type[BaseModel] = TrainConfig
     for part in loc:
         field = model.model_fields.get(str(part))
-        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+        ann = field.annotation if field is not None else None
+        if ann is not None and not isinstance(ann, type):  # an optional section (`X | None`): its model
+            ann = next((a for a in getattr(ann, "__args__", ()) if isinstance(a, type) and issubclass(a, BaseModel)),
+                       None)
+        if ann is None or not isinstance(ann, type) or not issubclass(ann, BaseModel):
             return None
-        model = field.annotation
+        model = ann
     return model
 
 

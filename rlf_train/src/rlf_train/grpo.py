@@ -190,10 +190,11 @@ def masked_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
 
     The vocabulary projection runs on the masked (policy) positions only: with short actions inside
     long prompts/observations this is most of the compute saved."""
-    body = getattr(model, getattr(model, "base_model_prefix", "model"), None)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its adapted model
+    body = getattr(inner, getattr(inner, "base_model_prefix", "model"), None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     sel = mask.bool()
-    if body is None or head is None or body is model:
+    if body is None or head is None or body is inner:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         lp = token_logprobs(logits, targets, temperature, top_p) * mask
         ent = entropy_from_logits(sampling_logits(logits, temperature, top_p)) * mask if with_entropy else None

@@ -159,7 +159,13 @@ def build_tiny_model(cfg: ModelConfig, vocab_size: int, seed: int, pad_token_id:
 def load_policy(
     cfg: ModelConfig, tokenizer: PreTrainedTokenizerFast, seed: int, weights_dir: Path | None = None
 ) -> PreTrainedModel:
-    """The policy on its device, in train mode. `weights_dir` (a checkpoint) overrides the init."""
+    """The policy on its device, in train mode. `weights_dir` (a checkpoint) overrides the init; a LoRA checkpoint
+    (`rlf_train.lora`) gives its base with the saved adapter."""
+    if weights_dir is not None:
+        from rlf_train import lora
+
+        if lora.is_adapter_checkpoint(weights_dir):
+            return lora.load_policy_from_adapter(cfg, tokenizer, seed, weights_dir)  # type: ignore[no-any-return]
     dtype = getattr(torch, cfg.dtype)
     if cfg.name_or_path == "tiny":
         model = build_tiny_model(cfg, len(tokenizer), seed, tokenizer.pad_token_id)

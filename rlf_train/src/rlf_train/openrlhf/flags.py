@@ -64,6 +64,30 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "algorithm.is_cap": (2.0, "the local backend's async correction; OpenRLHF applies its own (remove the key)"),
 }
 
+#: Whether OpenRLHF gets a LoRA policy's weights into its vLLM engines. 0.11.2 does not: `broadcast_to_vllm`
+#: (openrlhf/trainer/ray/ppo_actor.py) sends the PeftModel's `named_parameters()` by name
+#: (`base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`, `...lora_A.default.weight`) to vLLM's
+#: `model.load_weights` (vllm_worker_wrap.py `update_weight`), which knows none of those names (OpenRLHF issues
+#: #546: KeyError in update_weight; #1081: "LoRA with the vLLM backend is not supported"), and rlf's executor always
+#: rolls out on OpenRLHF's vLLM actors. So `model.lora` is refused by name; `lora_flags` is the mapping a build
+#: that merges the adapter before the sync would take (tested against OpenRLHF's own parser).
+OPENRLHF_SYNCS_LORA = False
+LORA_REFUSAL = ("OpenRLHF 0.11.2 trains LoRA (--ds.lora.rank) but cannot load the adapter into its vLLM rollout "
+                "engines: its weight sync sends peft's parameter names (base_model.model...base_layer.weight, "
+                "...lora_A...) to vLLM's load_weights, which fails on them (OpenRLHF issues #546, #1081), and this "
+                "backend always rolls out with vLLM. Train LoRA with backend: local (docs/guides/lora.md), or "
+                "remove model.lora")
+
+
+def lora_flags(cfg: TrainConfig) -> list[str]:
+    """`model.lora` as OpenRLHF's own LoRA flags (`--ds.lora.*` of train_ppo_ray; alpha is an int there)."""
+    lo = cfg.model.lora
+    if lo is None:
+        return []
+    return ["--ds.lora.rank", str(lo.rank), "--ds.lora.alpha", str(int(lo.alpha)), "--ds.lora.dropout",
+            str(lo.dropout), "--ds.lora.target_modules", *lo.target_modules]
+
+
 _ESTIMATOR = {"grpo": "group_norm", "dr_grpo": "dr_grpo", "ppo": "gae"}
 _LOSS_AGG = {"token_mean": "token-mean", "seq_mean_token_mean": "seq-mean-token-mean"}
 _DTYPE = {"bfloat16": "bf16", "float16": "fp16"}
@@ -95,7 +119,15 @@ def _matches(key: str, patterns: tuple[str, ...] | list[str]) -> bool:
 def check_keys(cfg: TrainConfig) -> None:
     """Refuse every changed key OpenRLHF cannot honour (all problems in one error)."""
     problems = []
+    lo = cfg.model.lora
+    if lo is not None:  # one line for the section, not one per key
+        if not OPENRLHF_SYNCS_LORA:
+            problems.append(f"  model.lora: {LORA_REFUSAL}")
+        if lo.alpha != int(lo.alpha):
+            problems.append(f"  model.lora.alpha: OpenRLHF's --ds.lora.alpha is an integer, got {lo.alpha:g}")
     for key, value in changed_keys(cfg).items():
+        if key.startswith("model.lora."):
+            continue
         refusal = next((r for p, r in _REFUSED.items() if _matches(key, [p])), None)
         reason = None if refusal is None or refusal[0] == value else refusal[1]
         if refusal is None and not _matches(key, _RUNTIME_KEYS):  # a key added to TrainConfig but not mapped
@@ -162,6 +194,7 @@ def openrlhf_flags(cfg: TrainConfig, paths: RunPaths) -> FlagPlan:
         notes.append(f"model.dtype: {cfg.model.dtype} -> bfloat16 (OpenRLHF trains in bf16 or fp16; set "
                      "model.dtype: bfloat16 to silence this)")
     add("--actor.gradient_checkpointing_enable", cfg.model.gradient_checkpointing)
+    f.extend(lora_flags(cfg))
     add("--actor.num_nodes", o.num_nodes)
     add("--actor.num_gpus_per_node", o.gpus_per_node)
     add("--ref.num_nodes", o.num_nodes)
