@@ -47,7 +47,9 @@ def _peft() -> Any:
     try:
         import peft
     except ImportError as e:
-        raise ImportError("model.lora needs peft: pip install 'rlf-train[lora]' (peft>=0.21.2,<0.22)") from e
+        from rlf_envs.extras import pip_install
+
+        raise ImportError(f"model.lora needs peft (>=0.21.2,<0.22): {pip_install('lora', 'rlf-train')}") from e
     return peft
 
 
