@@ -58,24 +58,32 @@ class FakeLLM:
     Weight reloads are counted and answered as vLLM's workers answer them."""
 
     calls: list[list[Any]] = []  # every generate call's SamplingParams, across instances, in order
+    requests: list[list[dict[str, Any]]] = []  # every generate call's prompts
+    outputs: list[list[list[int]]] = []  # every generate call's sampled ids
+    built: list[dict[str, Any]] = []  # every instance's constructor arguments
+    reloads: list[int] = []  # every weight reload: how many tensors it read
 
     def __init__(self, **kw: Any) -> None:
-        self.kw = kw
+        FakeLLM.built.append(dict(kw))
         self.own = random.Random(kw.get("seed", 0))
 
     def generate(self, reqs: list[dict[str, Any]], sps: list[Any], use_tqdm: bool = False) -> list[Any]:
-        assert len(reqs) == len(sps)
+        assert len(reqs) == len(sps) and use_tqdm is False
         FakeLLM.calls.append(list(sps))
+        FakeLLM.requests.append([dict(r) for r in reqs])
+        FakeLLM.outputs.append([])
         out = []
         for sp in sps:
             rng = random.Random(sp.seed) if sp.seed is not None else self.own
             ids = [rng.randrange(300, 2400) for _ in range(sp.max_tokens)]
+            FakeLLM.outputs[-1].append(ids)
             lps = [{t: SimpleNamespace(logprob=-1.0)} for t in ids]
             out.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=lps, finish_reason="length")]))
         return out
 
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[int]:
         assert method == "rlf_reload_state_file"
+        FakeLLM.reloads.append(len(FakeLLM.calls))
         return [len(torch.load(args[0], weights_only=True))]
 
     def reset_prefix_cache(self) -> bool:
@@ -102,11 +110,13 @@ class FakeRun:
                 self.seeded = True
 
             monkeypatch.setattr(vllm_engine.VllmRollout, "__init__", gpu_init)
-        FakeLLM.calls = []
+        FakeLLM.calls, FakeLLM.built, FakeLLM.reloads, FakeLLM.requests, FakeLLM.outputs = [], [], [], [], []
         self.tr = Trainer(cfg_for(run, extra))
         self.tr.run()
         monkeypatch.undo()
-        self.calls = FakeLLM.calls
+        (self.kw,) = FakeLLM.built  # one engine for the run
+        self.calls, self.requests, self.outputs = FakeLLM.calls, FakeLLM.requests, FakeLLM.outputs
+        self.reloads = FakeLLM.reloads  # generate calls made before each reload
         self.train = [c for c in self.calls if c[0].temperature > 0]
         self.eval = [c for c in self.calls if c[0].temperature == 0]
         self.batches = {}
@@ -115,27 +125,21 @@ class FakeRun:
             self.batches[int(line.stem.split("_")[1])] = [r for r in recs if r["source"] == "train"]
 
 
-@pytest.fixture(scope="module")
-def seeded_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FakeRun, FakeRun]]:
-    mp = pytest.MonkeyPatch()
-    base = tmp_path_factory.mktemp("fake_vllm")
-    try:
-        yield FakeRun(base / "a", mp, seeded=True), FakeRun(base / "b", mp, seeded=True)
-    finally:
-        mp.undo()
-
-
-def test_every_sampled_request_has_the_rollout_params_and_a_fresh_seed(seeded_runs: tuple[FakeRun, FakeRun]) -> None:
-    run, _ = seeded_runs
+def check_every_sampled_request_has_the_rollout_params_and_a_fresh_seed(run: FakeRun) -> None:
     import vllm
 
     # 2 updates x 2 turns (the parity env's random actions never answer), then the greedy eval's one batch per turn
     assert len(run.train) == STEPS * 2 and len(run.eval) == 2
+    stops = list(run.tr.train_envs.envs[0].format.stop_strings)
+    assert stops
     seeds: list[int] = []
     for call in run.train:
         for sp in call:
             assert isinstance(sp, vllm.SamplingParams)
             assert (sp.temperature, sp.top_p, sp.logprobs) == (TEMP, TOP_P, 0)
+            # the env parses the stop string in the action text, and gets special tokens as sampled
+            assert (sp.stop, sp.include_stop_str_in_output, sp.skip_special_tokens, sp.detokenize) == (
+                stops, True, False, True)
             assert 1 <= sp.max_tokens <= 3
             assert isinstance(sp.seed, int) and 0 <= sp.seed < SEED_RANGE, sp.seed
         call_seeds = [sp.seed for sp in call]
@@ -146,19 +150,15 @@ def test_every_sampled_request_has_the_rollout_params_and_a_fresh_seed(seeded_ru
         assert all((sp.temperature, sp.top_p, sp.seed) == (0.0, 1.0, None) for sp in call)
 
 
-def test_the_seeds_are_a_function_of_the_run_seed(seeded_runs: tuple[FakeRun, FakeRun], tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    a, b = seeded_runs
+def check_the_seeds_are_a_function_of_the_run_seed(a: FakeRun, b: FakeRun, other: FakeRun) -> None:
     seeds = [[sp.seed for sp in c] for c in a.train]
     assert seeds == [[sp.seed for sp in c] for c in b.train]  # a rerun asks for the same samples
-    other = FakeRun(tmp_path / "c", monkeypatch, seeded=True, extra=["seed=8"])
     assert not {s for c in seeds for s in c} & {sp.seed for c in other.train for sp in c}
 
 
-def test_the_samples_of_a_group_differ_in_what_the_update_trains_on(seeded_runs: tuple[FakeRun, FakeRun]) -> None:
+def check_the_samples_of_a_group_differ_in_what_the_update_trains_on(run: FakeRun) -> None:
     """On an engine that honours seeds, distinct seeds are distinct samples: no group of any update's batch holds
     two equal action sequences, and no update repeats another's."""
-    run, _ = seeded_runs
     assert sorted(run.batches) == list(range(1, STEPS + 1))
     acts = {s: [tuple(t for t, m in zip(r["token_ids"], r["loss_mask"], strict=True) if m) for r in b]
             for s, b in run.batches.items()}
@@ -167,6 +167,46 @@ def test_the_samples_of_a_group_differ_in_what_the_update_trains_on(seeded_runs:
         for g in range(P):
             assert len(set(rows[g * G:(g + 1) * G])) == G
     assert not set(acts[1]) & set(acts[2])
+    # each turn's request is the episode's context up to the action, and its action the ids the engine returned
+    train_calls = [k for k, c in enumerate(run.calls) if c[0].temperature > 0]
+    for s, b in run.batches.items():
+        for turn in range(2):
+            k = train_calls[2 * (s - 1) + turn]
+            assert len(run.requests[k]) == len(b)
+            for r, req, ids in zip(b, run.requests[k], run.outputs[k], strict=True):
+                a, e = r["turns"][turn]["action_span"]
+                assert req == {"prompt_token_ids": r["token_ids"][:a]}
+                assert r["token_ids"][a:e] == ids
+
+
+def check_the_engine_is_built_to_report_what_it_sampled_from(run: FakeRun) -> None:
+    """`vllm.LLM` gets the policy as saved (float32, the run's seed, the rollout's total budget as its context,
+    the configured memory share) and reports the log-prob of each sampled token under the distribution it sampled
+    from (`processed_logprobs`: after temperature and top-p, one per token), with rlf's weight-reload extension and
+    a prefix cache (reset on every reload)."""
+    from rlf_train.vllm_engine import WORKER_EXTENSION
+
+    kw = dict(run.kw)
+    r = run.tr.cfg.rollout
+    assert Path(kw.pop("model")).name == "model"
+    assert kw == {"dtype": "float32", "seed": run.tr.cfg.seed, "max_model_len": r.max_total_tokens,
+                  "enforce_eager": True, "enable_prefix_caching": True, "worker_extension_cls": WORKER_EXTENSION,
+                  "gpu_memory_utilization": r.vllm_gpu_memory_utilization, "max_logprobs": 1,
+                  "logprobs_mode": "processed_logprobs"}
+    # one weight reload per update, after its 2-turn rollout: before the next update's rollout, before the eval
+    assert run.reloads == [2 * k for k in range(1, STEPS + 1)]
+
+
+def test_a_seeded_engine_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three runs on the stand-in engine with `seeded` on (as on a GPU): two with seed 7, one with seed 8. (One test,
+    not a shared fixture: a mutation tool selects the tests that run the code, and a fixture runs it once.)"""
+    a = FakeRun(tmp_path / "a", monkeypatch, seeded=True)
+    b = FakeRun(tmp_path / "b", monkeypatch, seeded=True)
+    other = FakeRun(tmp_path / "c", monkeypatch, seeded=True, extra=["seed=8"])
+    check_every_sampled_request_has_the_rollout_params_and_a_fresh_seed(a)
+    check_the_samples_of_a_group_differ_in_what_the_update_trains_on(a)
+    check_the_engine_is_built_to_report_what_it_sampled_from(a)
+    check_the_seeds_are_a_function_of_the_run_seed(a, b, other)
 
 
 def test_on_cpu_no_request_has_a_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
