@@ -289,6 +289,41 @@ def test_a_turn_whose_env_step_spans_a_weight_refresh_keeps_the_version_that_sam
                 assert not np.allclose(turn.behaviour_logprobs, other, atol=1e-3)  # the versions are told apart
 
 
+@pytest.mark.parametrize("schedule", ["free", "fixed"])
+def test_the_async_worker_ends_a_turn_at_eos(tmp_path: Path, schedule: str) -> None:
+    """A policy that all but always says EOS first (its output row for EOS turned toward the prompts' hidden
+    states): every action the worker records is that one EOS, with its log-prob ~0 (a worker that does not stop at
+    EOS runs on to the token budget)."""
+    cfg = cfg_for(tmp_path / "r", ["algorithm.steps=1", "rollout.max_new_tokens_per_turn=3"])
+    tr = Trainer(cfg)
+    eos = tr.tokenizer.eos_token_id
+    model = copy.deepcopy(tr.model)
+    venv = make_envs(cfg, tr.tokenizer, "train", P * G)
+    ids = [tr.tokenizer.encode(t.question) for t in tr.train_tasks]
+    with torch.no_grad():
+        hidden = torch.cat([model.model(input_ids=torch.tensor([x])).last_hidden_state[0] for x in ids])
+        d = hidden.mean(0)
+        model.get_output_embeddings().weight[eos] = 200 * d / d.norm()
+    store = WeightStore(keep=1)
+    store.publish(0, model)
+    worker = AsyncRollout(venv, model, tr.tokenizer, SamplingParams(1.0, 1.0, 3), store=store,
+                          admission=Admission(P, 0), prompts_for=lambda u: list(range(P)), seed_for=lambda u, r: r,
+                          group_size=G, first_update=1, last_update=1, batch_size=8,
+                          gen=torch.Generator().manual_seed(0), schedule=schedule)
+    worker.start()
+    try:
+        batch = worker.next_batch(1, timeout=120)
+    finally:
+        worker.stop()
+    assert len(batch.trajectories) == P * G
+    for t in batch.trajectories:
+        for turn in t.turns:
+            a, e = turn.action_span
+            assert (t.token_ids or [])[a:e] == [eos]
+            assert turn.behaviour_logprobs is not None and len(turn.behaviour_logprobs) == 1
+            assert turn.behaviour_logprobs[0] > -1e-3
+
+
 # --------------------------------------------------------------------------- 3. random streams across updates
 STREAM_PATHS = {
     "sync": [],

