@@ -274,6 +274,8 @@ def test_a_turn_whose_env_step_spans_a_weight_refresh_keeps_the_version_that_sam
     finally:
         worker.stop()
     assert spanned == [(0, 1), (0, 1)]
+    # the groups of updates 1 and 2, each once, both at version 0; nothing of an update after the last
+    assert [(e.group, e.update, e.version) for e in worker.admission.events] == [(0, 1, 0), (1, 2, 0)]
     models = {0: v0, 1: v1}
     for u, batch in enumerate(batches, 1):
         assert len(batch.trajectories) == 2

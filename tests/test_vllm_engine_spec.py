@@ -53,6 +53,11 @@ def cfg_for(run: Path, extra: list[str] | None = None) -> Any:
         "eval.before_rl=false", "eval.greedy=true", "eval.sampled=false", "seed=7", *(extra or [])])
 
 
+def fake_logprob(tok: int) -> float:
+    """The log-prob the stand-in engine reports for a sampled token."""
+    return -(tok % 97) / 10 - 0.05
+
+
 class FakeLLM:
     """A stand-in `vllm.LLM`: records every `generate` call's `SamplingParams`, and samples like a GPU engine that
     honours per-request seeds (the tokens are a function of the seed; without one, of the engine's own stream), and
@@ -69,7 +74,7 @@ class FakeLLM:
         FakeLLM.built.append(dict(kw))
         self.own = random.Random(kw.get("seed", 0))
 
-    def generate(self, reqs: list[dict[str, Any]], sps: list[Any], use_tqdm: bool = False) -> list[Any]:
+    def generate(self, reqs: list[dict[str, Any]], sps: list[Any], use_tqdm: bool = True) -> list[Any]:
         assert len(reqs) == len(sps) and use_tqdm is False
         # torch's global generator is not the trainer's: vLLM seeds it (with its `seed`) when it starts in-process,
         # other code draws from it. Reset here on every call, seeds taken from it would repeat.
@@ -82,7 +87,7 @@ class FakeLLM:
             rng = random.Random(sp.seed) if sp.seed is not None else self.own
             ids = [rng.randrange(300, 2400) for _ in range(sp.max_tokens)]
             FakeLLM.outputs[-1].append(ids)
-            lps = [{t: SimpleNamespace(logprob=-1.0)} for t in ids]
+            lps = [{t: SimpleNamespace(logprob=fake_logprob(t))} for t in ids]
             out.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, logprobs=lps, finish_reason="length")]))
         return out
 
@@ -182,6 +187,9 @@ def check_the_samples_of_a_group_differ_in_what_the_update_trains_on(run: FakeRu
                 a, e = r["turns"][turn]["action_span"]
                 assert req == {"prompt_token_ids": r["token_ids"][:a]}
                 assert r["token_ids"][a:e] == ids
+                # what each action was sampled with: the engine's log-probs, the policy version it held
+                assert r["turns"][turn]["behaviour_logprobs"] == [fake_logprob(t) for t in ids]
+                assert r["turns"][turn]["policy_version"] == s - 1
 
 
 def check_the_engine_is_built_to_report_what_it_sampled_from(run: FakeRun) -> None:
