@@ -35,13 +35,14 @@ import gymnasium
 import numpy as np
 import pytest
 import torch
+from seed_envs import SEED_LOG_ID, SEEN
 from test_train_spec_grpo import nucleus_logprob_choices
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from train_envs import PARITY_ID, FirstTokenParity
 
 from rlf_envs.env import ToolEnv
 from rlf_envs.records import TrajectoryRecord, read_records, step_path
-from rlf_train.async_rollout import Admission, AsyncRollout, WeightStore
+from rlf_train.async_rollout import Admission, AsyncRollout, WeightStore, seed_base
 from rlf_train.config import TrainConfig, load_config
 from rlf_train.grpo import masked_logprobs
 from rlf_train.rollout import SamplingParams
@@ -353,6 +354,17 @@ def test_each_update_draws_fresh_samples(tmp_path: Path, path: str) -> None:
             if s < s2:
                 same = set(acts[s]) & set(acts[s2])
                 assert not same, (path, s, s2, same)
+
+
+@pytest.mark.parametrize("path", list(STREAM_PATHS))
+def test_each_update_seeds_its_envs_anew(tmp_path: Path, path: str) -> None:
+    """The env of row r of update u's batch is reset with seed `seed_base(seed, u) + r`, in row order, sync and
+    async alike: no env seed of one update comes back in another."""
+    SEEN.clear()
+    Run(tmp_path / "run", [*STREAM_PATHS[path], f"env.id={SEED_LOG_ID}", "env.imports=[seed_envs]",
+                           "algorithm.steps=2", "algorithm.ppo_epochs=1", "optim.lr=1e-3"])
+    assert [seed_base(5, u) + row for u in (1, 2) for row in range(P * G)] == SEEN
+    assert seed_base(5, 2) - seed_base(5, 1) >= P * G
 
 
 # ----------------------------------------------------------------- 4. the process worker at temperature != 1

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from train_envs import PARITY_ID
+from seed_envs import SEED_LOG_ID, SEEN
 from vllm_support import TINY
 
 pytestmark = [pytest.mark.vllm]
@@ -42,7 +42,7 @@ def cfg_for(run: Path, extra: list[str] | None = None) -> Any:
     from rlf_train.config import load_config
 
     return load_config(None, [
-        f"env.id={PARITY_ID}", "env.imports=[train_envs]", "env.eval_split=test",
+        f"env.id={SEED_LOG_ID}", "env.imports=[seed_envs]", "env.eval_split=test",
         f"logging.run_dir={run}", "logging.progress=false", "logging.tensorboard=false", "threads=1",
         "logging.trajectories_every=1", "logging.trajectories=-1", "logging.save_every=0",
         *(f"model.tiny.{k}={v}" for k, v in TINY.items()), "rollout.engine=vllm",
@@ -121,9 +121,11 @@ class FakeRun:
 
             monkeypatch.setattr(vllm_engine.VllmRollout, "__init__", gpu_init)
         FakeLLM.calls, FakeLLM.built, FakeLLM.reloads, FakeLLM.requests, FakeLLM.outputs = [], [], [], [], []
+        SEEN.clear()
         self.tr = Trainer(cfg_for(run, extra))
         self.tr.run()
         monkeypatch.undo()
+        self.env_seeds = list(SEEN)  # the seed of every training env reset, in order
         (self.kw,) = FakeLLM.built  # one engine for the run
         self.calls, self.requests, self.outputs = FakeLLM.calls, FakeLLM.requests, FakeLLM.outputs
         self.reloads = FakeLLM.reloads  # generate calls made before each reload
@@ -211,6 +213,8 @@ def check_the_engine_is_built_to_report_what_it_sampled_from(run: FakeRun) -> No
 
 
 def test_a_seeded_engine_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from rlf_train.async_rollout import seed_base
+
     """Three runs on the stand-in engine with `seeded` on (as on a GPU): two with seed 7, one with seed 8. (One test,
     not a shared fixture: a mutation tool selects the tests that run the code, and a fixture runs it once.)"""
     a = FakeRun(tmp_path / "a", monkeypatch, seeded=True)
@@ -220,6 +224,8 @@ def test_a_seeded_engine_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     check_the_samples_of_a_group_differ_in_what_the_update_trains_on(a)
     check_the_engine_is_built_to_report_what_it_sampled_from(a)
     check_the_seeds_are_a_function_of_the_run_seed(a, b, other)
+    # the envs: row r of update u reset with seed_base(seed, u) + r, as with the local sampler
+    assert a.env_seeds == [seed_base(7, u) + row for u in range(1, STEPS + 1) for row in range(P * G)]
 
 
 def test_on_cpu_no_request_has_a_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
