@@ -104,6 +104,7 @@ class Run:
         self.rows = [r for r in (json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines())
                      if r["stage"] == "rl"]
         self.per_update = tr.cfg.algorithm.ppo_epochs * tr.cfg.algorithm.mini_batches
+        self.wall = 0.0  # set by whoever times the run
 
     def batch(self, step: int) -> list[TrajectoryRecord]:
         recs = [r for r in read_records(step_path(self.run_dir, step)) if r.source == "train"]
@@ -376,7 +377,12 @@ ON_POLICY = ["rollout.mode=async", "rollout.max_staleness=0", "algorithm.steps=2
 @pytest.fixture(scope="module")
 def worker_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Run]]:
     base = tmp_path_factory.mktemp("worker")
-    yield {kind: Run(base / kind, [*ON_POLICY, f"rollout.async_worker={kind}"]) for kind in ("thread", "process")}
+    runs = {}
+    for kind in ("thread", "process"):
+        t0 = time.monotonic()
+        runs[kind] = Run(base / kind, [*ON_POLICY, f"rollout.async_worker={kind}"])
+        runs[kind].wall = time.monotonic() - t0
+    yield runs
 
 
 def test_process_worker_samples_at_the_rollout_temperature(worker_runs: dict[str, Run]) -> None:
@@ -401,3 +407,6 @@ def test_process_worker_samples_at_the_rollout_temperature(worker_runs: dict[str
         for r in run.rows:
             assert r["staleness_max"] == 0
             assert r["is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+            # the worker's accounting: the batch's generated tokens, its generation time within the run's
+            assert r["gen_tokens"] == sum(len(actions(t)) for t in run.batch(r["step"]))
+        assert 0 < sum(r["rollout_busy"] for r in run.rows) <= run.wall
