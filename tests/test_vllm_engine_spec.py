@@ -229,7 +229,9 @@ def test_a_seeded_engine_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_on_cpu_no_request_has_a_seed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run = FakeRun(tmp_path / "cpu", monkeypatch, seeded=False)
+    """(A bfloat16 policy here: the engine is built with its dtype.)"""
+    run = FakeRun(tmp_path / "cpu", monkeypatch, seeded=False, extra=["model.dtype=bfloat16"])
+    assert run.kw["dtype"] == "bfloat16"
     assert run.tr.vllm is None  # closed at the end of the run
     assert len(run.train) == STEPS * 2
     assert all(sp.seed is None and (sp.temperature, sp.top_p) == (TEMP, TOP_P) for c in run.train for sp in c)
