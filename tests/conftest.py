@@ -26,6 +26,7 @@ def _has(module: str) -> bool:
 # no torch by design); the report header says which.
 _MISSING = {
     "test_train_*.py": "torch" if not _has("torch") else None,
+    "test_agent_*.py": "torch (rlf_train's agent endpoint)" if not _has("torch") else None,
     "test_retrieval_*.py": "faiss/bm25s" if not (_has("faiss") and _has("bm25s")) else None,
     "test_openrlhf_*.py": "openrlhf (tox -e openrlhf)" if not (_has("openrlhf") and _has("torch")) else None,
     "test_vllm_*.py": "vllm + openrlhf (tox -e vllm)" if not (_has("vllm") and _has("openrlhf")) else None,

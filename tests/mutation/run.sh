@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Mutation testing of the local trainer with mutmut (not run in CI; see README.md beside this file).
 # usage: tests/mutation/run.sh FILE [SCRATCH [MUTANT-GLOB...]]    FILE: grpo.py | trainer.py | rollout.py | sft.py | checkpoint.py
+#   | async_rollout.py | vllm_engine.py (PYTHON: the `vllm` tox env's interpreter)
 # Needs a venv with the train extras + mutmut (PYTHON, default: python on PATH). Works in a scratch copy.
 set -euo pipefail
 FILE=${1:?which file of rlf_train/src/rlf_train to mutate}
