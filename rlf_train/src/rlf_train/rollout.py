@@ -19,11 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlf_envs import runtime
 from rlf_envs.adapters.episode import DriveStats, GenerateBatchFn, Generation, TokenEpisode, run_token_episodes
 from rlf_envs.env.vector import ToolVectorEnv
+from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.types import Trajectory
 from rlf_train.grpo import sampling_logits
 
@@ -226,6 +228,27 @@ class Rollouts:
     def episode_rewards(self) -> list[float]:
         return list(self.rewards) if self.rewards is not None else [t.reward for t in self.trajectories]
 
+
+
+def is_success(t: Trajectory) -> bool:
+    return t.reward >= SUCCESS_THRESHOLD
+
+
+def episode_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    n = max(len(trajs), 1)
+    rewards = np.array([t.reward for t in trajs], dtype=np.float64)
+    return {
+        "reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
+        "reward_std": float(rewards.std()) if len(trajs) else 0.0,
+        "success_rate": sum(is_success(t) for t in trajs) / n,
+        "turns_mean": sum(len(t.turns) for t in trajs) / n,
+        "tool_calls_mean": sum(t.num_tool_calls for t in trajs) / n,
+        "tool_errors_mean": sum(t.num_tool_errors for t in trajs) / n,
+        "search_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
+        "answered_rate": sum(t.answer is not None for t in trajs) / n,
+        "tokens_total_mean": sum(len(t.token_ids or []) for t in trajs) / n,
+        "tokens_policy_mean": sum(sum(t.loss_mask or []) for t in trajs) / n,
+    }
 
 
 async def drive_episodes(

@@ -53,31 +53,10 @@ from rlf_train.grpo import (
 )
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
-from rlf_train.rollout import Rollouts, RolloutStats, SamplingParams
+from rlf_train.rollout import Rollouts, RolloutStats, SamplingParams, episode_stats, is_success
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
 from rlf_train.sources import EnvSource
 from rlf_train.vllm_engine import VllmRollout, check_policy_shape
-
-
-def is_success(t: Trajectory) -> bool:
-    return t.reward >= SUCCESS_THRESHOLD
-
-
-def episode_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    n = max(len(trajs), 1)
-    rewards = np.array([t.reward for t in trajs], dtype=np.float64)
-    return {
-        "reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
-        "reward_std": float(rewards.std()) if len(trajs) else 0.0,
-        "success_rate": sum(is_success(t) for t in trajs) / n,
-        "turns_mean": sum(len(t.turns) for t in trajs) / n,
-        "tool_calls_mean": sum(t.num_tool_calls for t in trajs) / n,
-        "tool_errors_mean": sum(t.num_tool_errors for t in trajs) / n,
-        "search_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
-        "answered_rate": sum(t.answer is not None for t in trajs) / n,
-        "tokens_total_mean": sum(len(t.token_ids or []) for t in trajs) / n,
-        "tokens_policy_mean": sum(sum(t.loss_mask or []) for t in trajs) / n,
-    }
 
 
 class Trainer:
