@@ -162,13 +162,12 @@ class AgentRunner:
         self._n = 0
 
     async def start(self) -> None:
-        import httpx
+        import openai
 
         await self.server.start()
-        # one connection pool for every session's client (a client with a pool of its own costs ~30 ms to make)
-        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=2 * self.concurrency,
-                                                           max_keepalive_connections=2 * self.concurrency),
-                                       timeout=self.limits.timeout_s)
+        # one connection pool for every session's client (a client with a pool of its own costs ~30 ms to make):
+        # the SDK's own default HTTP client class, whatever HTTP library this openai version is built on
+        self._http = openai.DefaultAsyncHttpxClient(timeout=self.limits.timeout_s)
 
     async def close(self) -> None:
         http, self._http = self._http, None
