@@ -34,7 +34,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from rlf_envs.env.tokens import TokenizerAdapter
@@ -123,6 +123,11 @@ class AgentStats:
     starts: Counter[str] = field(default_factory=Counter)
     ignored: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
+
+    def add(self, other: AgentStats) -> None:
+        """Add another batch's counts to these (counters and seconds included)."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def metrics(self) -> dict[str, float]:
         n = max(self.episodes, 1)
@@ -469,9 +474,7 @@ class AgentWorker:
             owner.extend(len(rewards) + e for e in eps.episode_of_row)
             rows.extend(eps.trajectories)
             rewards.extend(eps.rewards)
-            for f in ("episodes", "errors", "timeouts", "no_reward", "empty", "calls", "retries", "segments"):
-                setattr(stats, f, getattr(stats, f) + getattr(eps.stats, f))
-            stats.starts.update(eps.stats.starts)
+            stats.add(eps.stats)
         tokens = sum(sum(r.loss_mask or []) for r in rows)
         self.times.generate = self.front.stats.gen_seconds
         self.times.wall = time.perf_counter() - self._t0

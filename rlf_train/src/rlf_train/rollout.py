@@ -234,13 +234,17 @@ def is_success(t: Trajectory) -> bool:
     return t.reward >= SUCCESS_THRESHOLD
 
 
+def reward_stats(rewards: Sequence[float]) -> dict[str, float]:
+    """Mean and std (population) of episode rewards, and the share at or above the success threshold."""
+    r = np.array(rewards, dtype=np.float64)
+    return {"reward_mean": float(r.mean()) if len(r) else 0.0, "reward_std": float(r.std()) if len(r) else 0.0,
+            "success_rate": float((r >= SUCCESS_THRESHOLD).sum()) / max(len(r), 1)}
+
+
 def episode_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
     n = max(len(trajs), 1)
-    rewards = np.array([t.reward for t in trajs], dtype=np.float64)
     return {
-        "reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
-        "reward_std": float(rewards.std()) if len(trajs) else 0.0,
-        "success_rate": sum(is_success(t) for t in trajs) / n,
+        **reward_stats([t.reward for t in trajs]),
         "turns_mean": sum(len(t.turns) for t in trajs) / n,
         "tool_calls_mean": sum(t.num_tool_calls for t in trajs) / n,
         "tool_errors_mean": sum(t.num_tool_errors for t in trajs) / n,

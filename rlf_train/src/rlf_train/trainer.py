@@ -16,7 +16,7 @@ import torch
 
 from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
-from rlf_envs.records import SUCCESS_THRESHOLD, record_text_sample, sample_records, write_trajectories
+from rlf_envs.records import record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
 from rlf_train import lora
 from rlf_train.agent import AgentSource, AgentWorker
@@ -53,7 +53,7 @@ from rlf_train.grpo import (
 )
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
-from rlf_train.rollout import Rollouts, RolloutStats, SamplingParams, episode_stats, is_success
+from rlf_train.rollout import Rollouts, RolloutStats, SamplingParams, episode_stats, is_success, reward_stats
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
 from rlf_train.sources import EnvSource
 from rlf_train.vllm_engine import VllmRollout, check_policy_shape
@@ -261,8 +261,7 @@ class Trainer:
             self.store_trajectories(step, trajs, f"eval_{mode}")
             st = episode_stats(trajs)
             if self.agent is not None:  # rows are segments: success and reward are per episode
-                st.update(success_rate=sum(r >= SUCCESS_THRESHOLD for r in rewards) / max(len(rewards), 1),
-                          reward_mean=float(np.mean(rewards)) if rewards else 0.0)
+                st.update(reward_stats(rewards))
             result[mode] = st
             result[f"success_{mode}"] = st["success_rate"]
         return result
@@ -349,8 +348,7 @@ class Trainer:
         t_step = time.perf_counter()
         prompts = self._next_tasks(r.prompts_per_step)
         task_indices = [p for p in prompts for _ in range(r.samples_per_prompt)]
-        got = self.collect("train", task_indices, self._sampling(), seed_base=self._seed_base(step),
-                                  gen=self.gen)
+        got = self.collect("train", task_indices, self._sampling(), seed_base=self._seed_base(step), gen=self.gen)
         rstats = got.stats
         rec = self.update(step, got.trajectories, task_indices, optimizer, scheduler, behaviour=False,
                           episodes=got if self.agent is not None else None)
@@ -449,9 +447,8 @@ class Trainer:
         now = time.perf_counter()
         rec: dict[str, Any] = {"stage": "rl", "step": step}
         rec.update(episode_stats(trajs))
-        if episodes is not None:
-            rec.update(success_rate=float((ep_returns >= SUCCESS_THRESHOLD).float().mean()),
-                       reward_mean=float(ep_returns.mean()), reward_std=float(ep_returns.std(unbiased=False)))
+        if episodes is not None:  # rows are segments: success and reward are per episode
+            rec.update(reward_stats(ep_returns.tolist()))
         groups = ep_returns.view(-1, r.samples_per_prompt)
         rec.update({
             "loss": float(np.mean(losses)), "kl": float(np.mean(kls)) if kls else 0.0,

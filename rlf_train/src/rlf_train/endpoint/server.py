@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rlf_envs.formats.chat import ChatMessage, ChatToolCall, Reply
 from rlf_train.endpoint.engine import EngineFront
-from rlf_train.endpoint.sessions import Session, SessionError, SessionStore, request_key
+from rlf_train.endpoint.sessions import Session, SessionError, SessionStore, request_key, tools_key
 
 log = logging.getLogger(__name__)
 
@@ -233,10 +233,11 @@ class PolicyServer:
             if body.get(f) is not None:
                 session.ignored[f] += 1
         self.requests += 1
-        key = request_key(messages, json.dumps(tools, sort_keys=False), max_tokens)
+        tkey = tools_key(tools)
+        key = request_key(messages, tkey, max_tokens)
         fut = session.replies.get(key)
         if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
-            fut = asyncio.ensure_future(self._complete(session, messages, tools, max_tokens))
+            fut = asyncio.ensure_future(self._complete(session, messages, tools, tkey, max_tokens))
             session.replies[key] = fut
             while len(session.replies) > 16:
                 session.replies.popitem(last=False)
@@ -249,11 +250,11 @@ class PolicyServer:
         return web.json_response(payload)
 
     async def _complete(self, session: Session, messages: tuple[ChatMessage, ...], tools: list[dict[str, Any]],
-                        max_tokens: int | None) -> Completion:
+                        tkey: str, max_tokens: int | None) -> Completion:
         """Match, generate, record: one call of a session (runs to the end even if the client goes away, so
         a retry finds its answer)."""
         async with session.lock:
-            prep = session.prepare(messages, tools, max_tokens)
+            prep = session.prepare(messages, tools, tkey, max_tokens)
         try:
             gen, version = await self.engine.generate(prep.prompt, prep.max_tokens)
         except BaseException:

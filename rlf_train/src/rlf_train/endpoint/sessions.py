@@ -154,14 +154,13 @@ class Session:
         return self.points[-1].reply if self.points else None
 
     # -- matching -----------------------------------------------------------------------------------
-    def prepare(self, messages: tuple[ChatMessage, ...], tools: list[dict[str, Any]], max_tokens: int | None
-                ) -> Prepared:
-        """Match a request (see the module docstring) and build its prompt ids."""
+    def prepare(self, messages: tuple[ChatMessage, ...], tools: list[dict[str, Any]], tkey: str,
+                max_tokens: int | None) -> Prepared:
+        """Match a request (see the module docstring) and build its prompt ids; `tkey` is `tools_key(tools)`."""
         self.check_open()
         if self.calls >= self.limits.max_calls:
             raise SessionError(429, "session_call_limit", f"session {self.id} made {self.calls} calls, the most a "
                                                           "session may make; end the episode")
-        tkey = tools_key(tools)
         point = self._extended_point(messages, tkey)
         if point is not None:
             seg = point.segment
