@@ -69,7 +69,13 @@ def test_bad_files(tmp_path: Path) -> None:
         load_config(None, ["name.x=1"])
 
 
-def test_cli_errors_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_errors_and_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # what the working directory holds must not matter (issue 42: after the README's quickstart left
+    # runs/quickstart-s0 there, this test failed): run from a directory holding that run
+    (tmp_path / "runs" / "quickstart-s0").mkdir(parents=True)
+    (tmp_path / "runs" / "quickstart-s0" / "metrics.jsonl").write_text("{}\n")
+    monkeypatch.chdir(tmp_path)
     bad = _write(tmp_path, "rollout:\n  max_turns: -1\n")
     assert main(["--config", str(bad)]) == 2
     assert "rollout.max_turns" in capsys.readouterr().err

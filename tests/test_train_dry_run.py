@@ -59,10 +59,23 @@ def test_dry_run_checks_demos_model_and_run_dir(tmp_path: Path, capsys: pytest.C
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     assert "logging.run_dir: cannot write to" in _both(tmp_path, [], capsys, run=blocker / "run", same_to=" (")
+
+
+def test_dry_run_does_not_refuse_an_existing_run_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dry run checks a config anywhere (README): a run dir holding a run is a note there, and the real run
+    refuses it (issue 42: `--dry-run` after the quickstart exited 2)."""
     run = tmp_path / "done"
     run.mkdir()
     (run / "metrics.jsonl").write_text("{}\n")
-    assert "already holds a run; continue it with --resume" in _both(tmp_path, [], capsys, run=run)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(dump_config(parity_cfg(run, 1)))
+    capsys.readouterr()
+    assert main(["--config", str(cfg), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "plan:" in out and f"note: run dir {run} already holds a run" in out and "--resume" in out
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]  # nothing written
+    assert main(["--config", str(cfg)]) == 2
+    assert "already holds a run; continue it with --resume" in capsys.readouterr().err
 
 
 def test_quickstart_misspelt_kwarg_fails_the_dry_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,10 +50,12 @@ def plan(cfg: TrainConfig) -> str:
     return "\n".join(lines)
 
 
-def preflight(cfg: TrainConfig, resume: bool = False) -> None:
+def preflight(cfg: TrainConfig, resume: bool = False) -> list[str]:
     """What `Trainer.__init__` checks before any training work, without its work: nothing is written and no
-    policy is built. Raises what the real run raises (ConfigError, FileNotFoundError, FileExistsError, ValueError),
-    so `--dry-run` fails exactly where the run would (tests/test_train_dry_run.py runs both on the same configs)."""
+    policy is built. Raises what the real run raises (ConfigError, FileNotFoundError, ValueError), so `--dry-run`
+    fails exactly where the run would (tests/test_train_dry_run.py runs both on the same configs). One exception:
+    a run dir that already holds a run is a note (returned), not an error: a dry run checks a config anywhere,
+    and the real run then says how to continue or move that run."""
     import os
 
     from rlf_train.checkpoint import latest_checkpoint
@@ -62,6 +64,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
     from rlf_train.sft import load_demos
     from rlf_train.trainer import env_tasks
 
+    notes: list[str] = []
     tokenizer = load_tokenizer(cfg.model)
     device = resolve_device(cfg.model.device)
     run_dir = cfg.resolved_run_dir()
@@ -70,8 +73,8 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
             raise FileNotFoundError(f"--resume {run_dir}: no run there (no config.yaml); check the path, or start a "
                                     "new run without --resume")
     elif (run_dir / "metrics.jsonl").exists() or latest_checkpoint(run_dir) is not None:
-        raise FileExistsError(f"run dir {run_dir} already holds a run; continue it with --resume {run_dir}, or pick "
-                              "another logging.run_dir / name (or delete that dir)")
+        notes.append(f"run dir {run_dir} already holds a run: the real run refuses to start there; continue it with "
+                     f"--resume {run_dir}, or pick another logging.run_dir / name (or delete that dir)")
     train_env = make_env(cfg, tokenizer, "train")
     train_tasks = env_tasks(train_env)
     if cfg.rollout.agent is not None:
@@ -96,6 +99,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
         from rlf_train.vllm_engine import check_policy_shape
 
         check_policy_shape(cfg.model.tiny.hidden_size, cfg.model.tiny.num_heads, device.type == "cpu")
+    return notes
 
 
 def export_main(argv: list[str]) -> int:
@@ -144,12 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         return run_openrlhf(cfg, resume=args.resume is not None, dry_run=args.dry_run)
     if args.dry_run:
         try:
-            preflight(cfg, resume=args.resume is not None)
+            notes = preflight(cfg, resume=args.resume is not None)
         except (ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         print(dump_config(cfg))
         print("plan:\n" + plan(cfg))
+        for note in notes:
+            print(f"note: {note}")
         return 0
     from rlf_train.trainer import Trainer
 

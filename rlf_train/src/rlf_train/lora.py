@@ -25,6 +25,7 @@ What the trainer gets from here:
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -259,4 +260,9 @@ def export_merged(ckpt_dir: Path, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     save_pretrained_merged(model, out_dir)
     tok.save_pretrained(str(out_dir))
+    # the weights get the mode of their siblings (the default umask's; safetensors writes them 0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out_dir.glob("*.safetensors"):
+        f.chmod(0o666 & ~umask)
     return out_dir

@@ -1,0 +1,79 @@
+"""LoRA's scale is what the config says (issue 42, item 13): with a non-default `model.lora.alpha` the adapter's
+update is `alpha / rank * B @ A` in peft's layers, in the merged view vLLM reloads and in the exported weights
+(every other LoRA test uses alpha 8, which is peft's own default, so an alpha dropped on the way passed them).
+The export's weights file also gets the mode of its siblings (item 10)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train_lora import _perturb, _tiny
+from test_train_signal import parity_cfg
+
+from rlf_train import lora
+from rlf_train.config import LoraConfig
+from rlf_train.trainer import Trainer
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.train
+
+RANK, ALPHA = 4, 32.0  # scale 8, not peft's default alpha 8 / rank 4 = 2
+
+
+def _by_hand(base: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """W + alpha / rank * B @ A for every adapted layer, from the base and the adapter tensors."""
+    norm = {k.removeprefix("base_model.model.").replace(f".{lora.ADAPTER}.", ".").removesuffix(".weight"): v
+            for k, v in adapter.items()}  # <layer>.lora_A / <layer>.lora_B
+    out = {}
+    for k, a in norm.items():
+        if not k.endswith(".lora_A"):
+            continue
+        layer = k.removesuffix(".lora_A")
+        b = norm[f"{layer}.lora_B"]
+        w = base[f"{layer}.weight"]
+        out[f"{layer}.weight"] = w + (ALPHA / RANK) * (b @ a)
+    return out
+
+
+def test_alpha_reaches_peft_and_the_merged_view() -> None:
+    plain = _tiny()
+    base = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+    policy = lora.attach(plain, LoraConfig(rank=RANK, alpha=ALPHA), seed=0)
+    _perturb(policy)
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in policy.modules() if isinstance(m, LoraLayer)]
+    assert layers and all(m.scaling[lora.ADAPTER] == pytest.approx(ALPHA / RANK) for m in layers)
+    adapter = {k: v.detach() for k, v in policy.named_parameters() if ".lora_" in k}
+    want = _by_hand(base, adapter)
+    merged = lora.hf_state(policy)
+    assert want and all(torch.allclose(merged[k], v, atol=1e-6) for k, v in want.items())
+
+
+def test_alpha_reaches_the_export_and_its_mode(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    tr = Trainer(parity_cfg(run, 1, [f"model.lora.rank={RANK}", f"model.lora.alpha={ALPHA}", "logging.save_every=1",
+                                     "optim.lr=0.1"]))
+    tr.run()
+    ckpt = run / "checkpoints" / "step_1"
+    adapter = load_file(str(ckpt / lora.ADAPTER_WEIGHTS))
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # the update moved B
+    base = _tiny_base(tr)
+    out = lora.export_merged(ckpt, tmp_path / "hf")
+    exported = load_file(str(out / "model.safetensors"))
+    want = _by_hand(base, adapter)
+    assert want and all(torch.allclose(exported[k], v, atol=1e-5) for k, v in want.items())
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir() if p.is_file()}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o666 & ~umask, modes
+
+
+def _tiny_base(tr: Trainer) -> dict[str, torch.Tensor]:
+    """The frozen base the run's adapter sits on (the policy's weights with the adapter off)."""
+    return {lora._hf_name(k): v.detach() for k, v in tr.model.get_base_model().state_dict().items()
+            if ".lora_" not in k}
