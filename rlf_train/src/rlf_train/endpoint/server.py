@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -69,9 +70,56 @@ class ChatRequest(BaseModel):
     logprobs: bool | None = None
 
 
-def _error(status: int, code: str, message: str, etype: str = "invalid_request_error") -> web.Response:
-    return web.json_response({"error": {"message": message, "type": etype, "code": code, "param": None}},
+def _error(status: int, code: str, message: str, etype: str = "invalid_request_error",
+           param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": etype, "code": code, "param": param}},
                              status=status)
+
+
+#: a JSON escape of a UTF-16 surrogate; only a body holding one can parse to text that is not Unicode
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 in OpenAI's shape: not UTF-8, not JSON, nested too deeply
+    for the parser, not an object, or holding a lone surrogate (`"\\ud800"`: what a raw client sends for a
+    file name decoded with `surrogateescape`; it is no Unicode text, so no tokenizer takes it)."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SessionError(400, "invalid_json", f"the body is not JSON: {e}") from None
+    except RecursionError:
+        raise SessionError(400, "invalid_json", "the body is nested too deeply to parse") from None
+    if not isinstance(body, dict):
+        raise SessionError(400, "invalid_json", "the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text):  # rare (non-BMP text escaped as pairs): check it is all valid text
+        where = _lone_surrogate(body)
+        if where is not None:
+            raise SessionError(400, "invalid_unicode", f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff "
+                                                       "without its pair), which is not Unicode text; send valid "
+                                                       "UTF-8 (e.g. decode file names with errors='replace')")
+    return body
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """Where the first string (key or value) holding a lone surrogate is, e.g. `messages[0].content`."""
+    stack: list[tuple[Any, str]] = [(obj, "body")]
+    while stack:
+        x, where = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                key_where = where + "." + (k if k.isidentifier() else repr(k)) if where != "body" else str(k)
+                stack.append((k, f"a key of {where}"))
+                stack.append((v, key_where))
+        elif isinstance(x, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(x))
+    return None
 
 
 def _text(content: str | list[dict[str, Any]] | None, where: str) -> str:
@@ -104,7 +152,7 @@ def to_messages(req: ChatRequest) -> tuple[ChatMessage, ...]:
         calls = []
         for j, c in enumerate(m.tool_calls or []):
             fn = c.get("function") or {}
-            name, args = fn.get("name"), fn.get("arguments", "{}")
+            name, args = (fn.get("name"), fn.get("arguments", "{}")) if isinstance(fn, dict) else (None, None)
             if not isinstance(name, str) or not isinstance(args, str | dict):
                 raise SessionError(400, "invalid_tool_call", f"messages[{i}].tool_calls[{j}] needs function.name "
                                                              "(a string) and function.arguments (a JSON string)")
@@ -190,11 +238,19 @@ class PolicyServer:
         try:
             return await handler(request)
         except SessionError as e:
-            return _error(e.status, e.code, e.message)
+            return _error(e.status, e.code, e.message, param=e.param)
         except web.HTTPRequestEntityTooLarge:
             return _error(413, "request_too_large", f"the request body is over {self.max_body_bytes} bytes")
         except web.HTTPException as e:
             return _error(e.status, "http_error", e.reason)
+        except RecursionError:  # a value nested too deeply for a renderer or serialiser (the parser took it)
+            return _error(400, "invalid_request", "the request holds a value nested too deeply")
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as e:  # ours (or the engine's): a 500 in OpenAI's shape, logged, and the server goes on
+            log.exception("the policy endpoint failed on %s", request.path)
+            return _error(500, "server_error", f"the policy endpoint failed: {type(e).__name__}: {e}",
+                          etype="server_error")
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "sessions": len(self.sessions.by_id)})
@@ -211,17 +267,14 @@ class PolicyServer:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         session.check_open()
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SessionError(400, "invalid_json", f"the body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise SessionError(400, "invalid_json", "the body must be a JSON object")
+        body = _parse_body(await request.read())
         try:
             req = ChatRequest.model_validate(body)
         except ValidationError as e:
             first = e.errors()[0]
             raise SessionError(400, "invalid_request", f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        if req.n is not None and req.n < 1:
+            raise SessionError(400, "invalid_value", f"n={req.n}: n must be at least 1", param="n")
         if (req.n or 1) != 1:
             raise SessionError(400, "n_not_supported", f"n={req.n}: the endpoint returns one choice; run one "
                                                        "session per sample (the trainer runs a group of sessions)")

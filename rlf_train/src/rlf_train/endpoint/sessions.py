@@ -39,9 +39,9 @@ BREAK_KINDS: tuple[StartKind, ...] = ("tools_changed", "reply_edited", "history_
 class SessionError(Exception):
     """A request the session refuses: `status` is the HTTP status, `code` OpenAI's error code."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.code, self.message = status, code, message
+        self.status, self.code, self.message, self.param = status, code, message, param
 
 
 @dataclass
