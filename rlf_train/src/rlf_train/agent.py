@@ -108,6 +108,85 @@ def _checked(spec: str, mod: Any, fn_name: str) -> AgentFn:
     return fn  # type: ignore[no-any-return]
 
 
+#: the agents' loop is reported blocked when it has not turned for this long (a well-behaved loop turns every
+#: few milliseconds; this leaves room for a short burst of CPU work in an agent)
+BLOCKED_S = 2.0
+_BEAT_S = 0.05
+
+
+class AgentLoop:
+    """The event loop the agent functions run on, on a thread of its own, beating a heartbeat.
+
+    Agent code is the user's: an `async def` that calls `time.sleep`, a synchronous HTTP client or a long CPU
+    task stops the loop it runs on. On a loop of its own it stops only itself: the endpoint, the batcher and
+    the trainer (rlf's loop) go on, every episode on the stopped loop is timed out at `rollout.agent_timeout_s`
+    from rlf's side and counted, and Ctrl-C ends the run. `stalled_s()` is how long the loop has not turned;
+    a loop still stalled at the end of a batch is abandoned (its thread is a daemon) and the next batch gets a
+    fresh one."""
+
+    def __init__(self) -> None:
+        from rlf_envs import runtime
+
+        self.loop = runtime.new_event_loop()
+        self.beat = time.monotonic()
+        self.http: Any = None  # the sessions' shared HTTP client, bound to this loop
+        ready = threading.Event()
+
+        def main() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.loop.call_soon(ready.set)
+            self.loop.call_soon(self._tick)
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=main, name="rlf-agents", daemon=True)
+        self.thread.start()
+        ready.wait(30)
+
+    def _tick(self) -> None:
+        self.beat = time.monotonic()
+        self.loop.call_later(_BEAT_S, self._tick)
+
+    def stalled_s(self) -> float:
+        return max(0.0, time.monotonic() - self.beat - _BEAT_S)
+
+    def submit(self, coro: Any) -> Any:
+        """Run `coro` on this loop; a `concurrent.futures.Future` of its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    async def close(self, timeout_s: float = 5.0) -> bool:
+        """Close the HTTP client on this loop and stop it, waiting at most `timeout_s` (from any loop); False if
+        the loop is blocked (the thread is then left to the process's end: a daemon, it never holds exit up)."""
+        http, self.http = self.http, None
+        if self.thread.is_alive() and self.stalled_s() < BLOCKED_S:
+            if http is not None:
+                try:
+                    await asyncio.wait_for(asyncio.wrap_future(self.submit(http.aclose())), timeout_s)
+                except Exception:  # (TimeoutError included: a client that fails to close is only garbage)
+                    pass
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            await asyncio.to_thread(self.thread.join, timeout_s)
+        return not self.thread.is_alive()
+
+
+class _Reporter:
+    """Console lines for agent episodes that failed, as they happen: the first of each kind at once (errors with
+    their traceback), then at most one line per `every_s` per kind, saying how many were not shown."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self.last: dict[str, float] = {}
+        self.held: Counter[str] = Counter()
+
+    def report(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        if kind in self.last and now - self.last[kind] < self.every_s:
+            self.held[kind] += 1
+            return
+        more = self.held.pop(kind, 0)
+        self.last[kind] = now
+        log.warning(message + (f" (and {more} more since the last such line)" if more else ""), *args)
+
+
 @dataclass
 class AgentStats:
     """Per batch: how the episodes ended and how their sessions went."""
@@ -120,6 +199,8 @@ class AgentStats:
     calls: int = 0
     retries: int = 0
     segments: int = 0
+    blocked: int = 0  # times the agents' event loop was found not turning (an agent blocks it; see AgentLoop)
+    tool_calls: int = 0  # tool calls the policy made (parsed from its replies)
     starts: Counter[str] = field(default_factory=Counter)
     ignored: Counter[str] = field(default_factory=Counter)
     seconds: float = 0.0
@@ -129,12 +210,27 @@ class AgentStats:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    @property
+    def failed(self) -> int:
+        """Episodes that scored 0 because the agent failed (raised, returned no reward, ran out of time)."""
+        return self.errors + self.timeouts
+
+    @property
+    def breaks(self) -> int:
+        return sum(self.starts[k] for k in BREAK_KINDS)
+
+    def summary(self) -> str:
+        """One line for the console: how the agent episodes went."""
+        return (f"{self.episodes} agent episodes: {self.errors} errors, {self.timeouts} timeouts, {self.no_reward} "
+                f"without an answer, {self.empty} without a call, {self.breaks} history breaks, {self.blocked} "
+                "blocked-loop detections")
+
     def metrics(self) -> dict[str, float]:
         n = max(self.episodes, 1)
         out = {"agent_errors": self.errors, "agent_timeouts": self.timeouts, "agent_no_reward": self.no_reward,
                "agent_empty": self.empty, "agent_calls_mean": self.calls / n, "agent_retries": self.retries,
                "agent_segments_mean": self.segments / n, "agent_forks": self.starts["fork"],
-               "agent_breaks": sum(self.starts[k] for k in BREAK_KINDS)}
+               "agent_breaks": self.breaks, "agent_blocked": self.blocked, "agent_tool_calls_mean": self.tool_calls / n}
         out.update({f"agent_break_{k}": self.starts[k] for k in BREAK_KINDS if self.starts[k]})
         return {k: float(v) for k, v in out.items()}
 
@@ -160,25 +256,35 @@ class AgentRunner:
         self.limits = limits
         self.concurrency = concurrency
         self.server = PolicyServer(engine, lambda ids: self.adapter.decode(ids), host=host, port=port)
-        self._http: Any = None
+        self.agents: AgentLoop | None = None
         self._sem: asyncio.Semaphore | None = None
         self._logged_error = False
         self._warned_no_reward = False
+        self._reporter = _Reporter()
         self._n = 0
 
     async def start(self) -> None:
+        await self.server.start()
+        self.agents = self._new_loop()
+
+    def _new_loop(self) -> AgentLoop:
         import openai
 
-        await self.server.start()
+        agents = AgentLoop()
         # one connection pool for every session's client (a client with a pool of its own costs ~30 ms to make):
         # the SDK's own default HTTP client class, whatever HTTP library this openai version is built on
-        self._http = openai.DefaultAsyncHttpxClient(timeout=self.limits.timeout_s)
+        agents.http = openai.DefaultAsyncHttpxClient(timeout=self.limits.timeout_s)
+        return agents
 
     async def close(self) -> None:
-        http, self._http = self._http, None
-        if http is not None:
-            await http.aclose()
-        await self.server.close()
+        """Bounded whatever the agents do: a blocked agents' loop is left behind (see AgentLoop)."""
+        agents, self.agents = self.agents, None
+        try:
+            if agents is not None and not await agents.close():
+                log.warning("the agents' event loop is still blocked at the end of the run (an agent blocks it); "
+                            "left behind")
+        finally:
+            await self.server.close()
 
     def open_session(self, meta: Any = None) -> Session:
         self._n += 1
@@ -194,7 +300,8 @@ class AgentRunner:
 
             raise ImportError(f"rollout.agent needs the openai SDK: {pip_install('agents', 'rlf-train')}") from e
         c = openai.AsyncOpenAI(base_url=self.server.base_url(s), api_key=s.key, max_retries=2,
-                               timeout=timeout_s or self.limits.timeout_s, http_client=self._http)
+                               timeout=timeout_s or self.limits.timeout_s,
+                               http_client=self.agents.http if self.agents is not None else None)
         c.model = "rlf-policy"  # type: ignore[attr-defined]  # what agents pass as `model` (any name works)
         return c
 
@@ -210,7 +317,16 @@ class AgentRunner:
             async with sem:
                 return await self._episode(task, verifier, stats)
 
-        done = await asyncio.gather(*(one(t) for t in tasks))
+        watch = asyncio.ensure_future(self._watch(stats))
+        try:
+            done = await asyncio.gather(*(one(t) for t in tasks))
+        finally:
+            watch.cancel()
+        agents = self.agents
+        if agents is not None and agents.stalled_s() > BLOCKED_S:  # still stuck: the next batch gets a fresh loop
+            log.warning("the agents' event loop has not turned for %.0f s at the end of a batch: left behind, the "
+                        "next batch runs on a new one", agents.stalled_s())
+            self.agents = self._new_loop()
         rows: list[Trajectory] = []
         owner: list[int] = []
         rewards = []
@@ -224,28 +340,58 @@ class AgentRunner:
             stats.calls += s.calls
             stats.retries += s.retries
             stats.segments += len(trajs)
+            stats.tool_calls += sum(len(g.reply.tool_calls) for seg in s.segments for g in seg.turns)
             stats.starts.update(s.starts)
             stats.ignored.update(s.ignored)
         stats.seconds = time.perf_counter() - t0
         return AgentEpisodes(rows, owner, rewards, stats)
 
+    async def _watch(self, stats: AgentStats) -> None:
+        """While a batch runs: notice the agents' loop not turning (an agent blocks it), count it, say so."""
+        flagged: AgentLoop | None = None
+        while True:
+            await asyncio.sleep(0.25)
+            agents = self.agents
+            if agents is not None and agents is not flagged and agents.stalled_s() > BLOCKED_S:
+                flagged = agents
+                stats.blocked += 1
+                self._reporter.report(
+                    "blocked", "the agents' event loop has not turned for %.1f s: an agent blocks it (time.sleep, a "
+                    "synchronous HTTP client or a long computation inside `async def`); its episodes are timed out "
+                    "at rollout.agent_timeout_s=%g s and counted (agent_blocked, agent_timeouts). Use await "
+                    "asyncio.sleep / an async client, or asyncio.to_thread for blocking work "
+                    "(docs/guides/own-agent.md)", agents.stalled_s(), self.limits.timeout_s)
+
     async def _episode(self, task: Task, verifier: Verifier, stats: AgentStats) -> tuple[Session, float]:
         s = self.open_session(task)
-        client = self.client(s)
         result: Any = None
+        fut: Any = None
         try:
-            result = await asyncio.wait_for(self.agent(task, client), self.limits.timeout_s)
+            agents = self.agents
+            if agents is None:
+                raise RuntimeError("the agent runner is not started")
+            # the agent runs on the agents' loop; its deadline is kept here, on rlf's loop, so an agent that
+            # blocks its loop still times out
+            fut = agents.submit(self.agent(task, self.client(s)))
+            result = await asyncio.wait_for(asyncio.wrap_future(fut), self.limits.timeout_s)
         except TimeoutError:
             stats.timeouts += 1
+            self._reporter.report("timeout", "an agent episode (task %s) ran past rollout.agent_timeout_s=%g s: "
+                                  "cancelled, scored 0, counted in agent_timeouts", task.id, self.limits.timeout_s)
             return s, 0.0
-        except Exception:
+        except Exception as e:
             stats.errors += 1
             if not self._logged_error:
                 self._logged_error = True
                 log.warning("the agent raised on task %s (scored 0; counted in agent_errors, this traceback is "
                             "shown once):\n%s", task.id, traceback.format_exc())
+            else:
+                self._reporter.report("error", "the agent raised on task %s: %s: %s (scored 0; counted in "
+                                      "agent_errors)", task.id, type(e).__name__, e)
             return s, 0.0
         finally:
+            if fut is not None and not fut.done():
+                fut.cancel()  # (on a blocked loop the cancellation lands when it turns again)
             self.server.sessions.remove(s)  # (the client's connection pool is the runner's, kept)
         try:
             return s, await self._reward(s, task, result, verifier, stats)
@@ -318,6 +464,8 @@ class AgentSource:
         self.concurrency = concurrency
         self.runner: AgentRunner | None = None
         self.front: EngineFront | None = None
+        self.totals = {"train": AgentStats(), "eval": AgentStats()}  # the run's, per stage (the end-of-run summary)
+        self.pending_eval = AgentStats()  # eval batches since `take_eval` (the trainer's eval rows)
 
     @staticmethod
     def check(spec: str, fmt: Any) -> tuple[AgentFn, ChatCodec]:
@@ -361,14 +509,46 @@ class AgentSource:
         stats = RolloutStats(gen_seconds=front.stats.gen_seconds, total_seconds=eps.stats.seconds,
                              gen_tokens=front.stats.gen_tokens, turns=eps.stats.calls)
         front.stats = EngineStats()
+        self.account(stage, eps.stats)
         return Rollouts(eps.trajectories, eps.episode_of_row, stats, eps.stats.metrics(), eps.rewards)
 
-    def close(self) -> None:
+    def account(self, stage: str, stats: AgentStats) -> None:
+        """Add a batch to the run's totals; a training batch whose every episode failed stops the run
+        (`AgentFailed`): its rewards are all 0, so nothing trains, and the next batch would fail the same way."""
+        self.totals["train" if stage == "train" else "eval"].add(stats)
+        if stage != "train":
+            self.pending_eval.add(stats)
+        elif stats.episodes and stats.failed == stats.episodes:
+            blocked = ", the agents blocked their event loop" if stats.blocked else ""
+            raise AgentFailed(f"every one of the {stats.episodes} agent episodes of this update failed "
+                              f"({stats.errors} raised, {stats.timeouts} timed out after rollout.agent_timeout_s="
+                              f"{self.limits.timeout_s:g} s{blocked}"
+                              "); the warnings above show why. The run stops (its checkpoints are kept): fix the "
+                              "agent, then start again or continue with --resume")
+
+    def take_eval(self) -> AgentStats:
+        """The eval batches' counts since the last call."""
+        out, self.pending_eval = self.pending_eval, AgentStats()
+        return out
+
+    def summary(self) -> str:
+        t = self.totals
+        return f"agent: training {t['train'].summary()}; eval {t['eval'].summary()}"
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Bounded: an agent that blocks its loop cannot hold the run's end up (AgentLoop)."""
         from rlf_envs import runtime
 
         runner, self.runner = self.runner, None
         if runner is not None:
-            runtime.run(runner.close())
+            try:
+                runtime.run(runner.close(), timeout=timeout_s)
+            except TimeoutError:
+                log.warning("closing the agent endpoint took over %.0f s; left behind", timeout_s)
+
+
+class AgentFailed(RuntimeError):
+    """Every agent episode of a training update failed: the run stops (the CLI exits 1)."""
 
 
 class AgentWorker:
@@ -475,6 +655,7 @@ class AgentWorker:
             rows.extend(eps.trajectories)
             rewards.extend(eps.rewards)
             stats.add(eps.stats)
+        self.source.account("train", stats)
         tokens = sum(sum(r.loss_mask or []) for r in rows)
         self.times.generate = self.front.stats.gen_seconds
         self.times.wall = time.perf_counter() - self._t0

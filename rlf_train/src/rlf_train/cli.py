@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in notes:
             print(f"note: {note}")
         return 0
+    from rlf_train.agent import AgentFailed
     from rlf_train.trainer import Trainer
 
     try:
@@ -165,7 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         # found before any training work: the key and the fix, on one line
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summary = trainer.run()
+    try:
+        summary = trainer.run()
+    except KeyboardInterrupt:  # Ctrl-C: the engine and agents are closed (bounded); checkpoints are atomic
+        print(f"\ninterrupted; checkpoints written so far are complete: continue with --resume {trainer.run_dir}",
+              file=sys.stderr)
+        return 130
+    except AgentFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     last = summary["evals"][-1] if summary["evals"] else {}
     first = summary["evals"][0] if summary["evals"] else {}
     parts = [f"{label} {first[key]:.3f} -> {last[key]:.3f}"

@@ -251,6 +251,8 @@ class Trainer:
             params = SamplingParams(temperature=temp, top_p=1.0,
                                     max_new_tokens=self.cfg.rollout.max_new_tokens_per_turn)
             gen = torch.Generator().manual_seed(10_000 + self.cfg.seed)  # same eval samples at every eval
+            if self.agent is not None:
+                self.agent.take_eval()
             trajs: list[Trajectory] = []
             rewards: list[float] = []
             for s in range(0, n_tasks, envs.num_envs):
@@ -262,6 +264,7 @@ class Trainer:
             st = episode_stats(trajs)
             if self.agent is not None:  # rows are segments: success and reward are per episode
                 st.update(reward_stats(rewards))
+                st.update(self.agent.take_eval().metrics())  # errors, timeouts, ... of these eval episodes
             result[mode] = st
             result[f"success_{mode}"] = st["success_rate"]
         return result
@@ -275,6 +278,9 @@ class Trainer:
             if mode in res:
                 rec[f"reward_{mode}"] = res[mode]["reward_mean"]
                 rec[f"search_rate_{mode}"] = res[mode]["search_rate"]
+                for k in ("agent_errors", "agent_timeouts", "agent_no_reward", "agent_breaks", "agent_blocked"):
+                    if k in res[mode]:
+                        rec[f"{k}_{mode}"] = res[mode][k]
         self.logger.log(rec)
         parts = [f"{k}={v:.3f}" for k, v in rec.items() if k.startswith("success_")]
         progress.print(f"[eval step {res['step']}] " + " ".join(parts))
@@ -661,6 +667,8 @@ class Trainer:
                 self._run_stages(progress)
             finally:  # rollout.engine vllm: the engine may have started in any stage that rolls out
                 self.close_engine()
+                if self.agent is not None:  # how the agent's episodes went, failures included (also on Ctrl-C)
+                    progress.print(self.agent.summary())
         self.logger.close()
         plot_reward_curve(self.run_dir)
         summary = {"run_dir": str(self.run_dir), "seconds": time.perf_counter() - t0, "evals": self.evals}
