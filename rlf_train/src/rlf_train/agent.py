@@ -153,17 +153,20 @@ class AgentLoop:
         """Run `coro` on this loop; a `concurrent.futures.Future` of its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    async def close(self, timeout_s: float = 5.0) -> bool:
-        """Close the HTTP client on this loop and stop it, waiting at most `timeout_s` (from any loop); False if
-        the loop is blocked (the thread is then left to the process's end: a daemon, it never holds exit up)."""
+    async def close(self, timeout_s: float = 2.0) -> bool:
+        """Close the HTTP client on this loop and stop it, waiting at most `timeout_s` (from any loop; a working
+        loop takes milliseconds); False if the loop is blocked: its thread is then left to the process's end (a
+        daemon, it never holds exit up) and the loop stops if it ever turns again."""
         http, self.http = self.http, None
-        if self.thread.is_alive() and self.stalled_s() < BLOCKED_S:
-            if http is not None:
+        if self.thread.is_alive():
+            async def shut() -> None:
                 try:
-                    await asyncio.wait_for(asyncio.wrap_future(self.submit(http.aclose())), timeout_s)
-                except Exception:  # (TimeoutError included: a client that fails to close is only garbage)
-                    pass
-            self.loop.call_soon_threadsafe(self.loop.stop)
+                    if http is not None:
+                        await http.aclose()
+                finally:
+                    asyncio.get_running_loop().stop()
+
+            self.submit(shut())
             await asyncio.to_thread(self.thread.join, timeout_s)
         return not self.thread.is_alive()
 
@@ -485,7 +488,6 @@ class AgentSource:
 
     def collect(self, stage: str, task_indices: Sequence[int], params: Any, seed_base: int, gen: Any) -> Any:
         """One agent episode per task of `stage`'s split, in order; rows are segments (`Rollouts`)."""
-        from rlf_envs import runtime
         from rlf_train.rollout import Rollouts, RolloutStats
 
         env = self.envs[stage].envs[0]
@@ -495,7 +497,7 @@ class AgentSource:
             self.front = EngineFront(generate_batch, self.codec.stop_strings, version)
             self.runner = AgentRunner(self.agent, self.codec, self.tokenizer, self.limits, self.concurrency,
                                       self.front)
-            runtime.run(self.runner.start())
+            run_on_rlf_loop(self.runner.start())
         front = self.front
         assert front is not None
         front.set_engine(generate_batch, version)
@@ -503,7 +505,7 @@ class AgentSource:
         was_training = model.training
         model.eval()
         try:
-            eps = runtime.run(self.runner.run([env.tasks[i] for i in task_indices], env.verifier))
+            eps = run_on_rlf_loop(self.runner.run([env.tasks[i] for i in task_indices], env.verifier))
         finally:
             model.train(was_training)
         stats = RolloutStats(gen_seconds=front.stats.gen_seconds, total_seconds=eps.stats.seconds,
@@ -537,14 +539,35 @@ class AgentSource:
 
     def close(self, timeout_s: float = 60.0) -> None:
         """Bounded: an agent that blocks its loop cannot hold the run's end up (AgentLoop)."""
-        from rlf_envs import runtime
-
         runner, self.runner = self.runner, None
         if runner is not None:
             try:
-                runtime.run(runner.close(), timeout=timeout_s)
+                run_on_rlf_loop(runner.close(), timeout=timeout_s)
             except TimeoutError:
                 log.warning("closing the agent endpoint took over %.0f s; left behind", timeout_s)
+
+
+def run_on_rlf_loop(coro: Any, timeout: float | None = None) -> Any:
+    """`rlf_envs.runtime.run`, waiting in short slices: a wait on a lock is not woken by a signal that another
+    thread received, so a plain wait could hold Ctrl-C back for as long as the agents run."""
+    import concurrent.futures
+
+    from rlf_envs import runtime
+
+    fut = asyncio.run_coroutine_threadsafe(coro, runtime.get_loop())
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            left = 0.2 if deadline is None else min(0.2, deadline - time.monotonic())
+            if left <= 0:
+                raise TimeoutError
+            try:
+                return fut.result(left)
+            except concurrent.futures.TimeoutError:
+                continue
+    except BaseException:  # Ctrl-C or our timeout: do not leave the work running on the loop
+        fut.cancel()
+        raise
 
 
 class AgentFailed(RuntimeError):

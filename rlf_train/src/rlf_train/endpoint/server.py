@@ -217,7 +217,8 @@ class PolicyServer:
 
     async def start(self) -> None:
         await self.engine.start()
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        # an ended run does not wait for handlers in flight (their sessions are closed; nothing of theirs is kept)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await site.start()
