@@ -40,11 +40,22 @@ from typing import Any
 from rlf_envs.env.tokens import TokenizerAdapter
 from rlf_envs.formats.chat import ChatCodec
 from rlf_envs.rewards.base import Verifier
-from rlf_envs.types import Action, ActionKind, EndReason, Task, Trajectory, Turn, TurnStats
+from rlf_envs.types import (
+    Action,
+    ActionKind,
+    EndReason,
+    Task,
+    ToolCall,
+    ToolResult,
+    ToolStatus,
+    Trajectory,
+    Turn,
+    TurnStats,
+)
 from rlf_train.config import ConfigError
 from rlf_train.endpoint.engine import EngineFront, EngineStats
 from rlf_train.endpoint.server import PolicyServer
-from rlf_train.endpoint.sessions import BREAK_KINDS, Session, SessionLimits
+from rlf_train.endpoint.sessions import BREAK_KINDS, GenTurn, Session, SessionLimits
 
 log = logging.getLogger(__name__)
 
@@ -441,14 +452,39 @@ class AgentRunner:
             for g in seg.turns:
                 kind = ActionKind.TOOL_CALLS if g.reply.tool_calls else (
                     ActionKind.ANSWER if g.reply.answer is not None else ActionKind.INVALID)
-                turns.append(Turn(action=Action(kind, g.reply.text, answer=g.reply.answer),
-                                  stats=TurnStats(calls=len(g.reply.tool_calls)), action_span=g.span,
-                                  policy_version=g.version, behaviour_logprobs=list(g.logprobs)))
+                calls, results = _tool_records(g)
+                turns.append(Turn(action=Action(kind, g.reply.text, calls=calls, answer=g.reply.answer),
+                                  results=results, observation=g.observation,
+                                  stats=TurnStats(calls=len(calls), errors=sum(not r.ok for r in results)),
+                                  action_span=g.span, policy_version=g.version, behaviour_logprobs=list(g.logprobs)))
             last = seg.turns[-1].reply
             out.append(Trajectory(task=s.meta, prompt=seg.prompt_text, turns=turns, answer=last.answer,
                                   end=EndReason.ANSWER, token_ids=list(seg.ids), loss_mask=list(seg.mask),
                                   reward=reward))
         return out
+
+
+#: what a call's result says when the agent sent no tool message back for it (the episode ended, or the agent
+#: ignored the call)
+NO_TOOL_MESSAGE = "(the agent sent no tool message back for this call)"
+
+
+def _tool_records(g: GenTurn) -> tuple[tuple[ToolCall, ...], list[ToolResult]]:
+    """A generation's parsed tool calls and, one per call, the tool message the agent sent back for it (matched
+    by `tool_call_id`, else in order); a call nothing came back for gets an error result saying so."""
+    calls = []
+    for c in g.reply.tool_calls:
+        value = c.args_value()
+        calls.append(ToolCall(c.name, value if isinstance(value, dict) else {"arguments": value}, c.id))
+    sent = list(g.tool_messages or [])
+    by_id = {m.tool_call_id: m for m in sent if m.tool_call_id}
+    unmatched = [m for m in sent if not m.tool_call_id or m.tool_call_id not in {c.id for c in calls}]
+    results = []
+    for c in calls:
+        m = by_id.pop(c.id, None) or (unmatched.pop(0) if unmatched else None)
+        results.append(ToolResult(c, m.content, ToolStatus.OK) if m is not None else
+                       ToolResult(c, NO_TOOL_MESSAGE, ToolStatus.ERROR))
+    return tuple(calls), results
 
 
 class AgentSource:

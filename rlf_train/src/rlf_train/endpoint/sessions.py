@@ -53,6 +53,10 @@ class GenTurn:
     version: int
     reply: Reply
     finish_reason: str
+    #: the tool messages the agent sent back for this reply's calls (None: none came back, e.g. the episode
+    #: ended here), and the text rendered after the reply when a request extended it (what the policy saw)
+    tool_messages: list[ChatMessage] | None = None
+    observation: str = ""
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Point:
     reply: Reply
     segment: Segment
     end: int  # len(segment.ids) after the reply
+    turn: GenTurn
 
 
 @dataclass
@@ -173,12 +178,19 @@ class Session:
                 self.segments.append(seg)
                 self.starts["fork"] += 1
                 prompt_base = seg.ids
+            if point.turn.tool_messages is None:  # (the first continuation of a reply records its tool results)
+                lead = next((k for k, m in enumerate(tail) if m.role != "tool"), len(tail))
+                point.turn.tool_messages, point.turn.observation = list(tail[:lead]), tail_text
             extra = self.encode(tail_text)
             seg.ids.extend(extra)
             seg.mask.extend([0] * len(extra))
             prompt = list(prompt_base)
         else:
             kind = self._break_kind(messages, tkey)
+            last = self.points[-1].turn if self.points else None
+            if last is not None and last.tool_messages is None and last.reply.tool_calls:
+                ids = {c.id for c in last.reply.tool_calls}  # its results, sent back in a rewritten history
+                last.tool_messages = [m for m in messages if m.role == "tool" and m.tool_call_id in ids]
             text = self.codec.render(messages, tools)
             ids = self.encode(text)
             seg = Segment(kind, list(ids), [0] * len(ids), text)
@@ -208,8 +220,9 @@ class Session:
         if len(lps) != len(ids):
             raise RuntimeError(f"the engine returned {len(lps)} log-probs for {len(ids)} tokens")
         reply = self.codec.parse_reply(text, call_id=f"call_{self.id[:8]}_{self.calls}")
-        seg.turns.append(GenTurn((start, len(seg.ids)), lps, version, reply, finish_reason))
-        self.points.append(Point(prep.messages, prep.tools_key, reply, seg, len(seg.ids)))
+        turn = GenTurn((start, len(seg.ids)), lps, version, reply, finish_reason)
+        seg.turns.append(turn)
+        self.points.append(Point(prep.messages, prep.tools_key, reply, seg, len(seg.ids), turn))
         return reply
 
     def abandon(self, prep: Prepared) -> None:
