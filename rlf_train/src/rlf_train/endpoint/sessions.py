@@ -105,6 +105,52 @@ def request_key(messages: Sequence[ChatMessage], tools: str, max_tokens: int | N
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+class PromptCache:
+    """A conversation's first prompt ids, with the system + tools block tokenised once per (system, tools) key.
+
+    Every session of a run tends to start with the same system message and tools (in the Qwen3 template, one
+    block before the first user turn) and tokenising it is most of a new session's cost. The block is the text
+    before the rendered conversation's second `<|im_start|>`; the rest starts with that special token, where
+    the tokenizer splits its input, so `encode(block) + encode(rest) == encode(text)`. That is checked for each
+    key on its first use against the whole text's ids (a tokenizer for which it does not hold is never cut
+    there), and a conversation uses the cut only when its text starts with the key's block: the ids are always
+    exactly `encode(text)`."""
+
+    def __init__(self, codec: ChatCodec, encode: Any, max_keys: int = 256) -> None:
+        self.codec = codec
+        self.encode = encode
+        self.max_keys = max_keys
+        self.blocks: OrderedDict[tuple[str | None, str], tuple[str, list[int]] | None] = OrderedDict()
+        self.hits = 0
+
+    def ids(self, text: str, messages: Sequence[ChatMessage], tkey: str) -> list[int]:
+        """`encode(text)` for `text = codec.render(messages, tools)` (tools serialised as `tkey`)."""
+        from rlf_envs.formats.qwen3 import IM_START
+
+        system = messages[0].content if messages and messages[0].role == "system" else None
+        if not self.codec.qwen3 or (system is None and tkey == "[]"):
+            return list(self.encode(text))
+        key = (system, tkey)
+        if key in self.blocks:
+            self.blocks.move_to_end(key)
+            got = self.blocks[key]
+            if got is not None and text.startswith(got[0]) and text.startswith(IM_START, len(got[0])):
+                self.hits += 1
+                return got[1] + list(self.encode(text[len(got[0]):]))
+            return list(self.encode(text))
+        ids = list(self.encode(text))
+        cut = text.find(IM_START, 1)
+        entry: tuple[str, list[int]] | None = None
+        if cut > 0:
+            block = list(self.encode(text[:cut]))
+            if ids[:len(block)] == block and ids[len(block):] == list(self.encode(text[cut:])):
+                entry = (text[:cut], block)
+        self.blocks[key] = entry
+        while len(self.blocks) > self.max_keys:
+            self.blocks.popitem(last=False)
+        return ids
+
+
 @dataclass
 class SessionLimits:
     max_total_tokens: int  # a segment's ids (prompt + generated) never exceed this
@@ -117,10 +163,12 @@ class Session:
     """One episode's conversation state; see the module docstring. Created and closed by the rollout source;
     the endpoint calls `prepare` / `commit`."""
 
-    def __init__(self, sid: str, codec: ChatCodec, encode: Any, limits: SessionLimits, meta: Any = None) -> None:
+    def __init__(self, sid: str, codec: ChatCodec, encode: Any, limits: SessionLimits, meta: Any = None,
+                 prompts: PromptCache | None = None) -> None:
         self.id = sid
         self.codec = codec
         self.encode = encode  # text -> ids (no special tokens added; the rlf TokenizerAdapter)
+        self.prompts = prompts  # a new segment's prompt ids (shared by the store's sessions; `SessionStore.add`)
         self.limits = limits
         self.meta = meta  # the rollout source's own (task, group, ...)
         self.key = "rlf-" + secrets.token_urlsafe(18)  # the API key that also names this session
@@ -192,7 +240,7 @@ class Session:
                 ids = {c.id for c in last.reply.tool_calls}  # its results, sent back in a rewritten history
                 last.tool_messages = [m for m in messages if m.role == "tool" and m.tool_call_id in ids]
             text = self.codec.render(messages, tools)
-            ids = self.encode(text)
+            ids = self.prompts.ids(text, messages, tkey) if self.prompts is not None else self.encode(text)
             seg = Segment(kind, list(ids), [0] * len(ids), text)
             self.segments.append(seg)
             self.starts[kind] += 1
@@ -276,8 +324,16 @@ class SessionStore:
         self.by_key: dict[str, Session] = {}
         self.closed: OrderedDict[str, None] = OrderedDict()  # ids and keys of ended sessions (410, not 404)
         self.remember_closed = remember_closed
+        self.prompt_caches: dict[tuple[int, Any], PromptCache] = {}  # per (codec, encode) of the sessions
 
     def add(self, s: Session) -> None:
+        if s.prompts is None:  # the sessions of one codec and tokenizer share their system + tools blocks
+            cache = self.prompt_caches.get((id(s.codec), s.encode))
+            if cache is None or cache.codec is not s.codec:
+                if len(self.prompt_caches) >= 16:  # (sessions given encoders of their own: nothing to share)
+                    self.prompt_caches.clear()
+                cache = self.prompt_caches[(id(s.codec), s.encode)] = PromptCache(s.codec, s.encode)
+            s.prompts = cache
         self.by_id[s.id] = s
         self.by_key[s.key] = s
 
