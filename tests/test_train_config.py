@@ -121,3 +121,30 @@ def test_module_help() -> None:
     r = subprocess.run([sys.executable, "-m", "rlf_train", "--help"], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0 and "--config" in r.stdout and "--resume" in r.stdout and "--dry-run" in r.stdout
+
+
+def test_rl_starts_from_an_existing_sft_checkpoint(tmp_path: Path) -> None:
+    """docs/guides/own-agent.md: `model.name_or_path: RUN/checkpoints/sft` with `sft.enabled: false` starts RL from
+    exactly the SFT checkpoint's weights and tokenizer, without running the SFT stage again."""
+    import torch
+    from test_train_signal import parity_cfg
+
+    from rlf_train.model import load_tokenizer
+    from rlf_train.trainer import Trainer
+
+    sft_run = Trainer(parity_cfg(tmp_path / "sft", 0, ["sft.enabled=true", "sft.steps=3", "sft.num_demos=4",
+                                                       "sft.lr=0.05", "eval.before_rl=false"]))
+    sft_run.run()
+    ckpt = tmp_path / "sft" / "checkpoints" / "sft"
+    cfg = parity_cfg(tmp_path / "rl", 1, [f"model.name_or_path={ckpt}", "sft.enabled=false"])
+    rl = Trainer(cfg)
+    assert not rl.demos  # no SFT stage
+    want = sft_run.model.state_dict()
+    got = rl.model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k].to(got[k].device)) for k in want)
+    text = "<|im_start|>user\nName item 3<|im_end|>"
+    assert load_tokenizer(cfg.model).encode(text) == sft_run.tokenizer.encode(text)
+    fresh = Trainer(parity_cfg(tmp_path / "fresh", 1, ["sft.enabled=false"]))
+    assert any(not torch.equal(fresh.model.state_dict()[k], want[k]) for k in want)  # (SFT moved the weights)
+    rl.run()
+    assert (tmp_path / "rl" / "checkpoints" / "step_1").is_dir()

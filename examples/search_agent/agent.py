@@ -1,7 +1,11 @@
 """The quickstart's search task as a plain OpenAI-SDK agent: no rlf env, its own search function.
 
-Trained unmodified through rlf's policy endpoint (`rollout.agent`, see config.yaml beside this file):
-    python -m rlf_train --config examples/search_agent/config.yaml
+Trained unmodified through rlf's policy endpoint (`rollout.agent`, docs/guides/own-agent.md), on the
+quickstart's config with the agent swapped in (`tox -e agent-example` runs exactly this; it needs the trainer's
+`agents` extra, `pip install -e ./rlf_envs -e './rlf_train[agents]'`):
+    python -m rlf_train --config configs/quickstart.yaml --set rollout.agent=examples/search_agent/agent.py:agent
+It asks with the env's own prompt (`Question: ...`), tool name (`search`) and result text (`Doc 1(Title: ...)`):
+the quickstart's policy is warm-started from scratch on the env's demos and knows nothing else.
 The same code runs against any OpenAI-compatible server (a vLLM server with a Search-R1-style model).
 """
 
