@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -77,3 +78,59 @@ def _tiny_base(tr: Trainer) -> dict[str, torch.Tensor]:
     """The frozen base the run's adapter sits on (the policy's weights with the adapter off)."""
     return {lora._hf_name(k): v.detach() for k, v in tr.model.get_base_model().state_dict().items()
             if ".lora_" not in k}
+
+
+class RecordingLLM:
+    """A stand-in for `vllm.LLM` at the boundary `VllmRollout.sync` calls: records what it is sent."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[int]:
+        state = torch.load(args[0], map_location="cpu", weights_only=True)  # what every worker reads
+        self.calls.append(("collective_rpc", method, state))
+        return [len(state)]
+
+    def reset_prefix_cache(self) -> bool:
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+def test_the_vllm_reload_sends_the_merged_policy_under_plain_names(tmp_path: Path) -> None:
+    from rlf_train.vllm_engine import VllmRollout, VllmWorkerExtension
+
+    plain = _tiny()
+    base = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+    engine = object.__new__(VllmRollout)  # the engine as built from the policy before RL, with vLLM stood in
+    engine.work_dir, engine.timeout_s, engine.procs, engine.version, engine.reloads = tmp_path, 60.0, [], 0, 0
+    engine.shapes = {k: tuple(v.shape) for k, v in lora.hf_state(plain).items()}
+    engine.llm = llm = RecordingLLM()
+    policy = lora.attach(plain, LoraConfig(rank=RANK, alpha=ALPHA), seed=0)
+    _perturb(policy)
+    engine.sync(policy, 1)
+    assert [c[:2] for c in llm.calls] == [("collective_rpc", "rlf_reload_state_file"), ("reset_prefix_cache",)]
+    sent = llm.calls[0][2]
+    assert set(sent) == set(engine.shapes)  # the plain transformers names: no base_layer, no lora_ tensors
+    adapter = {k: v.detach() for k, v in policy.named_parameters() if ".lora_" in k}
+    want = _by_hand(base, adapter)
+    assert want and all(torch.allclose(sent[k], v, atol=1e-6) for k, v in want.items())
+    assert all(torch.equal(sent[k], base[k]) for k in sent if k not in want)  # the rest: the frozen base
+    assert engine.version == 1 and not (tmp_path / "weights.pt").exists()
+    engine.sync(policy, 1)  # the version it holds: nothing sent
+    assert len(llm.calls) == 2
+    # the worker side reads that file into vLLM's runner in checkpoint format
+    got: dict[str, Any] = {}
+
+    class Runner:
+        def reload_weights(self, weights_iterator: Any, is_checkpoint_format: bool) -> None:
+            got.update(dict(weights_iterator), fmt=is_checkpoint_format)
+
+        def get_model(self) -> Any:
+            return object()
+
+    worker = VllmWorkerExtension()
+    worker.model_runner = Runner()
+    path = tmp_path / "w.pt"
+    torch.save(sent, path)
+    assert worker.rlf_reload_state_file(str(path)) == len(sent)
+    assert got.pop("fmt") is True and set(got) == set(sent)

@@ -356,8 +356,12 @@ class PolicyServer:
         base = {"id": payload["id"], "object": "chat.completion.chunk", "created": payload["created"],
                 "model": payload["model"]}
 
+        usage = bool((req.stream_options or {}).get("include_usage"))
+
         async def send(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> None:
             chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+            if usage:  # OpenAI's shape: every chunk has `usage` (null but in the last, choice-less, chunk)
+                chunk["usage"] = None
             await resp.write(f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode())
 
         await send({"role": "assistant", "content": ""})
@@ -370,7 +374,7 @@ class PolicyServer:
                                         "function": {"name": c["function"]["name"], "arguments": ""}}]})
             await send({"tool_calls": [{"index": k, "function": {"arguments": c["function"]["arguments"]}}]})
         await send({}, choice["finish_reason"])
-        if (req.stream_options or {}).get("include_usage"):
+        if usage:
             await resp.write(f"data: {json.dumps({**base, 'choices': [], 'usage': payload['usage']})}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
