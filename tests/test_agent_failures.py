@@ -157,3 +157,17 @@ def test_an_agents_own_reward_is_taken_whatever_its_value(result: Any, reward: f
 
     eps = run_agent(agent)
     assert eps.rewards == [reward] and eps.stats.errors == eps.stats.no_reward == 0
+
+
+def test_failure_lines_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    from rlf_train.agent import _Reporter
+
+    rep = _Reporter(every_s=0.2)
+    for k in range(50):
+        rep.report("timeout", "episode %d timed out", k)
+    rep.report("error", "episode raised")  # another kind has its own budget
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["episode 0 timed out", "episode raised"]
+    time.sleep(0.3)
+    rep.report("timeout", "episode %d timed out", 50)
+    assert caplog.records[-1].getMessage() == "episode 50 timed out (and 49 more since the last such line)"
