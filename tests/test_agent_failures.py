@@ -171,3 +171,18 @@ def test_failure_lines_are_rate_limited(caplog: pytest.LogCaptureFixture) -> Non
     time.sleep(0.3)
     rep.report("timeout", "episode %d timed out", 50)
     assert caplog.records[-1].getMessage() == "episode 50 timed out (and 49 more since the last such line)"
+
+
+def test_a_synchronous_client_inside_an_async_agent_still_gets_its_answers() -> None:
+    """A synchronous framework called straight from `async def` (the sync `openai` client here) blocks the
+    agents' loop while it waits, but the endpoint runs on rlf's loop, so its calls are answered (with the agents
+    on the endpoint's loop this deadlocked until the client's own timeout)."""
+    import openai
+
+    async def sync_inside(task: Task, client: Any) -> None:
+        c = openai.OpenAI(base_url=str(client.base_url), api_key=client.api_key, max_retries=0, timeout=10)
+        c.chat.completions.create(model=client.model, messages=[{"role": "user", "content": task.question}])
+        return None  # the last reply's <answer> is scored
+
+    eps = run_agent(sync_inside)
+    assert eps.rewards == [1.0] and eps.stats.errors == eps.stats.timeouts == 0 and eps.stats.calls == 1
