@@ -75,8 +75,10 @@ async def agent(task, client):
     cfg.write_text(dump_config(agent_cfg(run, [f"rollout.agent={agent}:agent", "rollout.agent_timeout_s=600",
                                                "eval.before_rl=false", "algorithm.steps=1"])))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    # (SIGINT reset to its default in the child: a shell's background job, as tox may be, inherits it ignored)
     proc = subprocess.Popen([sys.executable, "-m", "rlf_train", "--config", str(cfg)], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
