@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import torch
 from agent_support import SEARCH_TOOL, ScriptedEngine, running_endpoint, tool_result
 
 from rlf_envs.adapters.episode import Generation
@@ -213,3 +214,42 @@ def test_every_waiting_request_is_served_within_its_batch_window() -> None:
     waits = asyncio.run(main())
     assert len(waits) == 9 and sum(sizes) == 9 and max(sizes) <= 4
     assert len(sizes) >= 3  # 4, then the overflow and the late ones (up to 4 per batch)
+
+
+def test_the_async_agent_worker_labels_with_the_weights_it_loaded() -> None:
+    """`AgentWorker._refresh` (run on the engine's thread before each batch) returns the version of the weights it
+    loaded into the engine's model: when the learner publishes again right after the load, the label stays the
+    loaded version (a label that is newer, even within the staleness bound, is wrong)."""
+    from rlf_train.agent import AgentWorker
+    from rlf_train.async_rollout import WeightStore
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+    learner, engine_model = Model(), Model()
+    store = WeightStore()
+    worker = object.__new__(AgentWorker)
+    worker.store, worker.model, worker.version = store, engine_model, -1
+
+    def publish(v: int) -> None:
+        with torch.no_grad():
+            learner.w.fill_(float(v))
+        store.publish(v, learner)
+
+    publish(0)
+    assert worker._refresh() == 0 and engine_model.w.item() == 0.0
+    publish(1)
+    real_newer_than = store.newer_than
+
+    def newer_than_then_publish(version: int) -> Any:  # the learner publishes 2 while version 1 is being loaded
+        got = real_newer_than(version)
+        publish(2)
+        return got
+
+    store.newer_than = newer_than_then_publish  # type: ignore[method-assign]
+    assert worker._refresh() == 1 and engine_model.w.item() == 1.0  # loaded 1, labelled 1 (not 2)
+    store.newer_than = real_newer_than  # type: ignore[method-assign]
+    assert worker._refresh() == 2 and engine_model.w.item() == 2.0
+    assert worker._refresh() == 2  # nothing newer: the weights it holds
