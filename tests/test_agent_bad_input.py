@@ -96,6 +96,14 @@ def test_the_reported_three_get_openai_shaped_400s(ep: Endpoint) -> None:
         well_formed_still_served(ep)
 
 
+def test_other_unparseable_bodies_are_400s(ep: Endpoint) -> None:
+    for raw in (b"", b"{", b"\xff\xfe{}", b'{"messages": [], "n": ' + b"1" * 5000 + b"}", b"\xed\xa0\x80",
+                b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}'):
+        status, got = post(ep, None, raw=raw)
+        assert status == 400 and got["error"]["code"] == "invalid_json", (raw[:40], got)
+    well_formed_still_served(ep)
+
+
 @pytest.mark.parametrize("n", [0, -1])
 def test_n_below_one_is_refused_like_openai(ep: Endpoint, n: int) -> None:
     status, got = post(ep, {"messages": QUESTION, "n": n})

@@ -87,7 +87,7 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
         body = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of over 4300 digits
         raise SessionError(400, "invalid_json", f"the body is not JSON: {e}") from None
     except RecursionError:
         raise SessionError(400, "invalid_json", "the body is nested too deeply to parse") from None
