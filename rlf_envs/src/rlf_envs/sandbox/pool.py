@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import struct
 import subprocess
@@ -41,6 +40,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlf_envs.sandbox import cleanup
 from rlf_envs.sandbox._supervisor import CONFINED, DIRECT, PLAIN
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class DirectLease:
 
 def _remove_dir(base_dir: str, owner: int) -> None:
     if os.getpid() == owner:  # not from a forked copy of the trainer exiting: the dirs are its parent's
-        shutil.rmtree(base_dir, ignore_errors=True)
+        cleanup.discard(base_dir)  # renamed away now, deleted in the background (never raises)
 
 
 def _shutdown(proc: subprocess.Popen[bytes], ctrl: socket.socket, base_dir: str, owner: int) -> None:
@@ -124,6 +124,7 @@ class SandboxPool:
         self.preload = tuple(preload)
         self.python = python or sys.executable
         self.direct = direct
+        cleanup.sweep_once(tempfile.gettempdir())  # what a killed trainer's pool left (its trash; see cleanup)
         self.base_dir = tempfile.mkdtemp(prefix="rlf_pool_")
         os.chmod(self.base_dir, 0o711)  # run uids traverse to their own work dir, list nothing
         self._lock = threading.Lock()

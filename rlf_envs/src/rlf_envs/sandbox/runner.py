@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import struct
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.sandbox import cleanup
 from rlf_envs.sandbox._supervisor import DIRECT_READY, DIRECT_UNCONFINED
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult
 from rlf_envs.sandbox.pool import DirectLease, Lease, PoolUnavailable, SandboxPool, default_pool
@@ -75,18 +75,20 @@ class SandboxDir:
             os.chown(self.path, self.uid, self.uid)
 
     def write(self, name: str, text: str) -> None:
-        """Write a file the run can read but not replace before we read it back (owned by us, 0644)."""
+        """Write a file the run can read but not replace before we read it back (owned by us, 0644). Whatever the
+        code left at that name (a directory tree, a symlink, a fifo) is moved out of the run's reach first and
+        removed in the background (`cleanup.discard`): never written through, never a wait on its size."""
         p = self.path / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.is_symlink() or p.exists():
-            p.unlink()  # the code may have left a symlink here: never write through it
+        if os.path.lexists(p):
+            cleanup.discard(p, into=self.root)  # beside the work dir, where no run looks
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
 
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Gone from its place at once (a rename); its content is deleted by a background reaper
+        (`rlf_envs.sandbox.cleanup`), so whatever a run left there costs the caller nothing and never raises."""
+        cleanup.discard(self.root)
 
     def __enter__(self) -> SandboxDir:
         return self
