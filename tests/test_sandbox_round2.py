@@ -19,7 +19,6 @@ import socket
 import textwrap
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -27,8 +26,16 @@ import pytest
 
 import rlf_envs  # noqa: F401 - registers the ids
 from rlf_envs import runtime
-from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxPool, SandboxResult, cleanup, default_pool, run_python
-from rlf_envs.sandbox import run_tests
+from rlf_envs.sandbox import (
+    SandboxDir,
+    SandboxLimits,
+    SandboxPool,
+    SandboxResult,
+    cleanup,
+    default_pool,
+    run_python,
+    run_tests,
+)
 from rlf_envs.types import Task
 
 pytestmark = [pytest.mark.envs, pytest.mark.timeout(300)]
@@ -147,3 +154,110 @@ def test_a_hostile_episode_does_not_break_the_vector_batch() -> None:
     assert all(d is not None and not d.root.exists() for d in dirs)
     venv.close()
     assert cleanup.flush(120)
+
+
+# --------------------------------------------------------------------------------- item 3: socket families
+
+#: families a run never needs (the network namespace isolates AF_INET/AF_INET6; AF_UNIX is local to the run):
+#: AF_VSOCK reaches the hypervisor and was shared by concurrent runs, the rest are kernel attack surface
+REFUSED_FAMILIES = {"AF_AX25": 3, "AF_APPLETALK": 5, "AF_X25": 9, "AF_KEY": 15, "AF_NETLINK": 16, "AF_PACKET": 17,
+                    "AF_RDS": 21, "AF_PPPOX": 24, "AF_LLC": 26, "AF_CAN": 29, "AF_TIPC": 30, "AF_BLUETOOTH": 31,
+                    "AF_IEEE802154": 36, "AF_ALG": 38, "AF_NFC": 39, "AF_VSOCK": 40, "AF_QIPCRTR": 42, "AF_SMC": 43,
+                    "AF_XDP": 44, "AF_MCTP": 45, "AF_MAX_PLUS": 200}
+
+SOCKET_PROBE = textwrap.dedent("""
+    import ctypes, errno, json, os, socket
+    libc = ctypes.CDLL(None, use_errno=True)
+    out = {}
+    for name, fam in FAMILIES.items():
+        seen = set()
+        for typ in (socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.SOCK_RAW, socket.SOCK_SEQPACKET):
+            fd = libc.syscall(41, fam, typ, 0)  # socket(2) itself, not through Python's module
+            seen.add(0 if fd >= 0 else ctypes.get_errno())
+            if fd >= 0:
+                os.close(fd)
+            pair = (ctypes.c_int * 2)()
+            r = libc.syscall(53, fam, typ, 0, pair)  # socketpair(2)
+            seen.add(0 if r == 0 else ctypes.get_errno())
+        try:
+            socket.socket(fam, socket.SOCK_DGRAM).close()
+            seen.add(0)
+        except OSError as e:
+            seen.add(e.errno)
+        out[name] = sorted(seen)
+    a, b = socket.socketpair()  # AF_UNIX: what a run does need
+    a.send(b"ok")
+    out["unix_pair"] = b.recv(2).decode()
+    for fam in (socket.AF_INET, socket.AF_INET6):
+        socket.socket(fam, socket.SOCK_STREAM).close()
+    out["inet"] = "ok"
+    params = (ctypes.c_uint32 * 30)()
+    r = libc.syscall(425, 8, params)  # io_uring_setup: its IORING_OP_SOCKET would pass by socket(2)
+    out["io_uring"] = 0 if r >= 0 else ctypes.get_errno()
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe uses x86_64 syscall numbers")
+def test_only_the_socket_families_a_run_needs_can_be_opened(pool: SandboxPool | bool) -> None:
+    import errno
+    import json
+
+    r = run(f"FAMILIES = {REFUSED_FAMILIES!r}\n" + SOCKET_PROBE, pool)
+    out = json.loads(r.stdout)
+    assert "socket_families" in r.guards, r.missing_guards
+    assert out.pop("unix_pair") == "ok" and out.pop("inet") == "ok"
+    assert out.pop("io_uring") in (errno.ENOSYS, errno.EPERM)
+    bad = {name: seen for name, seen in out.items() if seen != [errno.EAFNOSUPPORT]}
+    assert bad == {}, bad
+
+
+@pytest.mark.skipif(not hasattr(socket, "AF_VSOCK"), reason="no AF_VSOCK in this Python")
+def test_vsock_is_no_channel_between_runs_or_to_the_scoring_process(pool: SandboxPool | bool) -> None:
+    """Issue 40 item 3: concurrent runs shared the vsock port space (one's bind made the other's fail)."""
+    code = textwrap.dedent("""
+        import socket
+        try:
+            s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
+            s.bind((socket.VMADDR_CID_ANY, 41234))
+            print("bound")
+        except OSError as e:
+            print("refused", e.errno)
+    """)
+    r = run(code, pool)
+    assert r.stdout.startswith("refused 97"), r.stdout
+
+
+# ------------------------------------------------------------------ item 4: no control flow from a solution
+
+CONTROL_FLOW = ("StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt", "SystemExit")
+#: test shapes a built-in would end early (and pass) if the solution's exception arrived as StopIteration
+SHAPES = (
+    "assert all(map(f, [1, 2, 3]))",
+    "assert not any(map(f, [1, 2, 3]))",
+    "assert list(filter(f, [1, 2, 3])) == []",
+    "assert sum(map(f, [1, 2, 3])) == 0",
+    "assert next(map(f, [1]), 'default') == 'default'",
+    "assert list(zip(map(f, [1, 2]), [1, 2])) == []",
+    "def gen():\n    for x in [1, 2, 3]:\n        yield f(x)\nassert list(gen()) == []",
+    "assert [x for x in map(f, [1, 2])] == []",
+    "assert max(map(f, [1]), default=0) == 0",
+)
+
+
+@pytest.mark.parametrize("exc", CONTROL_FLOW)
+def test_a_solution_exception_is_never_control_flow_in_the_tests(pool: SandboxPool | bool, exc: str) -> None:
+    solution = f"def f(x):\n    raise {exc}('forged')\n"
+    r = asyncio.run(run_tests(solution, list(SHAPES), FAST, pool=pool))
+    assert r.test_results == (False,) * len(SHAPES), list(zip(SHAPES, r.test_results, r.test_errors, strict=True))
+    assert all(exc in e for e in r.test_errors), r.test_errors  # the original name, for the record
+
+
+def test_a_solution_iterator_still_ends_its_loop(pool: SandboxPool | bool) -> None:
+    """The iteration protocol on a solution's own object (`next()` on its iterator) still ends a loop."""
+    solution = "def evens(n):\n    return (i for i in range(0, n, 2))\nclass It:\n    def __iter__(self):\n" \
+               "        return iter([1, 2])\n"
+    tests = ["assert list(evens(7)) == [0, 2, 4, 6]", "assert sum(x for x in It()) == 3",
+             "assert all(x % 2 == 0 for x in evens(9))"]
+    r = asyncio.run(run_tests(solution, tests, FAST, pool=pool))
+    assert r.test_results == (True, True, True), r.test_errors

@@ -545,11 +545,23 @@ def _parent_gone(parent_fd: int) -> bool:
     return bool(poller.poll(0))
 
 
-#: the kernel's key management calls (add_key, request_key, keyctl) per audit arch: a seccomp filter makes them fail
-#: with EPERM in every run (`_deny_keyrings`). x32 calls are x86_64 numbers with bit 30 set (masked off below).
+#: the seccomp filter every run gets (`_seccomp`), per audit arch: the kernel's key management calls (add_key,
+#: request_key, keyctl) fail with EPERM; socket and socketpair only for SOCKET_FAMILIES (others EAFNOSUPPORT); io_uring
+#: (whose IORING_OP_SOCKET opens a socket without socket(2)) fails with ENOSYS; on i386 the multiplexed socketcall,
+#: whose arguments a filter cannot read, fails with EPERM (our interpreter is 64-bit: only an `int 0x80` gets there).
+#: x32 calls are x86_64 numbers with bit 30 set (masked off below).
 AUDIT_ARCH_X86_64, AUDIT_ARCH_I386, AUDIT_ARCH_AARCH64, AUDIT_ARCH_ARM = 0xC000003E, 0x40000003, 0xC00000B7, 0x40000028
 KEY_SYSCALLS = {AUDIT_ARCH_X86_64: (248, 249, 250), AUDIT_ARCH_I386: (286, 287, 288),
                 AUDIT_ARCH_AARCH64: (217, 218, 219), AUDIT_ARCH_ARM: (309, 310, 311)}
+#: (socket, socketpair) per arch
+SOCKET_SYSCALLS = {AUDIT_ARCH_X86_64: (41, 53), AUDIT_ARCH_I386: (359, 360), AUDIT_ARCH_AARCH64: (198, 199),
+                   AUDIT_ARCH_ARM: (281, 288)}
+SOCKETCALL_SYSCALLS = {AUDIT_ARCH_I386: (102,)}
+IO_URING_SYSCALLS = (425, 426, 427)  # io_uring_setup, _enter, _register: the same on every arch
+#: the only socket families a run may open: local sockets and IP (which its network namespace isolates). Not AF_VSOCK
+#: (not namespaced: a channel between runs and to the hypervisor), AF_NETLINK (glibc's getaddrinfo falls back without
+#: it), AF_PACKET, AF_BLUETOOTH, AF_ALG, ... (kernel attack surface a Python program does not need)
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10}
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
@@ -563,27 +575,66 @@ class _SockFprog(ctypes.Structure):
     _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
 
 
-def _keyring_filter() -> list[tuple[int, int, int, int]]:
-    """A classic BPF seccomp program: for each known arch, its three key calls return EPERM; all else is allowed."""
+def _seccomp_filter() -> list[tuple[int, int, int, int]]:
+    """The classic BPF program of `_seccomp` (see KEY_SYSCALLS): per known arch, the refused calls return their
+    errno and socket/socketpair are allowed for SOCKET_FAMILIES only (their first argument, an int: the low word);
+    all else, and every other arch, is allowed. Assembled with symbolic labels (jumps are forward only)."""
     ld_w_abs, jeq_k, alu_and_k, ret_k = 0x20, 0x15, 0x54, 0x06
-    prog: list[tuple[int, int, int, int]] = []
-    for arch, nrs in KEY_SYSCALLS.items():
-        body = [(ld_w_abs, 0, 0, 0)]  # seccomp_data.nr
+    prog: list[tuple[int, int, Any, Any]] = []  # (code, jt label, jf label, k); labels resolved below
+    labels: dict[str, int] = {}
+
+    def label(name: str) -> None:
+        labels[name] = len(prog)
+
+    def jeq(k: int, jt: str | int = 0, jf: str | int = 0) -> None:
+        prog.append((jeq_k, jt, jf, k))  # type: ignore[arg-type]
+
+    for arch in KEY_SYSCALLS:
+        a = f"a{arch}"
+        prog.append((ld_w_abs, 0, 0, 4))  # seccomp_data.arch
+        jeq(arch, 0, f"{a}_end")
+        prog.append((ld_w_abs, 0, 0, 0))  # seccomp_data.nr
         if arch == AUDIT_ARCH_X86_64:
-            body.append((alu_and_k, 0, 0, 0xBFFFFFFF))  # x32 numbers are x86_64's + 0x40000000
-        for i, nr in enumerate(nrs):
-            body.append((jeq_k, len(nrs) - i - 1 + 1, 0, nr))  # -> the EPERM return after the ALLOW
-        body += [(ret_k, 0, 0, SECCOMP_RET_ALLOW), (ret_k, 0, 0, SECCOMP_RET_ERRNO | errno.EPERM)]
-        prog += [(ld_w_abs, 0, 0, 4), (jeq_k, 0, len(body), arch), *body]  # seccomp_data.arch; else skip
-    return [*prog, (ret_k, 0, 0, SECCOMP_RET_ALLOW)]
+            prog.append((alu_and_k, 0, 0, 0xBFFFFFFF))  # x32 numbers are x86_64's + 0x40000000
+        for nr in KEY_SYSCALLS[arch] + SOCKETCALL_SYSCALLS.get(arch, ()):
+            jeq(nr, "eperm")
+        for nr in IO_URING_SYSCALLS:
+            jeq(nr, "enosys")
+        for nr in SOCKET_SYSCALLS[arch]:
+            jeq(nr, "family")
+        prog.append((ret_k, 0, 0, SECCOMP_RET_ALLOW))
+        label(f"{a}_end")
+    prog.append((ret_k, 0, 0, SECCOMP_RET_ALLOW))  # an arch we do not know
+    label("family")
+    prog.append((ld_w_abs, 0, 0, 16))  # seccomp_data.args[0], low 32 bits (little-endian)
+    for fam in SOCKET_FAMILIES.values():
+        jeq(fam, "allow")
+    prog.append((ret_k, 0, 0, SECCOMP_RET_ERRNO | errno.EAFNOSUPPORT))
+    label("allow")
+    prog.append((ret_k, 0, 0, SECCOMP_RET_ALLOW))
+    label("eperm")
+    prog.append((ret_k, 0, 0, SECCOMP_RET_ERRNO | errno.EPERM))
+    label("enosys")
+    prog.append((ret_k, 0, 0, SECCOMP_RET_ERRNO | errno.ENOSYS))
+    out: list[tuple[int, int, int, int]] = []
+    for i, (code, jt, jf, k) in enumerate(prog):
+        def off(target: str | int, i: int = i) -> int:
+            if isinstance(target, int):
+                return target
+            d = labels[target] - i - 1
+            assert 0 <= d < 256, "seccomp jump out of range"
+            return d
+
+        out.append((code, off(jt), off(jf), k) if code == jeq_k else (code, 0, 0, k))
+    return out
 
 
-def _deny_keyrings() -> None:
-    """No kernel keyring calls in the run (seccomp filter, after PR_SET_NO_NEW_PRIVS; inherited by every process
-    the code starts, kept across exec). Keys are kernel objects that outlive processes: a key added to a user
-    keyring stays until reboot, its serial is listed in /proc/keys and, with permissions opened to all, any uid
-    can read it -- a channel from one run to the next, and per-uid kernel memory that one uid per run never
-    gives back. Python code has no use for them."""
+def _seccomp() -> None:
+    """The run's seccomp filter (after PR_SET_NO_NEW_PRIVS; inherited by every process the code starts, kept across
+    exec): no kernel keyrings -- keys outlive processes, a key added to a user keyring stays until reboot, its
+    serial is listed in /proc/keys and, opened to all, any uid can read it: a channel from one run to the next, and
+    per-uid kernel memory that one uid per run never gives back; sockets of SOCKET_FAMILIES only (AF_VSOCK is not
+    isolated by the network namespace); no io_uring. Python code has no use for any of them."""
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(_seccomp_prog()), 0, 0), "seccomp")
 
 
@@ -591,10 +642,10 @@ _PROG: tuple[Any, Any] | None = None
 
 
 def _seccomp_prog() -> Any:
-    """The filter of `_deny_keyrings` as the kernel takes it; made once per process (the zygote's forks inherit it)."""
+    """The filter of `_seccomp` as the kernel takes it; made once per process (the zygote's forks inherit it)."""
     global _PROG
     if _PROG is None:
-        ins = _keyring_filter()
+        ins = _seccomp_filter()
         arr = (_SockFilter * len(ins))(*[_SockFilter(*i) for i in ins])
         _PROG = (arr, _SockFprog(len(ins), ctypes.cast(arr, ctypes.POINTER(_SockFilter))))
     return _PROG[1]
@@ -637,7 +688,7 @@ def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: i
         if uid is None and os.geteuid() != 0:
             _drop_capabilities()  # a forked worker keeps what its user namespace gave the supervisor
         _prctl(PR_SET_NO_NEW_PRIVS, 1)  # setuid binaries (su, sudo, ping) cannot regain privileges
-        _deny_keyrings()
+        _seccomp()
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it: we die -> the worker dies
         # the supervisor may have died before the line above, and then no signal ever comes: its pidfd is
         # readable once it has exited (getppid() cannot tell in a new pid namespace: it is 0 either way)
@@ -693,6 +744,8 @@ def _run_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | Non
                     "open files, no core dumps".format(**job["limits"]))
     g.ok("no_keyrings", "seccomp: add_key, request_key and keyctl fail with EPERM (no key of a run outlives it or "
                         "reaches another run)")
+    g.ok("socket_families", "seccomp: socket and socketpair only for " + ", ".join(SOCKET_FAMILIES) + " (any other "
+                            "family, AF_VSOCK and AF_NETLINK included, fails with EAFNOSUPPORT); no io_uring")
     return uid, nproc
 
 
@@ -1103,7 +1156,7 @@ class Channel:
         err = reply.get("err")
         if not (isinstance(err, list) and len(err) == 2 and all(isinstance(x, str) for x in err)):
             raise SolutionError("malformed reply from the solution's process")
-        raise _exception(err[0], err[1][:2000])
+        raise _exception(err[0], err[1][:2000], iteration=msg.get("op") == "op" and msg.get("name") == "next")
 
     def _read_line(self) -> Any:
         while True:
@@ -1134,13 +1187,31 @@ class Channel:
                 raise SolutionDied("output limit exceeded")
 
 
+#: exceptions that steer control flow: raised inside `all(map(f, xs))`, `next(it, default)`, `sum(...)`, a `for`
+#: loop or a generator, a StopIteration ends the iteration early (so `all` of nothing passes), the others unwind the
+#: harness itself. A solution's never arrives as one of them (`_exception`): it is a `SolutionRaised` instead.
+CONTROL_FLOW = frozenset({"StopIteration", "StopAsyncIteration", "GeneratorExit", "KeyboardInterrupt", "SystemExit"})
 _BUILTIN_EXC = {n: e for n, e in vars(builtins).items()
-                if isinstance(e, type) and issubclass(e, Exception) and e is not StopAsyncIteration}
+                if isinstance(e, type) and issubclass(e, Exception) and n not in CONTROL_FLOW}
 
 
-def _exception(name: str, message: str) -> BaseException:
+class SolutionRaised(SolutionError):
+    """The solution raised an exception that the tests must not see as itself (control flow, see CONTROL_FLOW);
+    `name` is its type's name, and the message starts with it."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name = name
+
+
+def _exception(name: str, message: str, iteration: bool = False) -> BaseException:
+    """The test-side exception for one the solution raised (`name`, `message`): the builtin of that name where it
+    carries no control flow, else a SolutionError. `iteration`: the reply to `next()` on a solution's iterator,
+    whose StopIteration is the iterator protocol's own end (the only place one is passed on as itself)."""
+    if iteration and name == "StopIteration":
+        return StopIteration(message)
     exc = _BUILTIN_EXC.get(name)
-    return exc(message) if exc is not None else SolutionError(f"{name}: {message}")
+    return exc(message) if exc is not None else SolutionRaised(name, message)
 
 
 def decode(v: Any, ch: Channel, depth: int = 0) -> Any:
@@ -1627,8 +1698,8 @@ def _load_sibling(name: str) -> Any:
     """A stdlib-only module of this package, loaded by path (this file runs as a bare interpreter's script)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(f"_rlf_sandbox_{name}",
-                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_rlf_sandbox_{name}", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

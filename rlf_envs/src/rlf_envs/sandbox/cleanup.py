@@ -43,8 +43,9 @@ _MNT_DETACH = 2
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _O_PATH = getattr(os, "O_PATH", 0o10000000) | os.O_NOFOLLOW | os.O_CLOEXEC
 
+_libc: ctypes.CDLL | None
 try:
-    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+    _libc = ctypes.CDLL(None, use_errno=True)
     _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 except (OSError, AttributeError):  # pragma: no cover - not Linux
     _libc = None
@@ -195,7 +196,7 @@ def remove_tree(path: str | os.PathLike[str], budget_s: float = REAP_BUDGET_S) -
         finally:
             os.close(pfd)
         return not os.path.lexists(p)
-    except Exception:  # noqa: BLE001 - whatever the tree holds, removal never raises into its caller
+    except Exception:
         return False
 
 
@@ -254,7 +255,7 @@ def discard(path: str | os.PathLike[str], into: str | os.PathLike[str] | None = 
             target = p
         _ensure_reaper()
         _queue.put(("tree", target))
-    except Exception:  # noqa: BLE001 - e.g. no thread can be started: the next sweep removes it
+    except Exception:
         pass
 
 
@@ -271,7 +272,7 @@ def sweep_once(base: str | os.PathLike[str]) -> None:
             _swept.add(key)
         _ensure_reaper()
         _queue.put(("sweep", key[1]))
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
 
 
