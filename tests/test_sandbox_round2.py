@@ -261,3 +261,86 @@ def test_a_solution_iterator_still_ends_its_loop(pool: SandboxPool | bool) -> No
              "assert all(x % 2 == 0 for x in evens(9))"]
     r = asyncio.run(run_tests(solution, tests, FAST, pool=pool))
     assert r.test_results == (True, True, True), r.test_errors
+
+
+# ------------------------------------------------------------------------- item 5: memory for the whole run
+
+#: a run that forks 4 children each holding 150 MB (touched, in 10 MB steps), and reports how many were killed
+MEMORY_HOG = textwrap.dedent("""
+    import os, signal, time
+    kids = []
+    for i in range(4):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                parts = [b"x" * (10 << 20) for _ in range(15)]
+                time.sleep(3)
+            finally:
+                os._exit(0)
+        kids.append(pid)
+    killed = 0
+    for pid in kids:
+        _, status = os.waitpid(pid, 0)
+        killed += os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    print(f"killed={killed}")
+""")
+
+
+def _pss_of_uid_mb(uid: int) -> float:
+    """The memory the processes of `uid` hold together, seen from outside (as root): the sum of their proportional
+    set sizes (a page shared by n processes counts 1/n in each; summing RSS would count the interpreter's pages that
+    the forks share once per process)."""
+    total = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{name}").st_uid != uid:
+                continue
+            with open(f"/proc/{name}/smaps_rollup") as f:
+                total += next(int(ln.split()[1]) for ln in f if ln.startswith("Pss:"))
+        except (OSError, StopIteration):
+            pass
+    return total / 1024
+
+
+def measure_memory_hog(pool: SandboxPool | bool, memory_mb: int = 256) -> tuple[SandboxResult, float]:
+    """Run MEMORY_HOG with `memory_mb`; returns its result and the peak total PSS of its processes (sampled every
+    10 ms from outside)."""
+    lim = SandboxLimits(timeout_s=30.0, cpu_s=20, memory_mb=memory_mb, max_processes=16)
+    d = SandboxDir(lim.drop_privileges)
+    assert d.uid is not None
+
+    async def go() -> tuple[SandboxResult, float]:
+        task = asyncio.ensure_future(run_python(MEMORY_HOG, "", lim, d, pool=pool))
+        peak = 0.0
+        while not task.done():
+            peak = max(peak, _pss_of_uid_mb(d.uid))  # type: ignore[arg-type]
+            await asyncio.sleep(0.01)
+        return await task, peak
+
+    try:
+        return asyncio.run(go())
+    finally:
+        d.remove()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as non-root there is no cgroup (the documented fallback) and runs share "
+                                               "our uid, so their memory cannot be told apart from outside")
+def test_the_memory_limit_holds_for_the_whole_run(pool: SandboxPool | bool) -> None:
+    """Item 5: memory_mb=256 and four children of 150 MB each: the run's processes together stay under 256 MB (the
+    kernel's OOM killer acts inside the run's cgroup); before, each process had its own 256 MB of address space."""
+    r, peak = measure_memory_hog(pool)
+    assert r.error is None, r
+    assert "memory_cgroup" in r.guards, r.missing_guards
+    print(f"peak total PSS {peak:.0f} MB, {r.stdout.strip()}")
+    assert peak <= 256 + 8, (peak, r.stdout)
+    assert r.stdout.strip() != "killed=0", r.stdout
+    assert not [n for n in _cgroup_dirs() if n.startswith(f"rlf-sbx-{os.getpid()}-")]
+
+
+def _cgroup_dirs() -> list[str]:
+    from rlf_envs.sandbox import _supervisor
+
+    where = _supervisor._probe_cgroup_parent()
+    return [] if isinstance(where, str) else [n for n in os.listdir(where[0]) if n.startswith("rlf-sbx-")]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import base64
 import builtins
+import contextlib
 import ctypes
 import errno
 import json
@@ -669,6 +670,7 @@ def _worker_preexec(job: dict[str, Any], pid_ns: bool, uid: int | None, nproc: i
     def preexec() -> None:
         if reset_signals:
             _reset_signals()
+        _join_cgroup(job)  # (before the root: the cgroup fs is outside it; before the uid: the run cannot leave it)
         if pid_ns and job.get("_new_root"):
             _enter_root(job["_new_root"], job["_root_cwd"])
         elif pid_ns:
@@ -747,6 +749,161 @@ def _run_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | Non
     g.ok("socket_families", "seccomp: socket and socketpair only for " + ", ".join(SOCKET_FAMILIES) + " (any other "
                             "family, AF_VSOCK and AF_NETLINK included, fails with EAFNOSUPPORT); no io_uring")
     return uid, nproc
+
+
+# ------------------------------------------------------------------------------------------- memory cgroup
+#
+# RLIMIT_AS bounds each process of a run, not the run: a run of N processes could hold N x memory_mb. As root, every
+# process of a run is put in a memory cgroup of its own (v2 where the memory controller is there, else v1) limited to
+# memory_mb in all (resident memory, page cache and the tmpfs pages it writes; swap included where the kernel
+# accounts it); the kernel's OOM killer acts inside it. Named `rlf-sbx-<owner pid>-<n>`: the owner (the supervisor, or
+# the zygote for a direct worker) removes it once the run's processes are gone; a dead owner's are swept when a
+# zygote starts. Without root (or a memory controller) the bound is RLIMIT_AS per process x RLIMIT_NPROC processes.
+
+CGROUP_PREFIX = "rlf-sbx-"
+#: where run cgroups are made: (directory, "v2" | "v1"), or the reason there is none; probed once per process
+_CGROUP_PARENT: tuple[str, str] | str | None = None
+#: the name of the cgroup of the next run forked here (set by the zygote before each fork; the cold path makes one)
+_CGROUP_NAME: str | None = None
+
+
+def _probe_cgroup_parent() -> tuple[str, str] | str:
+    """Where this process may make memory cgroups, or why it may not."""
+    if os.geteuid() != 0:
+        return "not root: cgroups are not delegated to this uid"
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [ln.rstrip("\n").split(":", 2) for ln in f if ln.count(":") >= 2]
+        with open("/proc/self/mountinfo") as f:
+            mounts = [ln.split() for ln in f]
+    except OSError as e:
+        return f"cannot read /proc/self/cgroup or mountinfo ({e})"
+    v2_mount = v1_mount = None
+    for m in mounts:
+        sep = m.index("-")
+        fstype, opts = m[sep + 1], m[sep + 3].split(",") if len(m) > sep + 3 else []
+        if fstype == "cgroup2" and v2_mount is None:
+            v2_mount = m[4]
+        elif fstype == "cgroup" and "memory" in opts and v1_mount is None:
+            v1_mount = m[4]
+    for hier, controllers, path in lines:
+        if hier == "0" and controllers == "" and v2_mount is not None:
+            here = os.path.normpath(v2_mount + "/" + path)
+            try:
+                with open(os.path.join(here, "cgroup.controllers")) as f:
+                    available = f.read().split()
+            except OSError:
+                continue
+            if "memory" not in available:
+                continue
+            # (no internal processes: our own cgroup holds us, so runs go beside it, in its parent)
+            parent = here if os.path.normpath(path) == "/" else os.path.dirname(here)
+            if parent == here:
+                try:
+                    with open(os.path.join(here, "cgroup.subtree_control"), "w") as f:
+                        f.write("+memory")
+                except OSError:
+                    continue
+            if os.access(parent, os.W_OK):
+                return parent, "v2"
+        if "memory" in controllers.split(",") and v1_mount is not None:
+            here = os.path.normpath(v1_mount + "/" + path)
+            if os.access(here, os.W_OK):
+                return here, "v1"
+    return "no writable memory cgroup (v2 memory controller or v1 memory hierarchy) for this process"
+
+
+def _cgroup_parent() -> tuple[str, str] | str:
+    global _CGROUP_PARENT
+    if _CGROUP_PARENT is None:
+        _CGROUP_PARENT = _probe_cgroup_parent()
+    return _CGROUP_PARENT
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _memory_cgroup(job: dict[str, Any], g: Guards) -> None:
+    """As root: make the run's memory cgroup (`job["_cgroup"]`, joined by the worker in its set-up, before it drops
+    its uid) limited to memory_mb for all its processes together. Records the guard either way."""
+    lim = job["limits"]
+    where = _cgroup_parent()
+    fallback = (f"memory_mb is RLIMIT_AS per process: the run's total is bounded by {lim['memory_mb']} MB x "
+                f"{lim['max_processes']} processes")
+    if isinstance(where, str):
+        g.no("memory_cgroup", f"{where}; {fallback}")
+        return
+    parent, version = where
+    path = os.path.join(parent, _CGROUP_NAME or f"{CGROUP_PREFIX}{os.getpid()}-0")
+    limit = str(lim["memory_mb"] << 20)
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        g.no("memory_cgroup", f"cannot make {path} ({e.strerror}); {fallback}")
+        return
+    try:
+        if version == "v2":
+            _write(os.path.join(path, "memory.max"), limit)
+            if os.path.exists(os.path.join(path, "memory.swap.max")):
+                _write(os.path.join(path, "memory.swap.max"), "0")
+        else:
+            _write(os.path.join(path, "memory.limit_in_bytes"), limit)
+            if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+                with contextlib.suppress(OSError):
+                    _write(os.path.join(path, "memory.memsw.limit_in_bytes"), limit)
+    except OSError as e:
+        _remove_cgroup(path)
+        g.no("memory_cgroup", f"cannot limit {path} ({e.strerror}); {fallback}")
+        return
+    job["_cgroup"] = path
+    g.ok("memory_cgroup", f"every process of the run is in one memory cgroup ({version}, {path}): "
+                          f"{lim['memory_mb']} MB in all (resident, page cache, tmpfs writes, swap)")
+
+
+def _join_cgroup(job: dict[str, Any]) -> None:
+    """In the worker, before it drops its uid: enter the run's cgroup (every process it starts stays in it)."""
+    if job.get("_cgroup"):
+        _write(os.path.join(job["_cgroup"], "cgroup.procs"), "0")
+
+
+def _remove_cgroup(path: str | None, wait_s: float = 0.2) -> bool:
+    """rmdir the run's cgroup once its processes are gone (the kernel refuses while any is left: retried briefly)."""
+    if not path:
+        return True
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            os.rmdir(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+
+
+def _sweep_cgroups() -> None:
+    """Remove the empty run cgroups whose owner process is gone (a supervisor or zygote that was killed)."""
+    where = _cgroup_parent()
+    if isinstance(where, str):
+        return
+    try:
+        names = [n for n in os.listdir(where[0]) if n.startswith(CGROUP_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            owner = int(name[len(CGROUP_PREFIX):].split("-", 1)[0])
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            _remove_cgroup(os.path.join(where[0], name), 0)
+        except (ValueError, PermissionError):
+            pass
 
 
 def _worker_env(workdir: str) -> dict[str, str]:
@@ -1476,6 +1633,7 @@ def main(worker_src: str | None = None) -> None:
         _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans (setsid'd grandchildren) reparent to us: we kill them
         g.ok("supervisor", "non-dumpable, child subreaper, holds the only copy of the result channel")
         uid, nproc = _run_identity(job, g)
+        _memory_cgroup(job, g)
         mem = job["limits"]["memory_mb"] << 20
         if job["mode"] == "run":
             stdin_fd = _stdin_memfd(job["stdin"])
@@ -1529,6 +1687,7 @@ def main(worker_src: str | None = None) -> None:
             result["stdout"] = w.capture.text("stdout")
             result["stderr"] = w.capture.text("stderr")
             result["output_truncated"] = w.capture.overflow
+        _remove_cgroup(job.get("_cgroup"))
         result["guards"], result["missing_guards"] = g.applied, g.missing
         os.write(out_fd, ("\n" + json.dumps(result) + "\n").encode())
 
@@ -1624,6 +1783,7 @@ def _direct_child(job_fd: int, out_w: int, err_w: int, zygote_fd: int) -> None: 
         g.ok("supervisor", "the scoring process holds the output pipes, the deadline and a pidfd; the zygote "
                            "reports the exit status; the worker holds neither")
         uid, nproc = _run_identity(job, g)
+        _memory_cgroup(job, g)
         stdin_fd = _stdin_memfd(job["stdin"])
         os.dup2(stdin_fd, 0)
         os.close(stdin_fd)
@@ -1691,6 +1851,7 @@ def _warm_up() -> None:
     with open(os.devnull, encoding="utf-8") as f:
         f.read()
     _host_snapshot()  # what each run's root copies from the host
+    _cgroup_parent()  # where runs' memory cgroups go
     _seccomp_prog()
 
 
@@ -1751,6 +1912,9 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
     if root_mount and _ROOT is None:
         _ROOT_MOUNT = root_mount  # each idle supervisor or direct worker builds it in its own namespace
     children: set[int] = set()
+    _sweep_cgroups()  # what killed supervisors and zygotes left
+    cgroups: dict[int, str] = {}  # child pid -> the cgroup name its run makes (`_memory_cgroup`)
+    forks = 0
     idle: list[tuple[int, int, int, int]] = []
     # direct workers: idle ones (pid, pidfd, the scoring process's fds, status write end); the status write end
     # and pidfd of each leased one, until we reap it
@@ -1769,6 +1933,7 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
             if pid == 0:
                 return
             children.discard(pid)
+            forget_cgroup(pid)
             for entry in [e for e in idle if e[0] == pid]:  # an idle one died (killed from outside)
                 idle.remove(entry)
                 for fd in entry[1:]:
@@ -1787,8 +1952,22 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
                     pass
                 os.close(st_w)
 
+    def next_cgroup() -> None:
+        nonlocal forks
+        global _CGROUP_NAME
+        forks += 1
+        _CGROUP_NAME = f"{CGROUP_PREFIX}{os.getpid()}-{forks}"
+
+    def forget_cgroup(pid: int) -> None:
+        name = cgroups.pop(pid, None)
+        where = _cgroup_parent()
+        if name and not isinstance(where, str):
+            _remove_cgroup(os.path.join(where[0], name), 0)
+
     def spawn(confined: bool = True) -> tuple[int, int, int, int]:
+        next_cgroup()
         entry = _spawn_supervisor(worker_src, confined)
+        cgroups[entry[0]] = str(_CGROUP_NAME)
         children.add(entry[0])
         if confined:
             idle.append(entry)
@@ -1797,12 +1976,14 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
     def spawn_direct() -> None:
         nonlocal pid_ns_fd
         assert pid_ns_fd is not None
+        next_cgroup()
         try:
             entry = _spawn_direct(pid_ns_fd)
         except OSError:  # e.g. out of pids or descriptors: supervised runs from now on
             os.close(pid_ns_fd)
             pid_ns_fd = None
             return
+        cgroups[entry[0]] = str(_CGROUP_NAME)
         children.add(entry[0])
         direct_idle.append(entry)
 
@@ -1866,6 +2047,8 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
                 os.waitpid(pid, 0)
             except ChildProcessError:
                 pass
+        for pid in list(cgroups):
+            forget_cgroup(pid)
         if root_mount:
             _libc.umount2(root_mount.encode(), MNT_DETACH)  # (ours: the host never had it mounted)
         _load_sibling("cleanup").remove_tree(base_dir)  # whatever the runs left: never raises nor recurses
