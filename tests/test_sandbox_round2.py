@@ -100,8 +100,14 @@ def test_a_correct_solution_that_builds_a_deep_tree_still_scores(pool: SandboxPo
     assert _sandbox_dirs(base) == before
 
 
+def _dir_for(pool: SandboxPool | bool, limits: SandboxLimits = FAST) -> SandboxDir:
+    """A kept work dir in the pool's base dir (as the Code env makes them), where the pool's runs see its quota."""
+    parent = pool.base_dir if isinstance(pool, SandboxPool) else None
+    return SandboxDir(limits.drop_privileges, parent=parent, disk_mb=limits.disk_mb)
+
+
 def test_a_kept_work_dir_with_a_deep_tree_is_removed_off_the_call(pool: SandboxPool | bool) -> None:
-    d = SandboxDir(FAST.drop_privileges)
+    d = _dir_for(pool)
     run(DEEP_TREE, pool, workdir=d)
     d.write("d", "a file where the run left a directory tree")  # replaces the tree: never raises
     assert (d.path / "d").read_text().startswith("a file")
@@ -308,7 +314,7 @@ def measure_memory_hog(pool: SandboxPool | bool, memory_mb: int = 256) -> tuple[
     """Run MEMORY_HOG with `memory_mb`; returns its result and the peak total PSS of its processes (sampled every
     10 ms from outside)."""
     lim = SandboxLimits(timeout_s=30.0, cpu_s=20, memory_mb=memory_mb, max_processes=16)
-    d = SandboxDir(lim.drop_privileges)
+    d = _dir_for(pool, lim)
     assert d.uid is not None
 
     async def go() -> tuple[SandboxResult, float]:
@@ -344,3 +350,55 @@ def _cgroup_dirs() -> list[str]:
 
     where = _supervisor._probe_cgroup_parent()
     return [] if isinstance(where, str) else [n for n in os.listdir(where[0]) if n.startswith("rlf-sbx-")]
+
+
+# ---------------------------------------------------------------------------------- item 2: the disk quota
+
+FILL = textwrap.dedent("""
+    import errno, os
+    written, err = 0, None
+    try:
+        for i in range(1000):
+            with open(f"big{i}", "wb") as f:
+                for _ in range(4):
+                    f.write(b"x" * (1 << 20))
+                    f.flush()
+                    written += 1
+    except OSError as e:
+        err = e.errno
+    files, ierr = 0, None
+    try:
+        for i in range(200000):
+            os.close(os.open(f"e{i}", os.O_WRONLY | os.O_CREAT, 0o600))
+            files += 1
+    except OSError as e:
+        ierr = e.errno
+    print(written, err, files, ierr)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the work dir's quota is a tmpfs mounted in the trainer's namespace")
+def test_a_run_cannot_write_past_its_work_dir_quota(pool: SandboxPool | bool) -> None:
+    """Item 2: with disk_mb=16 a run gets ENOSPC after 16 MB of data and after 16k files; what it wrote is on the
+    work dir's own tmpfs, not the host's disk, and the episode's next call still works."""
+    import errno
+
+    lim = SandboxLimits(timeout_s=60.0, cpu_s=30, file_mb=4, disk_mb=16)
+    d = _dir_for(pool, lim)
+    try:
+        assert d.quota[0], d.quota
+        r = run(FILL, pool, lim, workdir=d)
+        assert r.guards.get("disk_quota"), r.missing_guards
+        written, err, files, ierr = r.stdout.split()
+        assert int(written) <= 16 and int(err) == errno.ENOSPC, r.stdout
+        assert int(files) <= 16 * 1024 and int(ierr) == errno.ENOSPC, r.stdout
+        assert os.stat(d.path).st_dev != os.stat(d.root.parent).st_dev  # its own filesystem, not the host's
+        st = os.statvfs(d.path)
+        assert st.f_blocks * st.f_frsize <= 16 << 20
+        # the episode's next call: the trainer cannot write the script into the full work dir; an error result for
+        # this episode, never an exception
+        again = asyncio.run(run_python("print('still here')", "", lim, d, pool=pool))
+        assert again.stdout.strip() == "still here" or "quota" in str(again.error), again
+    finally:
+        d.remove()
+    assert cleanup.flush(120)

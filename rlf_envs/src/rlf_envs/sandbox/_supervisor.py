@@ -38,7 +38,7 @@ CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MS_BIND, MS_REC, MS_PRIVATE, MS_SLAVE = 4096, 16384, 1 << 18, 1 << 19
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NAME, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 4, 15, 36, 38
 PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 #: the run's root filesystem (`_make_root`): a read-only tmpfs holding read-only binds of the system's programs and
@@ -284,12 +284,28 @@ def _root_flags(extra: int) -> int:
     return MS_REMOUNT | MS_NOSUID | (0 if os.geteuid() == 0 else MS_NODEV) | extra
 
 
-def build_root(r: str, python_dirs: list[str]) -> frozenset[str]:
+def _private_except(keep: str) -> None:
+    """In our new mount namespace: nothing propagates out, and nothing in, except below `keep` (a shared mount of the
+    host: `quota.share`), which becomes a slave: mounts the trainer makes there later (the work dirs' tmpfs) appear
+    here and in every namespace copied from ours, never the other way round."""
+    _mount(None, "/", None, MS_REC | MS_SLAVE)
+    with open("/proc/self/mountinfo") as f:
+        points = [ln.split()[4].encode().decode("unicode_escape") for ln in f]
+    for p in points:
+        if not _under(p, [keep]):
+            with contextlib.suppress(OSError):
+                _mount(None, p, None, MS_PRIVATE)
+
+
+def build_root(r: str, python_dirs: list[str], keep_slave: str | None = None) -> frozenset[str]:
     """In our new mount namespace: build what every run's root has (see NEW_ROOT) at `r`, an existing directory,
     and make it read-only. Returns the interpreter directories bound in it. The per-run part (the scratch tmpfs,
     the work dir, hidden paths) is `_make_root`'s. On failure whatever was mounted is detached and the error
-    raised."""
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    raised. `keep_slave`: a directory whose mounts keep coming in from the host (`_private_except`)."""
+    if keep_slave:
+        _private_except(keep_slave)
+    else:
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)
     system = _system_dirs()
     dirs = [p for p in python_dirs if p != "/" and not _under(p, system)]
     keep_fds: dict[str, int] = {}
@@ -1906,7 +1922,7 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
         # direct worker we fork copies it when it makes its own (no mount of it on a run's path, nor idle)
         try:
             _check(_libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
-            _ROOT, _SHARED = (root_mount, build_root(root_mount, _own_python_dirs())), True
+            _ROOT, _SHARED = (root_mount, build_root(root_mount, _own_python_dirs(), keep_slave=base_dir)), True
         except OSError:
             _ROOT, _SHARED = None, False
     if root_mount and _ROOT is None:
@@ -2051,7 +2067,10 @@ def zygote(size: int, base_dir: str, preload: list[str]) -> None:
             forget_cgroup(pid)
         if root_mount:
             _libc.umount2(root_mount.encode(), MNT_DETACH)  # (ours: the host never had it mounted)
-        _load_sibling("cleanup").remove_tree(base_dir)  # whatever the runs left: never raises nor recurses
+        _libc.umount2(base_dir.encode(), MNT_DETACH)  # our copy of the trainer's shared bind (`quota.share`)
+        # whatever the runs left: never raises nor recurses; removing a directory the trainer still has a work dir
+        # mounted on (it was killed) detaches that mount too
+        _load_sibling("cleanup").remove_tree(base_dir)
 
 
 if __name__ == "__main__":

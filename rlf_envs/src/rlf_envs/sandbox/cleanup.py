@@ -109,7 +109,7 @@ def _clear_level(fd: int, level: _Level, deadline: float) -> None:
     level.subdirs = subdirs
 
 
-def _remove_children(top_fd: int, top_path: str, deadline: float) -> None:
+def _remove_children(top_fd: int, deadline: float) -> None:
     """Empty the directory open as `top_fd`: depth first with one open descriptor at a time (a parent is reached
     again through "..", checked to be the directory we came from), so neither the stack nor the descriptor table
     grows with the depth."""
@@ -132,7 +132,7 @@ def _remove_children(top_fd: int, top_path: str, deadline: float) -> None:
                 cst = os.fstat(child)
                 if cst.st_dev != st.st_dev:  # something is mounted here (as root): detach it, then remove the dir
                     os.close(child)
-                    if len(stack) == 1 and _umount(os.path.join(top_path, name)):
+                    if _umount(f"/proc/self/fd/{fd}/{name}"):
                         level.subdirs.append(name)
                     continue
                 if fd != top_fd:
@@ -184,7 +184,7 @@ def remove_tree(path: str | os.PathLike[str], budget_s: float = REAP_BUDGET_S) -
                 if fd is None:
                     return False
             try:
-                _remove_children(fd, p, deadline)
+                _remove_children(fd, deadline)
             finally:
                 os.close(fd)
             try:

@@ -40,7 +40,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlf_envs.sandbox import cleanup
+from rlf_envs.sandbox import cleanup, quota
 from rlf_envs.sandbox._supervisor import CONFINED, DIRECT, PLAIN
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class DirectLease:
 
 def _remove_dir(base_dir: str, owner: int) -> None:
     if os.getpid() == owner:  # not from a forked copy of the trainer exiting: the dirs are its parent's
+        quota.unshare(base_dir)  # (the work dirs' tmpfs go with it)
         cleanup.discard(base_dir)  # renamed away now, deleted in the background (never raises)
 
 
@@ -127,6 +128,8 @@ class SandboxPool:
         cleanup.sweep_once(tempfile.gettempdir())  # what a killed trainer's pool left (its trash; see cleanup)
         self.base_dir = tempfile.mkdtemp(prefix="rlf_pool_")
         os.chmod(self.base_dir, 0o711)  # run uids traverse to their own work dir, list nothing
+        # as root: work dirs mounted here (their quota, `quota`) reach the zygote's namespace and its forks'
+        quota.share(self.base_dir)
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()  # a forked copy of this process must not talk on our control socket
@@ -135,6 +138,11 @@ class SandboxPool:
         self._finalizer: weakref.finalize | None = None  # type: ignore[type-arg]
         # removes base_dir even if the zygote never starts
         self._dir_finalizer = weakref.finalize(self, _remove_dir, self.base_dir, os.getpid())
+
+    @property
+    def closed(self) -> bool:
+        """close() was called: runs asked of it take the cold path, and its base dir is gone."""
+        return self._closed
 
     @property
     def zygote_pid(self) -> int | None:
