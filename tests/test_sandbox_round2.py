@@ -402,3 +402,23 @@ def test_a_run_cannot_write_past_its_work_dir_quota(pool: SandboxPool | bool) ->
     finally:
         d.remove()
     assert cleanup.flush(120)
+
+
+def test_scratch_dirs_bound_their_inodes_too(pool: SandboxPool | bool) -> None:
+    """Empty files cost no blocks but kernel memory: /tmp (4 x file_mb = 16 MB here) takes 16k inodes at most."""
+    code = textwrap.dedent("""
+        import os
+        n, err = 0, None
+        try:
+            for i in range(100000):
+                os.close(os.open(f"/tmp/e{i}", os.O_WRONLY | os.O_CREAT, 0o600))
+                n += 1
+        except OSError as e:
+            err = e.errno
+        print(n, err)
+    """)
+    r = run(code, pool)
+    if "private_tmp" not in r.guards:
+        pytest.skip(f"no private /tmp here: {r.missing_guards}")
+    n, err = r.stdout.split()
+    assert int(n) <= 16 * 1024 and err == "28", r.stdout

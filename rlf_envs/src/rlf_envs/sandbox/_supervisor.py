@@ -157,7 +157,7 @@ def _make_private_mounts(job: dict[str, Any], g: Guards, workdir: str) -> None:
                   and not any(p in ds for ds in hidden.values())]
     for p in in_private:
         keep_fds.setdefault(p, os.open(p, os.O_RDONLY | os.O_DIRECTORY))
-    size = f"size={max(16, job['limits']['file_mb'] * 4)}m"
+    size = _scratch_size(job)
     for d in PRIVATE_DIRS:
         if os.path.isdir(d):
             _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
@@ -411,7 +411,7 @@ def _make_root(job: dict[str, Any], g: Guards, workdir: str) -> None:
     _ROOT, _SHARED = None, False  # one run per root (a shared one: this namespace's copy)
     dirs = [p for p in dirs if p not in bound]
     try:
-        size = f"size={max(16, job['limits']['file_mb'] * 4)}m"
+        size = _scratch_size(job)
         for d in PRIVATE_DIRS:
             _mount("tmpfs", r + d, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
         for p in dirs:
@@ -437,6 +437,13 @@ def _make_root(job: dict[str, Any], g: Guards, workdir: str) -> None:
          + "; nothing else of the host" + how)
     g.ok("private_tmp", "fresh tmpfs over " + ", ".join(PRIVATE_DIRS) + f" ({size} each); the work dir is the only "
                         "writable directory of the host")
+
+
+def _scratch_size(job: dict[str, Any]) -> str:
+    """The tmpfs options bounding each scratch dir (/tmp, /var/tmp, /dev/shm): 4 x file_mb (at least 16 MB) and 1024
+    inodes per MB (millions of empty files would be kernel memory the size limit does not count)."""
+    mb = max(16, job["limits"]["file_mb"] * 4)
+    return f"size={mb}m,nr_inodes={mb * 1024}"
 
 
 def _run_cwd(job: dict[str, Any], workdir: str) -> str:
