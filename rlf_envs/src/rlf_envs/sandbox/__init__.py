@@ -41,7 +41,7 @@ Process tree and why
   solution's interpreter: each top-level name of the solution becomes a proxy, calls send plain data to
   the worker over a pipe and plain data (JSON with type tags, decoded strictly and bounded) comes back.
   Names of builtins and stdlib modules in the tests stay the real ones whatever the solution defines (`abs`,
-  `sorted`, `math`: `_supervisor._test_namespace`).
+  `sorted`, `math`: `_harness._test_namespace`).
   So the solution cannot walk frames or `gc` to find expected values (they live in another process),
   cannot rig `builtins`, `sys.exit` or `os._exit` of the harness (exiting only fails the remaining tests),
   and cannot fake a result line: the verdict goes to the trainer on the supervisor's stdout, a pipe the

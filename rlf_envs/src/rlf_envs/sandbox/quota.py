@@ -5,7 +5,7 @@ there, the run's memory cgroup for the run's (so they count against `memory_mb` 
 
 How the runs see it: the work dir is mounted in the trainer's mount namespace, after the pool's zygote (and the idle
 supervisors and direct workers it forked) made their own. So the pool's `base_dir`, where work dirs live, is a
-shared mount of its own (`share`), and the zygote keeps it a *slave* in its namespace (`_supervisor.keep_slave`):
+shared mount of its own (`share`), and the zygote keeps it a *slave* in its namespace (`_mounts._private_except`):
 mounts made under it in the trainer's namespace appear in every namespace forked from the zygote (never the other
 way round), and are gone from them when the trainer unmounts. Unmounting a work dir frees its content at once; the
 reaper (`cleanup`) does it off the step path. A killed trainer leaves the mounts in its namespace: the zygote's

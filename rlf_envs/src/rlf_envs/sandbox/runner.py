@@ -164,7 +164,7 @@ def _kill_session(pid: int) -> None:
 
 
 def frame(obj: dict[str, Any]) -> bytes:
-    """One part of a job on the wire: 4-byte big-endian length + JSON (read by `_supervisor.read_frame`)."""
+    """One part of a job on the wire: 4-byte big-endian length + JSON (read by `_run.read_frame`)."""
     data = json.dumps(obj).encode()
     return struct.pack("!I", len(data)) + data
 
@@ -369,7 +369,7 @@ class _NotReady(Exception):
 
 async def _run_direct(lease: DirectLease, job: dict[str, Any], limits: SandboxLimits,
                       t0: float) -> SandboxResult:
-    """Run a default `run` job in a direct worker (`_supervisor._direct_child`): we hold its output pipes (capped:
+    """Run a default `run` job in a direct worker (`_zygote._direct_child`): we hold its output pipes (capped:
     overflow kills it), its wall deadline (expiry kills it) and a pidfd (SIGKILL to pid 1 of its pid namespace
     kills every process of the run); the zygote writes its wait status on `status_fd` once it has reaped it, by
     which time the kernel has killed the rest of its namespace. Raises `_NotReady` before sending the job if the
