@@ -19,6 +19,7 @@ import socket
 import textwrap
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
@@ -422,3 +423,45 @@ def test_scratch_dirs_bound_their_inodes_too(pool: SandboxPool | bool) -> None:
         pytest.skip(f"no private /tmp here: {r.missing_guards}")
     n, err = r.stdout.split()
     assert int(n) <= 16 * 1024 and err == "28", r.stdout
+
+
+KILLED_TRAINER = textwrap.dedent("""
+    import asyncio, time
+    from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxPool, run_python
+    p = SandboxPool(size=1)
+    d = SandboxDir(parent=p.base_dir)
+    code = "import os\\nfor i in range(2000):\\n    os.mkdir('d'); os.chdir('d')\\nprint('ok')"
+    r = asyncio.run(run_python(code, "", SandboxLimits(), d, pool=p))
+    print(r.stdout.strip(), d.quota[0], p.base_dir, p.zygote_pid, flush=True)
+    time.sleep(300)
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the work dir's mount and the run's cgroup exist as root only")
+def test_a_killed_trainer_leaves_no_mount_dir_process_or_cgroup() -> None:
+    """SIGKILL of the trainer with a work dir (its own tmpfs, a deep tree in it) in its pool: the zygote removes the
+    base dir, which detaches the mounts the trainer left in its namespace; no process or cgroup of it stays."""
+    import signal
+    import subprocess
+    import sys
+
+    src = str(Path(__file__).resolve().parents[1] / "rlf_envs" / "src")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_TRAINER], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": src})
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().split()
+        assert line[:2] == ["ok", "True"], line
+        base, zygote = line[2], int(line[3])
+        with open("/proc/self/mountinfo") as f:
+            assert base in f.read()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (os.path.exists(base) or os.path.exists(f"/proc/{zygote}")):
+        time.sleep(0.1)
+    with open("/proc/self/mountinfo") as f:
+        assert base not in f.read()
+    assert not os.path.exists(base) and not os.path.exists(f"/proc/{zygote}")
+    assert not [n for n in _cgroup_dirs() if n.startswith(f"rlf-sbx-{zygote}-")]
