@@ -465,3 +465,11 @@ def test_a_killed_trainer_leaves_no_mount_dir_process_or_cgroup() -> None:
         assert base not in f.read()
     assert not os.path.exists(base) and not os.path.exists(f"/proc/{zygote}")
     assert not [n for n in _cgroup_dirs() if n.startswith(f"rlf-sbx-{zygote}-")]
+
+
+def test_a_builtin_exception_that_takes_more_than_a_message_still_arrives_as_its_kind(pool: SandboxPool | bool) -> None:
+    solution = "def f(x):\n    return b'\\xff'.decode()\ndef g():\n    raise ExceptionGroup('eg', [ValueError(1)])\n"
+    tests = ["try:\n    f(1)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError('no error')",
+             "try:\n    g()\nexcept Exception as e:\n    assert 'eg' in str(e), e\nelse:\n    raise AssertionError('no error')"]
+    r = asyncio.run(run_tests(solution, tests, FAST, pool=pool))
+    assert r.test_results == (True, True), r.test_errors

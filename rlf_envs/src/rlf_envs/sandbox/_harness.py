@@ -103,7 +103,15 @@ def _exception(name: str, message: str, iteration: bool = False) -> BaseExceptio
     if iteration and name == "StopIteration":
         return StopIteration(message)
     exc = _BUILTIN_EXC.get(name)
-    return exc(message) if exc is not None else SolutionRaised(name, message)
+    if exc is None:
+        return SolutionRaised(name, message)
+    for cls in exc.__mro__:  # (UnicodeDecodeError, ExceptionGroup: not made from one message; their base classes are)
+        if cls is not BaseException and issubclass(cls, Exception) and cls.__name__ not in CONTROL_FLOW:
+            try:
+                return cls(message)
+            except TypeError:
+                continue
+    return SolutionRaised(name, message)
 
 
 def decode(v: Any, ch: Channel, depth: int = 0) -> Any:

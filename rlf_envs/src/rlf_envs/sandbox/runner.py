@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import functools
 import itertools
 import json
@@ -107,9 +108,15 @@ class SandboxDir:
         p = self.path / name
         if os.path.lexists(p):
             cleanup.discard(p, into=self._trash)  # beside the work dir, where no run looks
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.quota[0]:
+                raise
+            raise OSError(e.errno, f"{name} ({len(text)} chars) does not fit in the work dir's quota ({self.quota[1]}):"
+                                   " raise SandboxLimits.disk_mb, or a run of this episode filled it") from e
 
     def remove(self) -> None:
         """Gone from its place at once (a rename); its content is deleted by a background reaper
