@@ -470,6 +470,7 @@ def test_a_killed_trainer_leaves_no_mount_dir_process_or_cgroup() -> None:
 def test_a_builtin_exception_that_takes_more_than_a_message_still_arrives_as_its_kind(pool: SandboxPool | bool) -> None:
     solution = "def f(x):\n    return b'\\xff'.decode()\ndef g():\n    raise ExceptionGroup('eg', [ValueError(1)])\n"
     tests = ["try:\n    f(1)\nexcept ValueError:\n    pass\nelse:\n    raise AssertionError('no error')",
-             "try:\n    g()\nexcept Exception as e:\n    assert 'eg' in str(e), e\nelse:\n    raise AssertionError('no error')"]
+             "try:\n    g()\nexcept Exception as e:\n    assert 'eg' in str(e), e\n"
+             "else:\n    raise AssertionError('no error')"]
     r = asyncio.run(run_tests(solution, tests, FAST, pool=pool))
     assert r.test_results == (True, True), r.test_errors
