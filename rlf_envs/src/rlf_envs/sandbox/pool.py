@@ -98,9 +98,12 @@ def _shutdown(proc: subprocess.Popen[bytes], ctrl: socket.socket, base_dir: str,
     try:
         ctrl.close()  # the zygote sees EOF: it kills its supervisors and removes base_dir
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # (e.g. still deleting what runs left: the reaper takes over below)
         proc.kill()
-        proc.wait(timeout=5)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.warning("sandbox pool: the zygote (pid %d) did not exit after SIGKILL", proc.pid)
     finally:
         _remove_dir(base_dir, owner)
 
