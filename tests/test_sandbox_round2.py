@@ -82,23 +82,30 @@ def _sandbox_dirs(parent: str) -> list[str]:
 # ------------------------------------------------------------------------------------------ item 1: clean-up
 
 
+def _base_of(pool: SandboxPool | bool) -> str:
+    """Where a run's own work dir goes: its pool's base dir (the default pool's for the cold path)."""
+    return pool.base_dir if isinstance(pool, SandboxPool) else default_pool().base_dir  # type: ignore[union-attr]
+
+
 def test_a_deep_tree_neither_raises_nor_stays_run_python(pool: SandboxPool | bool) -> None:
-    base = default_pool().base_dir  # type: ignore[union-attr]
+    base = _base_of(pool)
+    assert cleanup.flush(120)
     before = _sandbox_dirs(base)
     r = run(DEEP_TREE + "print('built')", pool)
     assert r.stdout.strip() == "built" and r.exit_code == 0, r
     assert cleanup.flush(120)
-    assert _sandbox_dirs(base) == before
+    assert set(_sandbox_dirs(base)) - set(before) == set()
 
 
 def test_a_correct_solution_that_builds_a_deep_tree_still_scores(pool: SandboxPool | bool) -> None:
-    base = default_pool().base_dir  # type: ignore[union-attr]
+    base = _base_of(pool)
+    assert cleanup.flush(120)
     before = _sandbox_dirs(base)
     solution = DEEP_TREE + "def add(a, b):\n    return a + b\n"
     r = asyncio.run(run_tests(solution, ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"], FAST, pool=pool))
     assert r.test_results == (True, True), r
     assert cleanup.flush(120)
-    assert _sandbox_dirs(base) == before
+    assert set(_sandbox_dirs(base)) - set(before) == set()
 
 
 def _dir_for(pool: SandboxPool | bool, limits: SandboxLimits = FAST) -> SandboxDir:
@@ -474,3 +481,47 @@ def test_a_builtin_exception_that_takes_more_than_a_message_still_arrives_as_its
              "else:\n    raise AssertionError('no error')"]
     r = asyncio.run(run_tests(solution, tests, FAST, pool=pool))
     assert r.test_results == (True, True), r.test_errors
+
+
+NAMESPACE_PROBE = textwrap.dedent("""
+    import ctypes, json, multiprocessing, os, subprocess, threading
+    libc = ctypes.CDLL(None, use_errno=True)
+    out = {}
+    def call(name, nr, *args):
+        r = libc.syscall(nr, *args)
+        if r == 0 and name.startswith("clone"):
+            os._exit(0)  # (the child of a clone that went through)
+        out[name] = 0 if r >= 0 else ctypes.get_errno()
+    call("unshare_user", 272, 0x10000000)
+    call("unshare_net", 272, 0x40000000)
+    call("setns", 308, 0, 0)
+    call("clone_newuser", 56, 0x10000000 | 17, 0, 0, 0, 0)
+    call("clone3", 435, 0, 0)
+    call("bpf", 321, 5, 0, 0)
+    call("perf_event_open", 298, 0, 0, -1, -1, 0)
+    call("userfaultfd", 323, 0)
+    # what a run does need still works: threads (clone3 refused, glibc falls back), fork, subprocess
+    t = threading.Thread(target=lambda: out.setdefault("thread", "ok"))
+    t.start(); t.join()
+    out["subprocess"] = subprocess.run(["/bin/sh", "-c", "echo ok"], capture_output=True, text=True).stdout.strip()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    out["fork"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the probe uses x86_64 syscall numbers")
+def test_a_run_cannot_make_namespaces_or_reach_bpf_perf_userfaultfd(pool: SandboxPool | bool) -> None:
+    """A nested user namespace would give the run every capability inside it (mounts, raw sockets...): the first step
+    of most kernel exploits, like bpf, perf_event_open and userfaultfd. Threads, fork and subprocess still work."""
+    import errno
+    import json
+
+    r = run(NAMESPACE_PROBE, pool)
+    out = json.loads(r.stdout)
+    assert "no_new_namespaces" in r.guards
+    assert (out.pop("thread"), out.pop("subprocess"), out.pop("fork")) == ("ok", "ok", 7), (out, r.stderr)
+    assert out.pop("clone3") == errno.ENOSYS
+    assert out == dict.fromkeys(out, errno.EPERM) and len(out) == 7, out

@@ -25,6 +25,18 @@ SOCKET_SYSCALLS = {AUDIT_ARCH_X86_64: (41, 53), AUDIT_ARCH_I386: (359, 360), AUD
                    AUDIT_ARCH_ARM: (281, 288)}
 SOCKETCALL_SYSCALLS = {AUDIT_ARCH_I386: (102,)}
 IO_URING_SYSCALLS = (425, 426, 427)  # io_uring_setup, _enter, _register: the same on every arch
+#: kernel interfaces a run has no use for, refused with EPERM (attack surface: the usual first steps of a kernel
+#: exploit): unshare and setns (new namespaces inside a run: a nested user namespace holds every capability in it),
+#: bpf, perf_event_open, userfaultfd
+NAMESPACE_SYSCALLS = {AUDIT_ARCH_X86_64: (272, 308), AUDIT_ARCH_I386: (310, 346), AUDIT_ARCH_AARCH64: (97, 268),
+                      AUDIT_ARCH_ARM: (337, 375)}
+SURFACE_SYSCALLS = {AUDIT_ARCH_X86_64: (321, 298, 323), AUDIT_ARCH_I386: (357, 336, 374),
+                    AUDIT_ARCH_AARCH64: (280, 241, 282), AUDIT_ARCH_ARM: (386, 364, 388)}
+#: clone per arch: refused (EPERM) when its flags (the first argument) ask for a new namespace; clone3, whose flags a
+#: filter cannot read (they are in memory), fails with ENOSYS, and glibc falls back to clone (as under Docker's profile)
+CLONE_SYSCALLS = {AUDIT_ARCH_X86_64: 56, AUDIT_ARCH_I386: 120, AUDIT_ARCH_AARCH64: 220, AUDIT_ARCH_ARM: 120}
+CLONE3 = 435
+CLONE_NEW_FLAGS = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 #: the only socket families a run may open: local sockets and IP (which its network namespace isolates). Not AF_VSOCK
 #: (not namespaced: a channel between runs and to the hypervisor), AF_NETLINK (glibc's getaddrinfo falls back without
 #: it), AF_PACKET, AF_BLUETOOTH, AF_ALG, ... (kernel attack surface a Python program does not need)
@@ -46,7 +58,7 @@ def _seccomp_filter() -> list[tuple[int, int, int, int]]:
     """The classic BPF program of `_seccomp` (see KEY_SYSCALLS): per known arch, the refused calls return their
     errno and socket/socketpair are allowed for SOCKET_FAMILIES only (their first argument, an int: the low word);
     all else, and every other arch, is allowed. Assembled with symbolic labels (jumps are forward only)."""
-    ld_w_abs, jeq_k, alu_and_k, ret_k = 0x20, 0x15, 0x54, 0x06
+    ld_w_abs, jeq_k, jset_k, alu_and_k, ret_k = 0x20, 0x15, 0x45, 0x54, 0x06
     prog: list[tuple[int, int, Any, Any]] = []  # (code, jt label, jf label, k); labels resolved below
     labels: dict[str, int] = {}
 
@@ -63,15 +75,21 @@ def _seccomp_filter() -> list[tuple[int, int, int, int]]:
         prog.append((ld_w_abs, 0, 0, 0))  # seccomp_data.nr
         if arch == AUDIT_ARCH_X86_64:
             prog.append((alu_and_k, 0, 0, 0xBFFFFFFF))  # x32 numbers are x86_64's + 0x40000000
-        for nr in KEY_SYSCALLS[arch] + SOCKETCALL_SYSCALLS.get(arch, ()):
+        for nr in (KEY_SYSCALLS[arch] + SOCKETCALL_SYSCALLS.get(arch, ()) + NAMESPACE_SYSCALLS[arch]
+                   + SURFACE_SYSCALLS[arch]):
             jeq(nr, "eperm")
-        for nr in IO_URING_SYSCALLS:
+        for nr in (*IO_URING_SYSCALLS, CLONE3):
             jeq(nr, "enosys")
         for nr in SOCKET_SYSCALLS[arch]:
             jeq(nr, "family")
+        jeq(CLONE_SYSCALLS[arch], "clone")
         prog.append((ret_k, 0, 0, SECCOMP_RET_ALLOW))
         label(f"{a}_end")
     prog.append((ret_k, 0, 0, SECCOMP_RET_ALLOW))  # an arch we do not know
+    label("clone")
+    prog.append((ld_w_abs, 0, 0, 16))  # seccomp_data.args[0], low 32 bits: the flags
+    prog.append((jset_k, "eperm", 0, CLONE_NEW_FLAGS))
+    prog.append((ret_k, 0, 0, SECCOMP_RET_ALLOW))
     label("family")
     prog.append((ld_w_abs, 0, 0, 16))  # seccomp_data.args[0], low 32 bits (little-endian)
     for fam in SOCKET_FAMILIES.values():
@@ -92,7 +110,7 @@ def _seccomp_filter() -> list[tuple[int, int, int, int]]:
             assert 0 <= d < 256, "seccomp jump out of range"
             return d
 
-        out.append((code, off(jt), off(jf), k) if code == jeq_k else (code, 0, 0, k))
+        out.append((code, off(jt), off(jf), k) if code in (jeq_k, jset_k) else (code, 0, 0, k))
     return out
 
 
@@ -101,7 +119,8 @@ def _seccomp() -> None:
     exec): no kernel keyrings -- keys outlive processes, a key added to a user keyring stays until reboot, its
     serial is listed in /proc/keys and, opened to all, any uid can read it: a channel from one run to the next, and
     per-uid kernel memory that one uid per run never gives back; sockets of SOCKET_FAMILIES only (AF_VSOCK is not
-    isolated by the network namespace); no io_uring. Python code has no use for any of them."""
+    isolated by the network namespace); no io_uring; no new namespaces (unshare, setns, clone with a CLONE_NEW* flag,
+    clone3) and no bpf, perf_event_open or userfaultfd. Python code has no use for any of them."""
     _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(_seccomp_prog()), 0, 0), "seccomp")
 
 

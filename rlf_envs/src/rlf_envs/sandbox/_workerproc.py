@@ -141,6 +141,8 @@ def _run_identity(job: dict[str, Any], g: Guards) -> tuple[int | None, int | Non
                         "reaches another run)")
     g.ok("socket_families", "seccomp: socket and socketpair only for " + ", ".join(SOCKET_FAMILIES) + " (any other "
                             "family, AF_VSOCK and AF_NETLINK included, fails with EAFNOSUPPORT); no io_uring")
+    g.ok("no_new_namespaces", "seccomp: unshare, setns and clone with a namespace flag fail with EPERM (clone3 with "
+                              "ENOSYS: glibc falls back to clone); bpf, perf_event_open, userfaultfd fail with EPERM")
     return uid, nproc
 
 
