@@ -15,6 +15,13 @@ The guards that were in force are printed: the cost depends on them (namespaces,
 Then where a pooled run's CPU goes (`--breakdown-runs` sequential runs), for `pooled` and `supervised`: the
 trainer process (this one), the zygote (the forks), and each run's processes (the zygote's reaped children: CPU
 time, of which kernel time, and minor page faults, read from /proc/<zygote>/stat).
+
+    python benchmarks/sandbox.py --cleanup-files 75000 [--cleanup-episodes 3]
+
+Clean-up off the step path (issue 40): rlf/Code-v0 episodes whose python call creates N small files in the work dir;
+the time of the `step` that answers (and so ends the episode and removes the work dir), with the work dir removed
+inline by `shutil.rmtree` (before: the baseline, patched in for its episodes) and by `cleanup.discard` (now: a rename,
+the reaper deletes in the background), beside an honest episode's answering step; episodes alternate.
 """
 
 from __future__ import annotations
@@ -126,6 +133,58 @@ async def breakdown(runs: int, pool: SandboxPool | None = None) -> dict[str, flo
             "zygote_minor_faults": (z1[0] - z0[0]) / runs}
 
 
+MANY_FILES = ("import os\nfor i in range({n}):\n    os.close(os.open(f'f{{i}}', os.O_WRONLY | os.O_CREAT, 0o600))\n"
+              "print(len(os.listdir('.')))\n")
+
+
+def cleanup_step(n: int, episodes: int) -> dict[str, float]:
+    """Median seconds of the answering `step` per way of removing the work dir (see the module docstring)."""
+    import shutil
+
+    from rlf_envs.envs.code import CodeEnv
+    from rlf_envs.sandbox import SandboxDir, cleanup, quota
+    from rlf_envs.types import Task
+
+    def action(code: str) -> str:
+        return f"<tool_call>\n{json.dumps({'name': 'python', 'arguments': {'code': code}})}\n</tool_call><|im_end|>"
+
+    limits = SandboxLimits(timeout_s=120.0, cpu_s=120, disk_mb=max(64, n // 1024 + 32))
+    env = CodeEnv(tasks=[Task("t", "Print 1.", "1", meta={"check": "numeric"})], limits=limits, max_turns=3)
+    discard = SandboxDir.remove
+
+    def inline_rmtree(self: SandboxDir) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    times: dict[str, list[float]] = {"honest": [], "rmtree_inline": [], "reaper": []}
+    reaper_s: list[float] = []
+    for _ in range(episodes):
+        for mode in times:
+            # before: the work dir on the host's disk (no quota) and removed inline
+            SandboxDir.remove = inline_rmtree if mode == "rmtree_inline" else discard  # type: ignore[method-assign]
+            shared = quota.is_shared_base
+            if mode == "rmtree_inline":
+                quota.is_shared_base = lambda path: False  # type: ignore[assignment]
+            try:
+                env.reset(seed=0, options={"task_index": 0})
+                obs, *_ = env.step(action("print(1)" if mode == "honest" else MANY_FILES.format(n=n)))
+                assert ("[stdout]\n1" if mode == "honest" else f"[stdout]\n{n + 1}") in obs, obs
+                t0 = time.perf_counter()
+                _, reward, term, _, _ = env.step("<answer>1</answer><|im_end|>")
+                times[mode].append(time.perf_counter() - t0)
+                assert term and reward == 1.0
+            finally:
+                SandboxDir.remove = discard  # type: ignore[method-assign]
+                quota.is_shared_base = shared  # type: ignore[assignment]
+            t1 = time.perf_counter()
+            cleanup.flush(300)
+            if mode == "reaper":
+                reaper_s.append(time.perf_counter() - t1)
+    env.close()
+    out = {f"{k}_step_s": statistics.median(v) for k, v in times.items()}
+    out["reaper_background_s"] = statistics.median(reaper_s)
+    return out
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=30)
@@ -133,7 +192,24 @@ async def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--breakdown-runs", type=int, default=200, help="sequential pooled runs for the CPU breakdown "
                     "(0: skip it)")
+    ap.add_argument("--cleanup-files", type=int, default=0, help="only the clean-up benchmark, with this many files "
+                    "per hostile episode (0: the per-run cost benchmark)")
+    ap.add_argument("--cleanup-episodes", type=int, default=3)
     args = ap.parse_args()
+    if args.cleanup_files:
+        c = await asyncio.to_thread(cleanup_step, args.cleanup_files, args.cleanup_episodes)
+        print(f"answering step of a Code-v0 episode (median of {args.cleanup_episodes}), load {os.getloadavg()[0]:.1f}:"
+              f"\n  honest episode:                         {c['honest_step_s'] * 1000:8.1f} ms"
+              f"\n  {args.cleanup_files} files, rmtree inline (before): {c['rmtree_inline_step_s'] * 1000:8.1f} ms"
+              f"\n  {args.cleanup_files} files, rename + reaper (now):  {c['reaper_step_s'] * 1000:8.1f} ms "
+              f"({c['reaper_step_s'] / c['rmtree_inline_step_s']:.3f}x before, "
+              f"{c['reaper_step_s'] / c['honest_step_s']:.2f}x honest)"
+              f"\n  the reaper's background removal:        {c['reaper_background_s'] * 1000:8.1f} ms")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"cleanup": c, "files": args.cleanup_files, "load_avg": os.getloadavg()},
+                                            indent=2))
+        return
     global SUPERVISED
     SUPERVISED = SandboxPool(direct=False)
     probe = await run_python("pass", "", LIMITS)

@@ -24,7 +24,7 @@ from rlf_envs.types import Score, Task, Trajectory
 _FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 #: guards reported per score as `code/guard/<name>` (1 = in force)
 _REPORTED_GUARDS = ("uid", "pid_ns", "net_ns", "nproc", "private_tmp", "minimal_root", "no_keyrings", "user_ns",
-                    "fresh_worker")
+                    "fresh_worker", "socket_families", "no_new_namespaces", "memory_cgroup", "disk_quota")
 
 
 def extract_code(answer: str) -> str:

@@ -28,8 +28,11 @@ Process tree and why
   - as root: the worker runs as an unprivileged uid unique to the run (so it cannot signal, trace or read
     the environment of our processes or write our files, and `RLIMIT_NPROC` bounds its process count,
     which root ignores); `PR_SET_NO_NEW_PRIVS` stops setuid binaries from regaining root;
-  - always: no kernel keyrings (a seccomp filter fails add_key/request_key/keyctl: keys outlive processes and
-    are readable across uids), no capabilities (a worker forked in a user namespace drops them), a minimal
+  - as root: every process of the run in one memory cgroup limited to `memory_mb` in all (`memory_cgroup`), and
+    the work dir a tmpfs of `disk_mb` of its own (`disk_quota`, `quota.py`);
+  - always: a seccomp filter -- no kernel keyrings (add_key/request_key/keyctl fail: keys outlive processes and
+    are readable across uids), sockets of AF_UNIX/AF_INET/AF_INET6 only (AF_VSOCK is not isolated by the network
+    namespace), no io_uring --, no capabilities (a worker forked in a user namespace drops them), a minimal
     explicit environment, the work dir as cwd/HOME/TMPDIR, rlimits on address space,
     CPU time, file size, open files and core dumps, capped stdout/stderr, a wall-clock deadline, and a
     whole-tree kill at the end (pid namespace, or the subreaper walk plus every process of the run's uid).
@@ -38,7 +41,7 @@ Process tree and why
   solution's interpreter: each top-level name of the solution becomes a proxy, calls send plain data to
   the worker over a pipe and plain data (JSON with type tags, decoded strictly and bounded) comes back.
   Names of builtins and stdlib modules in the tests stay the real ones whatever the solution defines (`abs`,
-  `sorted`, `math`: `_supervisor._test_namespace`).
+  `sorted`, `math`: `_harness._test_namespace`).
   So the solution cannot walk frames or `gc` to find expected values (they live in another process),
   cannot rig `builtins`, `sys.exit` or `os._exit` of the harness (exiting only fails the remaining tests),
   and cannot fake a result line: the verdict goes to the trainer on the supervisor's stdout, a pipe the
@@ -61,6 +64,8 @@ from the job (the same mounts, uid, rlimits) and runs the code; the trainer hold
 its deadline and a pidfd (SIGKILL kills the whole namespace), and the zygote reports its wait status. A run
 without a private part needs no trusted process between it and the trainer: its guards are reported before
 the code runs and its exit status comes from the zygote's `waitpid`. One process per run instead of two.
+Whatever a run leaves in its work dir is removed by `cleanup.py` (iterative, by descriptors, fixing modes, bounded,
+never raising), off the step path: the dir is renamed away at once and a background reaper deletes it.
 What this does and does not confine, and how it is tested: docs/security-sandbox.md; the
 whole threat model: docs/security.md ("Threat model: running untrusted code").
 """

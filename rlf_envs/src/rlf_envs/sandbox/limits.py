@@ -19,6 +19,8 @@ class SandboxLimits(BaseModel):
     file_mb: int = Field(16, ge=1, description="RLIMIT_FSIZE: the largest file the code may write")
     max_output_bytes: int = Field(65_536, ge=1024, description="cap on captured stdout and on stderr; the "
                                   "run is killed when exceeded")
+    disk_mb: int = Field(64, ge=1, description="size of the work dir (its own tmpfs, as root, where the pool's base "
+                         "dir holds it: a run that writes more gets ENOSPC; 1024 inodes per MB); see docs/security.md")
     max_processes: int = Field(64, ge=1, description="RLIMIT_NPROC, enforced through a uid of the run's own "
                                "(as root) or a user namespace; see docs/security.md, 'Threat model: running "
                                "untrusted code'")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import struct
 import subprocess
@@ -41,6 +40,7 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlf_envs.sandbox import cleanup, quota
 from rlf_envs.sandbox._supervisor import CONFINED, DIRECT, PLAIN
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ class DirectLease:
 
 def _remove_dir(base_dir: str, owner: int) -> None:
     if os.getpid() == owner:  # not from a forked copy of the trainer exiting: the dirs are its parent's
-        shutil.rmtree(base_dir, ignore_errors=True)
+        quota.unshare(base_dir)  # (the work dirs' tmpfs go with it)
+        cleanup.discard(base_dir)  # renamed away now, deleted in the background (never raises)
 
 
 def _shutdown(proc: subprocess.Popen[bytes], ctrl: socket.socket, base_dir: str, owner: int) -> None:
@@ -97,9 +98,12 @@ def _shutdown(proc: subprocess.Popen[bytes], ctrl: socket.socket, base_dir: str,
     try:
         ctrl.close()  # the zygote sees EOF: it kills its supervisors and removes base_dir
         proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # (e.g. still deleting what runs left: the reaper takes over below)
         proc.kill()
-        proc.wait(timeout=5)
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            log.warning("sandbox pool: the zygote (pid %d) did not exit after SIGKILL", proc.pid)
     finally:
         _remove_dir(base_dir, owner)
 
@@ -124,8 +128,11 @@ class SandboxPool:
         self.preload = tuple(preload)
         self.python = python or sys.executable
         self.direct = direct
+        cleanup.sweep_once(tempfile.gettempdir())  # what a killed trainer's pool left (its trash; see cleanup)
         self.base_dir = tempfile.mkdtemp(prefix="rlf_pool_")
         os.chmod(self.base_dir, 0o711)  # run uids traverse to their own work dir, list nothing
+        # as root: work dirs mounted here (their quota, `quota`) reach the zygote's namespace and its forks'
+        quota.share(self.base_dir)
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()  # a forked copy of this process must not talk on our control socket
@@ -134,6 +141,11 @@ class SandboxPool:
         self._finalizer: weakref.finalize | None = None  # type: ignore[type-arg]
         # removes base_dir even if the zygote never starts
         self._dir_finalizer = weakref.finalize(self, _remove_dir, self.base_dir, os.getpid())
+
+    @property
+    def closed(self) -> bool:
+        """close() was called: runs asked of it take the cold path, and its base dir is gone."""
+        return self._closed
 
     @property
     def zygote_pid(self) -> int | None:

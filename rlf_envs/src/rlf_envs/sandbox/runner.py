@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import errno
 import functools
 import itertools
 import json
 import logging
 import os
 import secrets
-import shutil
 import signal
 import socket
 import struct
@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.sandbox import cleanup, quota
 from rlf_envs.sandbox._supervisor import DIRECT_READY, DIRECT_UNCONFINED
 from rlf_envs.sandbox.limits import SandboxLimits, SandboxResult
 from rlf_envs.sandbox.pool import DirectLease, Lease, PoolUnavailable, SandboxPool, default_pool
@@ -32,6 +33,7 @@ SUPERVISOR = str(Path(__file__).with_name("_supervisor.py"))
 UID_BASE, UID_SPAN = 1_600_000_000, 1 << 24
 GRACE_S = 10.0  # the supervisor's own start-up and clean-up, on top of the run's deadline
 _warned: set[str] = set()
+DEFAULT_DISK_MB = SandboxLimits.model_fields["disk_mb"].default
 # consecutive uids in this process (never shared by two live dirs of ours), from a random start (so that two
 # trainers on one machine are unlikely to overlap)
 _uid_sequence = itertools.count(secrets.randbelow(UID_SPAN))
@@ -59,34 +61,67 @@ class SandboxDir:
     its runs use when we are root. Several runs may share one (e.g. an episode of the interpreter tool);
     `remove()` deletes it."""
 
-    def __init__(self, drop_privileges: bool = True, parent: str | None = None) -> None:
+    def __init__(self, drop_privileges: bool = True, parent: str | None = None,
+                 disk_mb: int | None = DEFAULT_DISK_MB) -> None:
         """`parent`: where to create it; default the default pool's `base_dir` (removed with the pool, also
-        when the trainer dies), or the system temp dir without a pool."""
+        when the trainer dies), or the system temp dir without a pool. `disk_mb`: the work dir's quota (a tmpfs of
+        that size; as root, in a pool's base dir: `quota`); None for none. `quota` says what bounds it."""
         if parent is None:
             pool = default_pool()
             parent = pool.base_dir if pool is not None else None
         self.root = Path(tempfile.mkdtemp(prefix="rlf_sbx_", dir=parent))
         os.chmod(self.root, 0o711)  # others may traverse to `work` (the run's uid), not list it
-        self.path = self.root / "work"
+        #: (True, how) where the work dir has a quota of its own, else (False, why not)
+        self.quota: tuple[bool, str] = (False, "SandboxDir(disk_mb=None)")
+        #: where `write` moves what a run left in its way: on the work dir's filesystem (a rename), outside the work dir
+        self._trash = self.root
+        if disk_mb is not None:
+            # the quota's tmpfs at root/fs holds `work` and that trash; runs see `work` only, and `remove` renames
+            # `root` (a plain directory) away at once, the tmpfs inside it (unmounted by the reaper)
+            self.quota = self._mount_quota(disk_mb)
+            if self.quota[0]:
+                self._trash = self.root / "fs"
+        self.path = self._trash / "work"
         self.path.mkdir(mode=0o700)
         self.uid: int | None = None
         if _is_root() and drop_privileges:
             self.uid = UID_BASE + next(_uid_sequence) % UID_SPAN
             os.chown(self.path, self.uid, self.uid)
 
+    def _mount_quota(self, disk_mb: int) -> tuple[bool, str]:
+        if not quota.is_shared_base(os.path.dirname(self.root)):
+            return False, ("the work dir is not in a sandbox pool's base dir shared with its zygote (as root, the "
+                           "default pool's): it is a plain directory of the host's disk")
+        fs = self.root / "fs"
+        fs.mkdir(mode=0o711)
+        why = quota.mount_work_dir(str(fs), disk_mb)
+        if why is not None:
+            fs.rmdir()
+            return False, why
+        return True, (f"the work dir is a tmpfs of its own: {disk_mb} MB, {max(1024, disk_mb * quota.INODES_PER_MB)} "
+                      "inodes (ENOSPC beyond); its pages are memory")
+
     def write(self, name: str, text: str) -> None:
-        """Write a file the run can read but not replace before we read it back (owned by us, 0644)."""
+        """Write a file the run can read but not replace before we read it back (owned by us, 0644). Whatever the
+        code left at that name (a directory tree, a symlink, a fifo) is moved out of the run's reach first and
+        removed in the background (`cleanup.discard`): never written through, never a wait on its size."""
         p = self.path / name
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.is_symlink() or p.exists():
-            p.unlink()  # the code may have left a symlink here: never write through it
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        if os.path.lexists(p):
+            cleanup.discard(p, into=self._trash)  # beside the work dir, where no run looks
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT) or not self.quota[0]:
+                raise
+            raise OSError(e.errno, f"{name} ({len(text)} chars) does not fit in the work dir's quota ({self.quota[1]}):"
+                                   " raise SandboxLimits.disk_mb, or a run of this episode filled it") from e
 
     def remove(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Gone from its place at once (a rename); its content is deleted by a background reaper
+        (`rlf_envs.sandbox.cleanup`), so whatever a run left there costs the caller nothing and never raises."""
+        cleanup.discard(self.root)
 
     def __enter__(self) -> SandboxDir:
         return self
@@ -136,7 +171,7 @@ def _kill_session(pid: int) -> None:
 
 
 def frame(obj: dict[str, Any]) -> bytes:
-    """One part of a job on the wire: 4-byte big-endian length + JSON (read by `_supervisor.read_frame`)."""
+    """One part of a job on the wire: 4-byte big-endian length + JSON (read by `_run.read_frame`)."""
     data = json.dumps(obj).encode()
     return struct.pack("!I", len(data)) + data
 
@@ -161,6 +196,10 @@ async def _supervise(job: dict[str, Any], private: dict[str, Any], workdir: Sand
            "python_dirs": list(_python_dirs(job["python"])), "hide": sorted(_HIDDEN)}
     secret = frame({**private, "nonce": nonce})
     chosen = _pool_for(pool, job["python"])
+    if chosen is not None and workdir.quota[0] and os.path.dirname(workdir.root) != chosen.base_dir:
+        # the work dir's tmpfs is mounted where this pool's namespaces do not receive it (another pool's base dir):
+        # a supervisor started from our own namespace sees it
+        chosen = None
     t0 = time.monotonic()
     if chosen is not None and job["mode"] == "run" and limits.namespaces and not limits.network:
         try:
@@ -239,7 +278,7 @@ async def _result_line(reader: asyncio.StreamReader, nonce: str, cap: int) -> by
     while len(out) < cap:
         try:
             line = await reader.readline()
-        except (asyncio.LimitOverrunError, ValueError):
+        except (asyncio.LimitOverrunError, ValueError, ConnectionError):  # (a supervisor killed from outside: EOF)
             break
         out += line
         if not line or (key in line and line.endswith(b"\n")):
@@ -337,7 +376,7 @@ class _NotReady(Exception):
 
 async def _run_direct(lease: DirectLease, job: dict[str, Any], limits: SandboxLimits,
                       t0: float) -> SandboxResult:
-    """Run a default `run` job in a direct worker (`_supervisor._direct_child`): we hold its output pipes (capped:
+    """Run a default `run` job in a direct worker (`_zygote._direct_child`): we hold its output pipes (capped:
     overflow kills it), its wall deadline (expiry kills it) and a pidfd (SIGKILL to pid 1 of its pid namespace
     kills every process of the run); the zygote writes its wait status on `status_fd` once it has reaped it, by
     which time the kernel has killed the rest of its namespace. Raises `_NotReady` before sending the job if the
@@ -472,15 +511,37 @@ async def run_python(
     `SandboxPool`, or False (a supervisor and a worker interpreter of their own: the cold path)."""
     limits = limits or SandboxLimits()
     own = workdir is None
-    wd = workdir or SandboxDir(limits.drop_privileges)
+    wd = workdir or SandboxDir(limits.drop_privileges, _base_dir(pool, python), limits.disk_mb)
     try:
         script = ".rlf_main.py"
-        wd.write(script, code)
+        try:
+            wd.write(script, code)
+        except OSError as e:  # e.g. an earlier run of the episode filled the work dir's quota
+            return SandboxResult(error=f"could not write the code into the work dir ({e.strerror}): an earlier run "
+                                       f"may have filled its quota (SandboxLimits.disk_mb={limits.disk_mb})")
         job = {"mode": "run", "script": script, "stdin": stdin, "python": python or sys.executable}
-        return await _supervise(job, {}, wd, limits, pool)
+        return _quota_guard(await _supervise(job, {}, wd, limits, pool), wd)
     finally:
         if own:
             wd.remove()
+
+
+def _base_dir(pool: PoolArg, python: str | None) -> str | None:
+    """Where a run's own work dir goes: the base dir of the pool it runs in (whose namespaces receive the work dir's
+    tmpfs), else the default one (`SandboxDir`)."""
+    chosen = _pool_for(pool, python or sys.executable)
+    return chosen.base_dir if chosen is not None and not chosen.closed else None
+
+
+def _quota_guard(result: SandboxResult, wd: SandboxDir) -> SandboxResult:
+    """The work dir's quota, reported with the run's guards (`disk_quota`)."""
+    ok, how = wd.quota
+    if result.error is not None:  # the sandbox failed: nothing ran, no guard to report
+        return result
+    if ok:
+        return dataclasses.replace(result, guards={**result.guards, "disk_quota": how})
+    _warn_missing({"disk_quota": how})
+    return dataclasses.replace(result, missing_guards={**result.missing_guards, "disk_quota": how})
 
 
 async def run_tests(
@@ -495,10 +556,14 @@ async def run_tests(
     worker; each test runs in the trusted supervisor, against proxies of the solution's names, so the
     verdict in `test_results` is decided where the solution cannot reach (see the package docstring)."""
     limits = limits or SandboxLimits()
-    with SandboxDir(limits.drop_privileges) as wd:
-        wd.write("solution.py", solution)
+    with SandboxDir(limits.drop_privileges, _base_dir(pool, python), limits.disk_mb) as wd:
+        try:
+            wd.write("solution.py", solution)
+        except OSError as e:  # (a solution larger than the quota)
+            return SandboxResult(error=f"could not write the solution into the work dir ({e.strerror}; "
+                                       f"SandboxLimits.disk_mb={limits.disk_mb})", test_results=(False,) * len(tests))
         job = {"mode": "tests", "script": "solution.py", "python": python or sys.executable}
-        result = await _supervise(job, {"tests": tests}, wd, limits, pool)
+        result = _quota_guard(await _supervise(job, {"tests": tests}, wd, limits, pool), wd)
     if len(result.test_results) != len(tests):
         result = dataclasses.replace(result, test_results=(False,) * len(tests))
     return result

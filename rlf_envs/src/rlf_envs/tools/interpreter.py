@@ -78,7 +78,7 @@ class PythonInterpreter(Tool):
         """A fresh work dir for an episode, where this tool's pool keeps them (removed with the pool)."""
         parent = (self.pool.base_dir if isinstance(self.pool, SandboxPool)
                   else None if self.pool else tempfile.gettempdir())
-        return SandboxDir(self.limits.drop_privileges, parent=parent)
+        return SandboxDir(self.limits.drop_privileges, parent=parent, disk_mb=self.limits.disk_mb)
 
     def start_episode(self) -> None:
         """Forget the previous episode's files: the next call starts in a fresh, empty work dir."""
