@@ -296,15 +296,6 @@ def common_prefix(lists: Sequence[Sequence[str]]) -> int:
 
 
 @dataclass(slots=True)
-class _Verdict:
-    scores: dict[str, float]
-    tokens_in: int = 0
-    tokens_out: int = 0
-    seconds: float = 0.0
-    attempts: int = 0
-
-
-@dataclass(slots=True)
 class _Call:
     """Cost of one group's judging (all repeats and attempts)."""
 
