@@ -38,7 +38,7 @@ class GroupReward:
         except VerifierConfigError as e:
             raise ConfigError(str(e)) from None
         if toolbox is not None and hasattr(verifier, "tools"):
-            verifier.tools = list(toolbox.specs())
+            verifier.tools = list(toolbox.specs)
         return cls(verifier)
 
     def apply(self, trajs: Sequence[Trajectory], group_size: int) -> dict[str, float]:
