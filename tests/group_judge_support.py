@@ -101,6 +101,9 @@ class ScriptedGroupJudge:
                 return web.json_response({"error": {"message": "response_format json_schema is not supported",
                                                     "type": "invalid_request_error"}}, status=400)
             return self.chat(json.dumps({"scores": good}))
+        if mode == "too_long":  # a 400 that is not about structured output
+            return web.json_response({"error": {"message": "This model's maximum context length is 4096 tokens",
+                                                "type": "invalid_request_error"}}, status=400)
         if mode == "once_bad":  # breaks the contract on the first attempt of each verdict only
             if not any(m["role"] == "assistant" for m in body["messages"]):
                 return self.chat(json.dumps({"scores": good[:1]}), prompt_tokens=50, completion_tokens=5)

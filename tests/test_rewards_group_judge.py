@@ -208,6 +208,15 @@ async def test_a_fixed_json_schema_is_not_stepped_down(server: ScriptedGroupJudg
 
 
 @async_test
+async def test_other_400s_do_not_step_down(server: ScriptedGroupJudge) -> None:
+    async with judge(server) as j:
+        scores = await j.score_group([traj("0.3", "too_long"), traj("0.6", "too_long")], traj("0", "too_long").task)
+        st = j.metrics()
+    assert server.hits["too_long"] == 1 and st["format_downgrades"] == 0 and st["fallbacks"] == 1
+    assert values(scores) == [0.5, 0.5]
+
+
+@async_test
 async def test_fallback_verifier(server: ScriptedGroupJudge) -> None:
     group = [traj("0.9", "prose"), traj("wrong", "prose")]
     async with judge(server, on_failure="verifier", fallback_verifier={"type": "exact_match"}, max_attempts=1) as j:

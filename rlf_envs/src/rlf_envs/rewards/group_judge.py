@@ -64,6 +64,8 @@ DEFAULT_SYSTEM = (
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL | re.IGNORECASE)
 _FORMATS = ("json_schema", "json_object", "none")
+_FORMAT_REFUSAL = re.compile(r"response_format|json_schema|json_object|schema|guided|structured|grammar",
+                             re.IGNORECASE)
 
 
 @register_verifier
@@ -420,7 +422,9 @@ class GroupJudge(GroupVerifier):
                 async with self._sem.get():
                     response = await client.chat.completions.create(**kwargs, extra_body=c.extra_body or None)
             except openai.BadRequestError as e:
-                if c.response_format == "auto" and self._format != "none":
+                # auto: a server that refuses structured output is asked again without it (not for other 400s,
+                # such as a prompt over the judge's context)
+                if c.response_format == "auto" and self._format != "none" and _FORMAT_REFUSAL.search(str(e.message)):
                     old = self._format
                     self._format = _FORMATS[_FORMATS.index(old) + 1]
                     self.stats.format_downgrades += 1
