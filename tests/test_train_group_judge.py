@@ -47,6 +47,8 @@ def test_group_judge_gives_the_training_reward(tmp_path: Path) -> None:
         if r["group_judge/calls"]:
             assert r["group_judge/tokens_in"] > 0 and r["group_judge/tokens_out"] > 0
             assert r["group_judge/seconds_per_call"] > 0
+            assert 0.0 <= r["group_judge/judged_reward_mean"] <= 1.0
+        assert 0.0 <= r["group_judge/env_reward_mean"] <= 1.0
     assert judge.requests == sum(r["group_judge/calls"] for r in rows) and judge.unknown == 0
     recs = _train_records(tmp_path / "r")
     assert len(recs) == 16

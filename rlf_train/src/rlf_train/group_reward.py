@@ -55,6 +55,14 @@ class GroupReward:
         calls = delta.get("calls", 0.0)
         if calls:
             out[f"{p}/seconds_per_call"] = delta.get("seconds", 0.0) / calls
+        # the batch's reward_mean / success_rate mix in the neutral value of groups that were not judged (all members
+        # identical, or the fallback); these two say what the judge gave and what the env's own verifier gave
+        judged = [t.reward for t in trajs if not any(f"{p}/{k}" in t.score_info for k in ("no_call", "fallback"))]
+        if judged:
+            out[f"{p}/judged_reward_mean"] = sum(judged) / len(judged)
+        env = [t.score_info["env_reward"] for t in trajs if "env_reward" in t.score_info]
+        if env:
+            out[f"{p}/env_reward_mean"] = sum(env) / len(env)
         audit = [[t.score_info[f"{p}/audit"], t.reward] for t in trajs if f"{p}/audit" in t.score_info]
         if audit:
             out[f"{p}/audit_mean"] = sum(a for a, _ in audit) / len(audit)
