@@ -410,8 +410,11 @@ def test_parser_rejects(reply: str, kind: str) -> None:
 def test_parser_is_linear_on_hostile_input() -> None:
     t0 = time.perf_counter()
     with pytest.raises(ContractViolation):
-        parse_group_scores("{" * 200_000 + "<think>" * 10_000, ["c1"])
+        parse_group_scores("{" * 100_000 + "<think>" * 10_000 + "```" * 10_000, ["c1"])
+    with pytest.raises(ContractViolation, match="characters"):
+        parse_group_scores('{"scores": []}' + " " * 300_000, ["c1"])
     assert time.perf_counter() - t0 < 20
+    assert parse_group_scores('<think>{"scores": {"c1": 0}}</think>{"scores": {"c1": 1}}', ["c1"]) == {"c1": 1.0}
 
 
 def test_render_helpers() -> None:

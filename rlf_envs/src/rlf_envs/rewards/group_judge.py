@@ -30,7 +30,7 @@ import random
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -61,8 +61,8 @@ DEFAULT_SYSTEM = (
     'Reply with JSON only: {{"scores": [{{"id": "<candidate id>", "score": <number>}}, ...]}} with exactly one '
     "entry for each candidate id."
 )
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 _FENCE = re.compile(r"```(?:json)?\s*(.*?)```", re.DOTALL | re.IGNORECASE)
+MAX_REPLY_CHARS = 200_000  # longer replies are not parsed (a verdict for G candidates is a few hundred characters)
 _FORMATS = ("json_schema", "json_object", "none")
 _FORMAT_REFUSAL = re.compile(r"response_format|json_schema|json_object|schema|guided|structured|grammar",
                              re.IGNORECASE)
@@ -196,7 +196,8 @@ class ContractViolation(ValueError):
 
 
 def _json_candidates(text: str) -> list[str]:
-    text = _THINK.sub("", text).strip()
+    end = text.lower().rfind("</think>")  # the verdict follows the reasoning (linear, unlike a regex over it)
+    text = (text[end + len("</think>"):] if end >= 0 else text).strip()
     out = [text, *(m.strip() for m in _FENCE.findall(text))]
     s, e = text.find("{"), text.rfind("}")
     if 0 <= s < e:
@@ -207,6 +208,8 @@ def _json_candidates(text: str) -> list[str]:
 def parse_group_scores(content: str, ids: Sequence[str], score_max: float = 1.0) -> dict[str, float]:
     """The judge's reply as {id: score in [0, 1]}, or ContractViolation. Accepts `{"scores": [{"id", "score"}...]}`
     or `{"scores": {id: score}}` (in a code fence or after a <think> block too); nothing else."""
+    if len(content) > MAX_REPLY_CHARS:
+        raise ContractViolation("json", f"a reply of {len(content)} characters; a verdict is a short JSON object")
     obj: Any = None
     for c in _json_candidates(content):
         try:
@@ -305,7 +308,6 @@ class _Call:
     tokens_out: int = 0
     seconds: float = 0.0
     attempts: int = 0
-    errors: list[str] = field(default_factory=list)
 
 
 class GroupJudge(GroupVerifier):
@@ -329,7 +331,6 @@ class GroupJudge(GroupVerifier):
         self.audit: GroupVerifier | None = build_group_verifier(config.audit, ctx) if config.audit else None
         self._audit_log: collections.deque[tuple[float, float]] = collections.deque(maxlen=config.audit_window)
         self._since_warning = 0
-        self.last_audit: dict[str, float] = {}
 
     async def __aenter__(self) -> GroupJudge:
         return self
@@ -598,7 +599,6 @@ class GroupJudge(GroupVerifier):
     def _record_audit(self, judge: Sequence[float], audit: Sequence[float]) -> None:
         jm, am = sum(judge) / len(judge), sum(audit) / len(audit)
         self._audit_log.append((jm, am))
-        self.last_audit = {"judge_mean": jm, "audit_mean": am}
         self._since_warning += 1
         w, size = self._audit_log, self.cfg.audit_window
         if len(w) < size or self._since_warning < size // 2:  # a full window, at most one warning per half window
