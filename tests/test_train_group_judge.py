@@ -82,3 +82,13 @@ def test_group_reward_config_errors(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="rollout.agent"):
         load_config(None, ["group_reward={type: group_judge, base_url: 'http://x/v1', model: j}",
                            "rollout.agent=examples/search_agent/agent.py:agent"])
+
+
+def test_the_demo_config_is_the_quickstart_plus_a_group_reward() -> None:
+    root = Path(__file__).resolve().parent.parent
+    base = load_config(root / "configs" / "quickstart.yaml").model_dump()
+    demo = load_config(root / "configs" / "quickstart_group_judge.yaml").model_dump()
+    assert demo.pop("group_reward")["type"] == "group_judge"
+    assert demo.pop("name") == "quickstart_group_judge"
+    base.pop("group_reward"), base.pop("name")
+    assert demo == base  # a fair comparison with the verifier-trained quickstart
