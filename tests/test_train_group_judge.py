@@ -92,3 +92,17 @@ def test_the_demo_config_is_the_quickstart_plus_a_group_reward() -> None:
     assert demo.pop("name") == "quickstart_group_judge"
     base.pop("group_reward"), base.pop("name")
     assert demo == base  # a fair comparison with the verifier-trained quickstart
+
+
+def test_group_judge_in_async_rl(tmp_path: Path) -> None:
+    key = {t["question"]: t["answers"] for t in tiny_tasks("train")}
+    judge = HiddenKeyJudge(key)
+    with judge_server(judge) as url:
+        cfg = _cfg(tmp_path / "a", 2, [*SHORT, "rollout.mode=async", "rollout.async_worker=thread",
+                                       f"group_reward={{type: group_judge, base_url: '{url}', model: j}}"])
+        Trainer(cfg).run()
+    rows = _rows(tmp_path / "a")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["group_judge/groups"] == 2 and r["group_judge/fallbacks"] == 0 for r in rows)
+    assert judge.requests == sum(r["group_judge/calls"] for r in rows)
+    assert all("group_judge" in rec["score_info"] for rec in _train_records(tmp_path / "a"))
