@@ -426,3 +426,13 @@ def test_render_helpers() -> None:
     blocks = render_turns(traj(None, searched="q"), 100, 100)
     assert blocks[-1].startswith("No final answer") and "Tool search returned (ok)" in blocks[0]
 
+
+
+def test_the_viewer_shows_a_judges_score_details() -> None:
+    from rlf_envs.records import TrajectoryRecord
+    from rlf_envs.view import episode_view
+
+    t = traj("0.4")
+    t.reward, t.score_info = 0.4, {"group_judge": 0.4, "group_judge/tokens_in": 812.0, "group_judge/seconds": 1.5}
+    view = episode_view(TrajectoryRecord.from_trajectory(t, source="train", step=3))
+    assert view["score_info"] == {"group_judge": 0.4, "group_judge/tokens_in": 812.0, "group_judge/seconds": 1.5}
