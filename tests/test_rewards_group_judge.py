@@ -217,6 +217,22 @@ async def test_other_400s_do_not_step_down(server: ScriptedGroupJudge) -> None:
 
 
 @async_test
+async def test_a_bug_in_the_judge_skips_the_group_and_does_not_raise(server: ScriptedGroupJudge,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import rlf_envs.rewards.group_judge as gj
+
+    def broken(*a: Any) -> list[str]:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(gj, "render_turns", broken)
+    async with judge(server) as j:
+        scores = await j.score_group([traj("0.1"), traj("0.2")], traj("0.1").task)
+        st = j.metrics()
+    assert values(scores) == [0.5, 0.5] and scores[0].info["group_judge/skipped"] == 1.0
+    assert st["errors"] == 1 and st["fallbacks"] == 1 and server.bodies == []
+
+
+@async_test
 async def test_fallback_verifier(server: ScriptedGroupJudge) -> None:
     group = [traj("0.9", "prose"), traj("wrong", "prose")]
     async with judge(server, on_failure="verifier", fallback_verifier={"type": "exact_match"}, max_attempts=1) as j:

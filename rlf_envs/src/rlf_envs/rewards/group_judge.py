@@ -495,42 +495,54 @@ class GroupJudge(GroupVerifier):
 
     async def score_group(self, trajectories: Sequence[Trajectory], task: Task) -> list[Score]:
         self.stats.groups += 1
+        try:
+            return await self._score_group(trajectories, task)
+        except Exception as e:  # a bug of ours must not kill the batch: the group is skipped, loudly
+            self.stats.errors += 1
+            self.stats.fallbacks += 1
+            log.exception("group judge %s failed on task %s: %r; the group is skipped", self.name, task.id, e)
+            return [self._score(self.cfg.fallback, {"failed": 1.0, "fallback": 1.0, "skipped": 1.0})
+                    for _ in trajectories]
+
+    async def _score_group(self, trajectories: Sequence[Trajectory], task: Task) -> list[Score]:
         c = self.cfg
         rendered = [render_turns(t, c.max_action_chars, c.max_tool_chars) for t in trajectories]
         keys = ["\n\n".join(r) for r in rendered]
         first: dict[str, int] = {}
         slot = [first.setdefault(k, len(first)) for k in keys]
         self.stats.deduplicated += len(keys) - len(first)
-        unique_blocks = [rendered[keys.index(k)] for k in first]
-        audit_task = None
-        if self.audit is not None and self._audited(task, keys):
-            audit_task = asyncio.ensure_future(self._run_audit(trajectories, task))
         cost = _Call()
         base = {"candidates": float(len(first)), "group_size": float(len(trajectories))}
         if len(first) < 2:  # nothing to compare: no call, every member the neutral value
             self.stats.no_call_groups += 1
-            values: list[float] | None = [c.fallback] * len(trajectories)
-            extra = {**base, "no_call": 1.0}
-        else:
+            extra = {**base, "no_call": 1.0, "tokens_in": 0.0, "tokens_out": 0.0, "seconds": 0.0, "calls": 0.0}
+            return [self._score(c.fallback, extra) for _ in trajectories]
+        audit_task = None
+        if self.audit is not None and self._audited(task, keys):
+            audit_task = asyncio.ensure_future(self._run_audit(trajectories, task))
+        try:
+            unique_blocks = [rendered[keys.index(k)] for k in first]
             k = common_prefix(unique_blocks)
             shared = unique_blocks[0][:k]
             unique = [trim("\n\n".join(b[k:]), c.max_candidate_chars) for b in unique_blocks]
             values, extra = await self._judged(task, shared, unique, slot, cost)
-            extra = {**base, **extra, "shared_blocks": float(k)}
-        extra.update(tokens_in=float(cost.tokens_in), tokens_out=float(cost.tokens_out), seconds=cost.seconds,
-                     calls=float(cost.attempts))
-        if values is None:  # the fallback
-            self.stats.fallbacks += 1
-            scores = await self._fallback(trajectories, task, extra)
-        else:
+            extra = {**base, **extra, "shared_blocks": float(k), "tokens_in": float(cost.tokens_in),
+                     "tokens_out": float(cost.tokens_out), "seconds": cost.seconds, "calls": float(cost.attempts)}
+            if values is None:  # the fallback
+                self.stats.fallbacks += 1
+                return await self._fallback(trajectories, task, extra)
             scores = [self._score(v, extra) for v in values]
-        if audit_task is not None:
-            audit_scores = await audit_task
-            if audit_scores is not None and values is not None and "no_call" not in extra:
-                self._record_audit(values, audit_scores)
-                for s, a in zip(scores, audit_scores, strict=True):
-                    s.info[f"{self.name}/audit"] = a
-        return scores
+            if audit_task is not None:
+                audit_scores = await audit_task
+                if audit_scores is not None:
+                    self._record_audit(values, audit_scores)
+                    for s, a in zip(scores, audit_scores, strict=True):
+                        s.info[f"{self.name}/audit"] = a
+            return scores
+        finally:
+            if audit_task is not None and not audit_task.done():
+                audit_task.cancel()
+                await asyncio.gather(audit_task, return_exceptions=True)
 
     def _score(self, value: float, extra: dict[str, float]) -> Score:
         info = {self.name: float(value), **{f"{self.name}/{k}": float(v) for k, v in extra.items()}}
