@@ -87,7 +87,7 @@ def episode_view(rec: TrajectoryRecord) -> dict[str, Any]:
         "answer": None if rec.answer is None else _cut(rec.answer, 2000), "end_reason": rec.end_reason,
         "error": rec.error, "reward": rec.reward, "success": rec.success,
         "tool_calls": rec.num_tool_calls, "tool_errors": rec.num_tool_errors,
-        "mask_runs": _mask_runs(mask), "usage": rec.usage,
+        "mask_runs": _mask_runs(mask), "usage": rec.usage, "score_info": dict(list(rec.score_info.items())[:64]),
     }
 
 

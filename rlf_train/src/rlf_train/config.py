@@ -286,9 +286,16 @@ class TrainConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     openrlhf: OpenRLHFConfig = Field(default_factory=OpenRLHFConfig)
+    group_reward: dict[str, Any] | None = Field(
+        None, description="a group verifier (e.g. {type: group_judge, base_url: ..., model: ...}) that scores each "
+                          "GRPO group of a training batch; its score replaces the env verifier's as the training "
+                          "reward (eval keeps the env's). docs/guides/group-judge.md")
 
     @model_validator(mode="after")
     def _backend(self) -> TrainConfig:
+        if self.group_reward is not None and (self.backend != "local" or self.rollout.agent is not None):
+            raise ValueError("group_reward runs on backend: local with env-driven rollouts (not rollout.agent) "
+                             "for now; remove it, or score with the env's verifier")
         if self.algorithm.name == "ppo" and self.backend != "openrlhf":
             raise ValueError("algorithm.name: ppo (GAE with a critic) runs on backend: openrlhf only; "
                              "the local backend trains grpo or dr_grpo")

@@ -42,6 +42,7 @@ from rlf_train.checkpoint import (
 from rlf_train.config import ConfigError, TrainConfig, dump_config
 from rlf_train.endpoint.sessions import SessionLimits
 from rlf_train.envs import Stage, env_tasks, make_envs
+from rlf_train.group_reward import GroupReward
 from rlf_train.grpo import (
     behaviour_logprobs,
     check_groups,
@@ -91,6 +92,8 @@ class Trainer:
         self.n_rollout = r.prompts_per_step * r.samples_per_prompt
         self.train_envs = make_envs(cfg, self.tokenizer, "train", self.n_rollout)
         self.train_tasks = env_tasks(self.train_envs.envs[0])
+        # group_reward: a group verifier (e.g. a judge ranking each GRPO group) gives the training reward
+        self.group_reward = GroupReward.from_config(cfg.group_reward, self.train_envs.envs[0])
         # built now, not at the first eval: a wrong env.eval_split must fail before the SFT stage, not after
         self._eval_envs: ToolVectorEnv = make_envs(cfg, self.tokenizer, "eval", min(cfg.eval.num_tasks, r.batch_size))
         env_tasks(self._eval_envs.envs[0])
@@ -390,6 +393,8 @@ class Trainer:
                                f"{want[:8]}...): GRPO groups would mix prompts")
         check_groups([self.train_tasks[i].id for i in task_indices] if episodes is not None else got,
                      r.samples_per_prompt)
+        group_metrics = self.group_reward.apply(trajs, r.samples_per_prompt) \
+            if self.group_reward is not None and episodes is None else {}
         if cfg.logging.trajectories_every and step % cfg.logging.trajectories_every == 0:
             self.store_trajectories(step, trajs, "train")
         t_train = time.perf_counter()
@@ -463,6 +468,7 @@ class Trainer:
             "groups_with_signal": float((groups.std(dim=1) > 0).float().mean()),
             "time_train": now - t_train,
         })
+        rec.update(group_metrics)
         self.policy_version += 1
         if behaviour:
             stale = [step - 1 - t.policy_version for tr in trajs for t in tr.turns if t.policy_version is not None]
@@ -669,6 +675,8 @@ class Trainer:
                 self.close_engine()
                 if self.agent is not None:  # how the agent's episodes went, failures included (also on Ctrl-C)
                     progress.print(self.agent.summary())
+                if self.group_reward is not None:
+                    self.group_reward.close()
         self.logger.close()
         plot_reward_curve(self.run_dir)
         summary = {"run_dir": str(self.run_dir), "seconds": time.perf_counter() - t0, "evals": self.evals}

@@ -5,7 +5,7 @@ Use from Python (`Weighted([(ExactMatch(), 1.0), (CallCount(max_calls=4), 1.0)])
 types with `@register_verifier` on a `VerifierConfig` subclass.
 """
 
-from rlf_envs.rewards.base import Verifier
+from rlf_envs.rewards.base import GroupVerifier, Verifier
 from rlf_envs.rewards.code import CodeConfig, CodeVerifier
 from rlf_envs.rewards.common import ConfiguredVerifier, aclose_verifier
 from rlf_envs.rewards.compose import (
@@ -30,6 +30,15 @@ from rlf_envs.rewards.config import (
     parse_verifier_config,
     register_verifier,
     registered_types,
+)
+from rlf_envs.rewards.group_judge import (
+    GroupJudge,
+    GroupJudgeConfig,
+    GroupJudgeStats,
+    PerTrajectory,
+    build_group_verifier,
+    parse_group_scores,
+    score_groups,
 )
 from rlf_envs.rewards.judge import JudgeConfig, JudgeStats, ModelJudge, parse_judge_score
 from rlf_envs.rewards.normalize import exact_match, max_token_f1, normalize_answer, parse_number, substring_match
@@ -66,6 +75,14 @@ from rlf_envs.rewards.sql import SqlConfig, SqlQueryError, SqlVerifier, run_read
 from rlf_envs.rewards.tool_verified import ToolCheck, ToolCheckConfig, ToolInvoker, ToolsInvoker
 
 __all__ = [
+    "score_groups",
+    "parse_group_scores",
+    "build_group_verifier",
+    "PerTrajectory",
+    "GroupVerifier",
+    "GroupJudgeStats",
+    "GroupJudgeConfig",
+    "GroupJudge",
     "PRESETS",
     "BuildContext",
     "CallCount",

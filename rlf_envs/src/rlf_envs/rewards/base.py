@@ -40,6 +40,28 @@ class Verifier(abc.ABC):
         return list(await asyncio.gather(*(self.safe_score(t, t.task) for t in trajectories)))
 
 
+class GroupVerifier(abc.ABC):
+    """Scores the G trajectories of one task together (e.g. a judge that ranks a GRPO group in one call):
+    `score_group` returns one Score per trajectory, in their order. Like a Verifier it must not raise for bad
+    policy output, and its own failures end in a logged, counted fallback (never an exception that kills a
+    batch). Score a flat batch of groups with `rlf_envs.rewards.score_groups`."""
+
+    name: str = "group_verifier"
+
+    def __deepcopy__(self, memo: dict[int, object]) -> GroupVerifier:
+        return self  # holds sessions / counters shared by every user
+
+    @abc.abstractmethod
+    async def score_group(self, trajectories: Sequence[Trajectory], task: Task) -> list[Score]: ...
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters (cost, failures...) for logging; the trainer logs their change per step."""
+        return {}
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release HTTP sessions and the like."""
+
+
 @runtime_checkable
 class ToolInvoker(Protocol):
     """Calls a tool by name. The env's ToolCaller satisfies this."""

@@ -135,7 +135,13 @@
                         series(m.rl, "search_rate", "train: episodes with a tool call", "#9a8f6b", false),
                         series(m.eval, "success_greedy", "held-out success, greedy", "#157f3b", true),
                         series(m.eval, "success_sampled", "held-out success, sampled", "#d9822b", true),
-                        series(m.eval, "success_api", "success (API eval)", "#157f3b", true)], 460, 170)
+                        series(m.eval, "success_api", "success (API eval)", "#157f3b", true)], 460, 170),
+      // a group judge's cost (group_reward): tokens per step and seconds per call
+      chart("judge cost", [series(m.rl, "group_judge/tokens_in", "judge tokens in (per step)", "#6b4fbb", false),
+                           series(m.rl, "group_judge/tokens_out", "judge tokens out (per step)", "#b04f8f", false)],
+            460, 170),
+      chart("judge seconds", [series(m.rl, "group_judge/seconds_per_call", "seconds per judge call", "#6b4fbb", false)],
+            460, 170)
     ];
     charts.forEach(function (c) { if (c) box.appendChild(c); });
   }
@@ -246,6 +252,13 @@
       card.appendChild(el("div", { "class": "reward" }, "turn " + (i + 1) + " reward " + fmt(t.reward)));
     });
     card.appendChild(el("div", { "class": "reward" }, "final reward " + fmt(ep.reward)));
+    var info = ep.score_info || {};
+    var keys = Object.keys(info);
+    if (keys.length) {  // the verifiers' components; a group judge's tokens in/out, seconds, calls, fallback, audit
+      var sc = el("details", { "class": "tool" }, el("summary", null, "score details (" + keys.length + ")"));
+      sc.appendChild(el("pre", null, keys.map(function (k) { return k + ": " + fmt(info[k]); }).join("\n")));
+      card.appendChild(sc);
+    }
     return card;
   }
   function renderDetail(ep) {
