@@ -71,7 +71,8 @@ class StopChecker:
         return hit
 
 
-def _row_seeds(params: SamplingParams, n: int, gen: torch.Generator | None, seeds: Sequence[int] | None) -> list[int]:
+def _row_seeds(params: SamplingParams, n: int, gen: torch.Generator | None,
+               seeds: Sequence[int | None] | None) -> list[int]:
     """`sampling.row_seeds`; greedy decoding draws nothing from `gen` (0s: unused)."""
     return row_seeds(n, gen, seeds) if params.temperature > 0 else [0] * n
 
@@ -300,12 +301,14 @@ def local_generate_batch(model: torch.nn.Module, tokenizer: Any, params: Samplin
     """The trainer's local sampler as a `GenerateBatchFn` (`rlf_envs.adapters.episode`): `generate_batched` over
     the contexts, grouped by their token room; with `logprobs`, each token's sampling log-prob is returned
     (the behaviour log-probs the agent endpoint records). The env-driven rollouts and the agent endpoint both
-    generate through it."""
+    generate through it. The function takes optional per-context `seeds` (the endpoint's per-request seeds,
+    `rlf_train.sampling`): a context's tokens then depend on its seed only, not on its batch mates or their
+    order; contexts without one get seeds from a base drawn from `gen`."""
     stop = StopChecker(tokenizer, list(stop_strings), tokenizer.eos_token_id)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     async def generate_batch(contexts: list[list[int]], max_tokens: list[int], _stop: list[str],
-                             seeds: Sequence[int] | None = None) -> list[Generation]:
+                             seeds: Sequence[int | None] | None = None) -> list[Generation]:
         out: list[Generation] = [Generation(())] * len(contexts)
         rs = _row_seeds(params, len(contexts), gen, seeds)
         for room in sorted(set(max_tokens)):  # one room (max_new_tokens) unless a budget is near its end

@@ -25,11 +25,11 @@ from collections.abc import Sequence
 import torch
 
 from rlf_train.grpo import sampling_logits
+from rlf_train.seeds import mix_seed
 
 #: tokens per block of the two-stage draw (about sqrt of a 151k vocabulary: both stages' sums stay short)
 BLOCK = 512
 _M32 = 0xFFFFFFFF
-_M64 = (1 << 64) - 1
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -67,23 +67,15 @@ def uniforms(seeds: torch.Tensor, step: int, n: int = 2) -> torch.Tensor:
     return torch.stack(cols, dim=-1)
 
 
-def mix_seed(base: int, key: int) -> int:
-    """A 63-bit seed from (base, key) (splitmix64 on Python ints): row k of a call gets `mix_seed(base, k)`."""
-    z = (base * 0x9E3779B97F4A7C15 + key * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-    return (z ^ (z >> 31)) >> 1
-
-
-def row_seeds(n: int, gen: torch.Generator | None = None, seeds: Sequence[int] | None = None) -> list[int]:
-    """Seeds for n rows: the given `seeds` (one per row, e.g. per endpoint request), else row k of this call
-    gets `mix_seed(base, k)` with one base drawn from `gen` (the global torch RNG when None)."""
-    if seeds is not None:
-        if len(seeds) != n:
-            raise ValueError(f"{len(seeds)} seeds for {n} rows")
-        return [int(s) & ((1 << 63) - 1) for s in seeds]
-    base = int(torch.randint(0, 2**62, (1,), generator=gen))
-    return [mix_seed(base, k) for k in range(n)]
+def row_seeds(n: int, gen: torch.Generator | None = None, seeds: Sequence[int | None] | None = None) -> list[int]:
+    """Seeds for n rows: the given `seeds` (one per row, e.g. per endpoint request); a row without one (None, or
+    no `seeds` at all) gets `mix_seed(base, k)`, k its index in this call, with one base drawn from `gen` (the
+    global torch RNG when None), drawn only when some row needs it."""
+    if seeds is not None and len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} rows")
+    given = list(seeds) if seeds is not None else [None] * n
+    base = int(torch.randint(0, 2**62, (1,), generator=gen)) if any(s is None for s in given) else 0
+    return [mix_seed(base, k) if s is None else int(s) & ((1 << 63) - 1) for k, s in enumerate(given)]
 
 
 def _pick(cum: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
