@@ -226,3 +226,45 @@ def test_endpoint_requests_sample_from_their_own_seed_whatever_the_arrival_order
         assert together[i][1] == pytest.approx(reversed_[i][1], abs=1e-5)
     assert subset[3][0] == together[3][0] and subset[1][0] == together[1][0]
     assert len({tuple(v[0]) for v in together.values()}) > 1
+
+
+@pytest.mark.parametrize(("temp", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+def test_chunked_logprobs_equal_the_unchunked_values_and_gradients(temp: float, top_p: float,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`grpo.masked_logprobs` over the output head in chunks (recomputed in the backward pass) gives the values,
+    entropies and parameter gradients of the one-piece computation."""
+    import rlf_train.grpo as grpo
+
+    _tok, model = setup()
+    model = model.float().train()
+    g = torch.Generator().manual_seed(6)
+    V = model.config.vocab_size
+    ids = torch.randint(1, V, (3, 21), generator=g)
+    attn = torch.ones_like(ids)
+    attn[0, :4] = 0
+    tgt = torch.randint(1, V, (3, 21), generator=g)
+    mask = (torch.rand(3, 21, generator=g) < 0.7).float() * attn
+
+    def run(elements: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        monkeypatch.setattr(grpo, "LOGPROB_CHUNK_ELEMENTS", elements)
+        model.zero_grad(set_to_none=True)
+        lp, ent = grpo.masked_logprobs(model, ids, attn, tgt, mask, with_entropy=True, temperature=temp, top_p=top_p)
+        assert ent is not None
+        ((lp * torch.linspace(-1, 1, lp.numel()).view_as(lp)).sum()).backward()
+        return lp.detach(), ent, [p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                                  for p in model.parameters()]
+
+    calls: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda _m, inp, _o: calls.append(inp[0].shape[0]))
+    lp1, ent1, g1 = run(1 << 40)  # one chunk: the plain computation
+    assert calls == [int(mask.sum())]
+    calls.clear()
+    lp2, ent2, g2 = run(5 * V)  # 5 tokens a chunk (each recomputed once in the backward pass)
+    hook.remove()
+    assert max(calls) == 5 and sum(calls) == 2 * int(mask.sum())
+    torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent2, ent1, rtol=0, atol=1e-6)
+    assert (lp1 != 0).sum() == mask.sum()
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert any(float(a.abs().sum()) > 0 for a in g1)
