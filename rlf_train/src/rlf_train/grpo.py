@@ -211,9 +211,10 @@ def masked_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     return lp, ent
 
 
-#: the per-token log-prob / entropy pass works on at most this many [tokens x vocabulary] float32 logits at once
-#: (about 0.5 GiB; 885 tokens at Qwen3's 151,669 vocabulary): its peak memory follows the chunk, not the batch
-LOGPROB_CHUNK_ELEMENTS = 1 << 27
+#: the per-token log-prob / entropy pass works on at most this many [tokens x vocabulary] logits at once (128 MiB
+#: per float32 copy, 221 tokens at Qwen3's 151,669 vocabulary; the pass holds about 7 such copies at its peak):
+#: its peak memory follows the chunk, not the micro-batch. A small vocabulary (the quickstart's) stays one piece.
+LOGPROB_CHUNK_ELEMENTS = 1 << 25
 
 
 def _chunk_logprobs(head: torch.nn.Module, h: torch.Tensor, tgt: torch.Tensor, temperature: float, top_p: float,
