@@ -98,12 +98,13 @@ def sample_from_logits(logits: torch.Tensor, seeds: torch.Tensor, step: int,
     mass = p[:, :full * BLOCK].view(B, full, BLOCK).sum(-1)  # [B, nb] block masses (float32 sums of BLOCK)
     if nb > full:  # the last, shorter block
         mass = torch.cat([mass, p[:, full * BLOCK:].sum(-1, keepdim=True)], dim=-1)
-    mass = mass.double()
-    u = uniforms(seeds, step).to(logits.device)
+    acc = torch.float32 if logits.device.type == "mps" else torch.float64  # (MPS has no float64)
+    mass = mass.to(acc)
+    u = uniforms(seeds.to(logits.device), step).to(acc)
     cum_b = mass.cumsum(-1)
     b = _pick(cum_b, u[:, 0] * cum_b[:, -1]).clamp_(max=nb - 1)
     idx = b.unsqueeze(-1) * BLOCK + torch.arange(BLOCK, device=p.device)  # [B, BLOCK] the block's token ids
-    inner = p.gather(1, idx.clamp(max=V - 1)).double().masked_fill_(idx >= V, 0.0)
+    inner = p.gather(1, idx.clamp(max=V - 1)).to(acc).masked_fill_(idx >= V, 0.0)
     cum_t = inner.cumsum(-1)
     j = _pick(cum_t, u[:, 1] * cum_t[:, -1]).clamp_(max=BLOCK - 1)
     tok = b * BLOCK + j
