@@ -7,11 +7,13 @@ row runs to the end), in four modes, alternated `--repeats` times so that load o
 
 - greedy (temperature 0: argmax; the baseline every ratio is against);
 - sampled (temperature 1, top-p 1) with `rlf_train.sampling` (two-stage inverse CDF on the logits' device);
-- sampled top-p 0.9 (the nucleus costs a sort of the vocabulary, in `grpo.sampling_logits`, as the update does);
+- sampled top-p 0.9 (the random-init policy's logits are flat, so its nucleus is long and `grpo.nucleus` sorts
+  the whole vocabulary, as before; a trained model's nucleus is short: see the sampler-alone line);
 - sampled with the sampler before issue 37 (`torch.multinomial` on a host copy of the probabilities and a full
   log-softmax per step), the old/new ratio.
 
-Also the sampler alone on one [batch, vocabulary] step of logits (no model). Goal (issue 37): sampled generation
+Also the sampler alone on one [batch, vocabulary] step of logits (no model), at top-p 1 and at top-p 0.9 on peaked
+logits (a nucleus of 1-76 tokens, as a trained model's). Goal (issue 37): sampled generation
 costs at most 1.5x greedy generation in the same run.
 
     python benchmarks/sampling.py --json out/sampling.json              # CPU
@@ -101,8 +103,12 @@ def sampler_alone(args: argparse.Namespace) -> dict[str, float]:
     g = torch.Generator().manual_seed(3)
     lg = (torch.randn(args.batch, args.vocab, generator=g) * 3).to(device=dev, dtype=getattr(torch, args.dtype))
     seeds = torch.tensor(row_seeds(args.batch, g), device=dev)
+    # a trained model's next-token distribution is peaked: logits x 6 put the 0.9 nucleus at 1-76 tokens
+    peaked = (torch.randn(args.batch, args.vocab, generator=g) * 6).to(device=dev, dtype=getattr(torch, args.dtype))
     fns = {"argmax": lambda: lg.argmax(-1), "rlf": lambda: sample(lg, 1.0, 1.0, seeds, 0),
-           "old": lambda: old_sample(lg, 1.0, 1.0, seeds, 0, g)}
+           "old": lambda: old_sample(lg, 1.0, 1.0, seeds, 0, g),
+           "rlf_top_p_peaked": lambda: sample(peaked, 1.0, 0.9, seeds, 0),
+           "old_top_p_peaked": lambda: old_sample(peaked, 1.0, 0.9, seeds, 0, g)}
     out = {}
     for name, f in fns.items():
         f()
@@ -153,7 +159,9 @@ def main() -> None:
     ratio_old = med["old_sampled"] / med["sampled"]
     print(f"old sampler / rlf sampler (generation): {ratio_old:.2f}x")
     print(f"one [{args.batch}, {args.vocab}] step alone, ms: argmax {alone['argmax']:.1f}, rlf {alone['rlf']:.1f}, "
-          f"old {alone['old']:.1f} (old/rlf {alone['old'] / alone['rlf']:.2f}x)")
+          f"old {alone['old']:.1f} (old/rlf {alone['old'] / alone['rlf']:.2f}x); top-p 0.9 on peaked logits: rlf "
+          f"{alone['rlf_top_p_peaked']:.1f}, old {alone['old_top_p_peaked']:.1f} "
+          f"(old/rlf {alone['old_top_p_peaked'] / alone['rlf_top_p_peaked']:.2f}x)")
     goal = med["sampled"] / med["greedy"] <= 1.5
     print(f"goal sampled <= 1.5x greedy: {'met' if goal else 'missed'} ({med['sampled'] / med['greedy']:.2f}x)")
     if args.json:

@@ -336,3 +336,23 @@ def test_agent_sessions_sample_the_same_tokens_whatever_the_arrival_order() -> N
     assert a == b
     assert all(len(ids) > 0 for ids in a.values())
     assert a[0] != a[2]  # the same question in two episodes: two samples
+
+
+def test_nucleus_from_candidates_equals_the_full_sort() -> None:
+    """`grpo.nucleus` (a top-k of candidates, a full sort only for rows whose nucleus is longer) keeps exactly the
+    tokens the one-sort definition keeps, for peaked rows (nucleus among the candidates) and flat ones (longer)."""
+    from rlf_train.grpo import NUCLEUS_CANDIDATES, nucleus
+
+    g = torch.Generator().manual_seed(12)
+    V = 3 * NUCLEUS_CANDIDATES + 77
+    scales = torch.tensor([0.1, 1.0, 4.0, 12.0, 30.0, 0.5]).unsqueeze(-1)  # flat ... peaked
+    probs = torch.softmax(torch.randn(6, V, generator=g) * scales, dim=-1)
+    for top_p in (0.3, 0.9, 0.999):
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        want = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, idx, sorted_p.cumsum(-1) - sorted_p < top_p)
+        got = nucleus(probs, top_p)
+        assert torch.equal(got, want), top_p
+        sizes = want.sum(-1)
+        assert bool((sizes < NUCLEUS_CANDIDATES).any()) or top_p > 0.99
+    assert bool((nucleus(probs, 0.9).sum(-1) > NUCLEUS_CANDIDATES).any())  # the fallback ran too
+    assert nucleus(probs.view(2, 3, V), 0.9).shape == (2, 3, V)
