@@ -11,6 +11,13 @@ drawn: its cumulative-sum interval is empty and the target is kept strictly belo
 a few passes over the logits (the exponentials and the block sums) instead of `torch.multinomial`'s host copy and
 full cumulative sum.
 
+**Precision.** Probabilities are exp(logit - max) in float32 (bf16 logits are promoted first, by
+`sampling_logits`); each block's mass is a float32 sum of at most `BLOCK` values (relative error ~1e-7), and both
+cumulative sums run in float64 over at most ~300 blocks and `BLOCK` tokens, against a 53-bit uniform. A token's
+drawn probability is therefore its float32 softmax probability to about 1e-7 relative; the only tokens never
+drawn although not masked are those whose probability underflows float32 (below ~1e-38 of the most likely one).
+The log-prob returned is logit - max - log(total mass), equal to `log_softmax` to float32 rounding.
+
 **Random numbers.** Two uniforms per row and step come from a counter-based hash of (row seed, step, k),
 computed with torch integer ops on the logits' device (`uniforms`): a row's draws depend on its own seed and its
 step only, never on which rows share its batch, how the batch is split, or the order requests arrived in. Row
