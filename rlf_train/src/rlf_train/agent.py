@@ -56,6 +56,7 @@ from rlf_train.config import ConfigError
 from rlf_train.endpoint.engine import EngineFront, EngineStats
 from rlf_train.endpoint.server import PolicyServer
 from rlf_train.endpoint.sessions import BREAK_KINDS, GenTurn, Session, SessionLimits
+from rlf_train.seeds import mix_seed
 
 log = logging.getLogger(__name__)
 
@@ -300,9 +301,11 @@ class AgentRunner:
         finally:
             await self.server.close()
 
-    def open_session(self, meta: Any = None) -> Session:
+    def open_session(self, meta: Any = None, seed: int | None = None) -> Session:
+        """A new session; `seed` (the episode's sampling seed) makes its calls' tokens independent of arrival order."""
         self._n += 1
         s = Session(f"{self._n:06d}{secrets.token_hex(6)}", self.codec, self.adapter.encode, self.limits, meta)
+        s.seed = seed
         self.server.sessions.add(s)
         return s
 
@@ -319,21 +322,23 @@ class AgentRunner:
         c.model = "rlf-policy"  # type: ignore[attr-defined]  # what agents pass as `model` (any name works)
         return c
 
-    async def run(self, tasks: Sequence[Task], verifier: Verifier) -> AgentEpisodes:
-        """One episode per task (in order), at most `concurrency` at once."""
+    async def run(self, tasks: Sequence[Task], verifier: Verifier, seeds: Sequence[int] | None = None
+                  ) -> AgentEpisodes:
+        """One episode per task (in order), at most `concurrency` at once; episode e samples with seed `seeds[e]`
+        (`rlf_train.seeds`: a function of the run's seed, so the run does not depend on arrival order)."""
         t0 = time.perf_counter()
         if self._sem is None:  # one bound for every batch in flight (the async worker runs several)
             self._sem = asyncio.Semaphore(self.concurrency)
         sem = self._sem
         stats = AgentStats(episodes=len(tasks))
 
-        async def one(task: Task) -> tuple[Session, float]:
+        async def one(task: Task, seed: int | None) -> tuple[Session, float]:
             async with sem:
-                return await self._episode(task, verifier, stats)
+                return await self._episode(task, verifier, stats, seed)
 
         watch = asyncio.ensure_future(self._watch(stats))
         try:
-            done = await asyncio.gather(*(one(t) for t in tasks))
+            done = await asyncio.gather(*(one(t, None if seeds is None else seeds[e]) for e, t in enumerate(tasks)))
         finally:
             watch.cancel()
         agents = self.agents
@@ -376,8 +381,9 @@ class AgentRunner:
                     "asyncio.sleep / an async client, or asyncio.to_thread for blocking work "
                     "(docs/guides/own-agent.md)", agents.stalled_s(), self.limits.timeout_s)
 
-    async def _episode(self, task: Task, verifier: Verifier, stats: AgentStats) -> tuple[Session, float]:
-        s = self.open_session(task)
+    async def _episode(self, task: Task, verifier: Verifier, stats: AgentStats, seed: int | None = None
+                       ) -> tuple[Session, float]:
+        s = self.open_session(task, seed)
         result: Any = None
         fut: Any = None
         try:
@@ -525,6 +531,7 @@ class AgentSource:
     def collect(self, stage: str, task_indices: Sequence[int], params: Any, seed_base: int, gen: Any) -> Any:
         """One agent episode per task of `stage`'s split, in order; rows are segments (`Rollouts`)."""
         from rlf_train.rollout import Rollouts, RolloutStats
+        from rlf_train.sampling import row_seeds
 
         env = self.envs[stage].envs[0]
         generate_batch = self.engine.generate_batch(params, gen, self.codec.stop_strings)
@@ -540,8 +547,10 @@ class AgentSource:
         model = self.engine.model()
         was_training = model.training
         model.eval()
+        base = row_seeds(1, gen)[0]  # episode e samples with mix_seed(base, e): the run's seed fixes the run
         try:
-            eps = run_on_rlf_loop(self.runner.run([env.tasks[i] for i in task_indices], env.verifier))
+            eps = run_on_rlf_loop(self.runner.run([env.tasks[i] for i in task_indices], env.verifier,
+                                                  [mix_seed(base, e) for e in range(len(task_indices))]))
         finally:
             model.train(was_training)
         stats = RolloutStats(gen_seconds=front.stats.gen_seconds, total_seconds=eps.stats.seconds,
@@ -623,6 +632,7 @@ class AgentWorker:
                  last_update: int, batch_size: int, gen: Any) -> None:
         from rlf_train.async_rollout import WorkerTimes
         from rlf_train.rollout import local_generate_batch
+        from rlf_train.sampling import row_seeds
 
         self.source, self.model, self.store, self.admission = source, model, store, admission
         self.prompts_for, self.G = prompts_for, group_size
@@ -636,6 +646,7 @@ class AgentWorker:
         self.runner = AgentRunner(source.agent, source.codec, source.tokenizer, source.limits, source.concurrency,
                                   self.front)
         self._done: dict[int, dict[int, AgentEpisodes]] = {}
+        self._seed_base = row_seeds(1, gen)[0]  # group k's episode i samples with mix_seed(base, k * G + i)
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._future: Any = None
@@ -674,7 +685,8 @@ class AgentWorker:
         groups: list[asyncio.Task[None]] = []
 
         async def group(k: int, update: int, task_index: int) -> None:
-            eps = await self.runner.run([env.tasks[task_index]] * self.G, env.verifier)
+            eps = await self.runner.run([env.tasks[task_index]] * self.G, env.verifier,
+                                        [mix_seed(self._seed_base, k * self.G + i) for i in range(self.G)])
             with self._cond:
                 self._done.setdefault(update, {})[k % B] = eps
                 self._cond.notify_all()

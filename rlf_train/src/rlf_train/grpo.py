@@ -160,14 +160,36 @@ def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float
         logits = logits / temperature
     if top_p < 1.0:
         with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            sorted_p, idx = probs.sort(dim=-1, descending=True)
-            keep_sorted = sorted_p.cumsum(-1) - sorted_p < top_p
-            inside = torch.zeros_like(keep_sorted).scatter(-1, idx, keep_sorted)
+            inside = nucleus(torch.softmax(logits, dim=-1), top_p)
             if keep is not None:
                 inside = inside | keep
         logits = logits.masked_fill(~inside, float("-inf"))
     return logits
+
+
+#: top-p looks for the nucleus among this many most likely tokens first (a top-k: far cheaper than sorting a 151k
+#: vocabulary on a CPU); only rows whose nucleus is longer are sorted whole
+NUCLEUS_CANDIDATES = 1024
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] bool: the most likely tokens whose preceding cumulative probability (in descending order) is below
+    `top_p`. Exact: when the last of the `NUCLEUS_CANDIDATES` candidates is outside, every less likely token is
+    too; otherwise that row is sorted whole."""
+    shape = probs.shape
+    probs = probs.reshape(-1, shape[-1])
+    V = probs.shape[-1]
+
+    def inside_of(p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vals, idx = p.topk(k, dim=-1) if k < V else p.sort(dim=-1, descending=True)
+        keep_sorted = vals.cumsum(-1) - vals < top_p
+        return torch.zeros_like(p, dtype=torch.bool).scatter(-1, idx, keep_sorted), keep_sorted[:, -1]
+
+    inside, open_end = inside_of(probs, min(V, NUCLEUS_CANDIDATES))
+    if V > NUCLEUS_CANDIDATES and bool(open_end.any()):
+        rows = open_end.nonzero().flatten()
+        inside[rows] = inside_of(probs[rows], V)[0]
+    return inside.reshape(shape)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -201,19 +223,72 @@ def masked_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
         return lp, ent
     hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     tgt = targets[sel]
-    raw = head(hidden[sel])  # [K, V]
+    lp_sel, ent_sel = head_logprobs(head, hidden[sel], tgt, temperature, top_p, with_entropy)
+    lp = torch.zeros(mask.shape, dtype=lp_sel.dtype, device=lp_sel.device)
+    lp[sel] = lp_sel
+    ent = None
+    if ent_sel is not None:
+        ent = torch.zeros(mask.shape, dtype=ent_sel.dtype, device=ent_sel.device)
+        ent[sel] = ent_sel
+    return lp, ent
+
+
+#: the per-token log-prob / entropy pass works on at most this many [tokens x vocabulary] logits at once (128 MiB
+#: per float32 copy, 221 tokens at Qwen3's 151,669 vocabulary; the pass holds about 7 such copies at its peak):
+#: its peak memory follows the chunk, not the micro-batch. A small vocabulary (the quickstart's) stays one piece.
+LOGPROB_CHUNK_ELEMENTS = 1 << 25
+
+
+def _chunk_logprobs(head: torch.nn.Module, h: torch.Tensor, tgt: torch.Tensor, temperature: float, top_p: float,
+                    with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(tgt) of one chunk of hidden states under `sampling_logits` ([C, H], [C] -> [C] float32) and the
+    per-token entropy there (detached; empty unless `with_entropy`)."""
+    raw = head(h)  # [C, V]
     keep = None
     if top_p < 1.0:
         keep = torch.zeros(raw.shape, dtype=torch.bool, device=raw.device).scatter(-1, tgt.unsqueeze(-1), True)
-    logits = sampling_logits(raw, temperature, top_p, keep)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    lp = torch.zeros(mask.shape, dtype=logits.dtype, device=logits.device)
-    lp[sel] = logp_all.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
-    ent = None
-    if with_entropy:
-        ent = torch.zeros(mask.shape, dtype=logits.dtype, device=logits.device)
-        ent[sel] = _entropy(logp_all).detach()
+    logp_all = torch.log_softmax(sampling_logits(raw, temperature, top_p, keep), dim=-1)
+    lp = logp_all.gather(-1, tgt.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        ent = _entropy(logp_all) if with_entropy else logp_all.new_zeros((0,))
     return lp, ent
+
+
+def head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, tgt: torch.Tensor, temperature: float = 1.0,
+                  top_p: float = 1.0, with_entropy: bool = False, chunk: int | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log p(tgt) ([K], differentiable) and entropy ([K], detached, or None) of the output head on
+    hidden states [K, H] under `sampling_logits(temperature, top_p)`, `chunk` tokens at a time (default: as many
+    as fit `LOGPROB_CHUNK_ELEMENTS` logits).
+
+    Memory: the [K, vocabulary] float32 logits, their log-softmax and the entropy's products would each be
+    materialised for the whole micro-batch (1.7 GiB per copy at 2,900 tokens and a 151k vocabulary), and autograd
+    would keep them for the backward pass. Here each chunk's logits exist only while that chunk is computed; with
+    gradients on, a chunk is recomputed in the backward pass (`torch.utils.checkpoint`) instead of being kept,
+    so the peak grows with the chunk. The values equal the unchunked computation's (the same per-row ops)."""
+    import torch.utils.checkpoint
+
+    K = hidden.shape[0]
+    weight = getattr(head, "weight", None)
+    if chunk is None:  # a head without a plain weight (some wrapped heads): 1,024 tokens at a time
+        chunk = max(1, LOGPROB_CHUNK_ELEMENTS // weight.shape[0]) if isinstance(weight, torch.Tensor) else 1024
+    chunk = max(1, chunk)
+    lps: list[torch.Tensor] = []
+    ents: list[torch.Tensor] = []
+    recompute = torch.is_grad_enabled() and chunk < K
+    for a in range(0, K, chunk):
+        h, t = hidden[a:a + chunk], tgt[a:a + chunk]
+        if recompute:
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, head, h, t, temperature, top_p,
+                                                        with_entropy, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(head, h, t, temperature, top_p, with_entropy)
+        lps.append(lp)
+        ents.append(ent.detach())
+    if not lps:
+        empty = hidden.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 
 
 def _entropy(logp: torch.Tensor) -> torch.Tensor:

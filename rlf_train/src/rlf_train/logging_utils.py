@@ -75,6 +75,11 @@ class MetricsLogger:
 
     def _writer(self, stage: str) -> Any:
         if stage not in self._tb:
+            # tensorboard imports TensorFlow, when it is installed, for file I/O (`tensorboard.compat.tf`), and TF
+            # can take the GPU; a `tensorboard.compat.notf` module is tensorboard's own switch to its TF-free stub
+            import types
+
+            sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("tensorboard.compat.notf"))
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb[stage] = SummaryWriter(log_dir=str(self.run_dir / "tb" / stage), purge_step=self._purge.get(stage))

@@ -27,7 +27,7 @@ from rlf_envs.adapters.episode import DriveStats, GenerateBatchFn, Generation, T
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.types import Trajectory
-from rlf_train.grpo import sampling_logits
+from rlf_train.sampling import row_seeds, sample
 
 
 @dataclass(frozen=True)
@@ -71,19 +71,20 @@ class StopChecker:
         return hit
 
 
+def _row_seeds(params: SamplingParams, n: int, gen: torch.Generator | None,
+               seeds: Sequence[int | None] | None) -> list[int]:
+    """`sampling.row_seeds`; greedy decoding draws nothing from `gen` (0s: unused)."""
+    return row_seeds(n, gen, seeds) if params.temperature > 0 else [0] * n
+
+
 def _sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
             with_logprob: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Greedy at temperature 0, else a draw from `sampling_logits` (the distribution the update's
-    log-probs are computed under). With `with_logprob`, also the drawn tokens' log-probs under that
+    """One decode step of `generate` for a batch of rows: `sampling.sample` with row seeds from `gen`
+    (`sampling.row_seeds`); with `with_logprob`, also the drawn tokens' log-probs under the sampling
     distribution (the behaviour log-probs of asynchronous RL; 0 for greedy)."""
-    if params.temperature == 0.0:
-        tok = logits.argmax(dim=-1)
-        return tok, (torch.zeros(tok.shape) if with_logprob else None)
-    sl = sampling_logits(logits, params.temperature, params.top_p)
-    probs = torch.softmax(sl, dim=-1)
-    tok = torch.multinomial(probs.cpu(), 1, generator=gen).squeeze(-1).to(logits.device)
-    lp = torch.log_softmax(sl, dim=-1).gather(-1, tok.unsqueeze(-1)).squeeze(-1).cpu() if with_logprob else None
-    return tok, lp
+    seeds = torch.tensor(_row_seeds(params, logits.shape[0], gen, None), dtype=torch.long, device=logits.device)
+    tok, lp = sample(logits, params.temperature, params.top_p, seeds, 0)
+    return tok, (lp if with_logprob else None)
 
 
 @functools.cache
@@ -109,11 +110,17 @@ def generate(
     pad_id: int,
     gen: torch.Generator | None = None,
     logprobs: list[list[float]] | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Continue every context until a stop token/string, EOS or max_new_tokens. Returns new ids per row;
-    `logprobs` (a list of B empty lists), when given, receives each new token's sampling log-prob."""
+    `logprobs` (a list of B empty lists), when given, receives each new token's sampling log-prob.
+
+    Tokens are drawn by `rlf_train.sampling.sample` on the model's device. Row i's draws depend only on its
+    seed (`seeds[i]`, else one derived from a base drawn from `gen`, see `sampling.row_seeds`) and its step,
+    not on the other rows of the batch."""
     device = next(model.parameters()).device
     B = len(contexts)
+    row_seed = torch.tensor(_row_seeds(params, B, gen, seeds), dtype=torch.long, device=device)
     L = max(len(c) for c in contexts)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attn = torch.zeros((B, L), dtype=torch.long)
@@ -131,13 +138,13 @@ def generate(
     rows = list(range(B))  # batch position -> context index; finished rows are dropped from the batch
     done = torch.zeros(B, dtype=torch.bool, device=device)
     for step in range(params.max_new_tokens):
-        tok, lp = _sample(logits, params, gen, with_logprob=logprobs is not None)
+        tok, lp = sample(logits, params.temperature, params.top_p, row_seed, step)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         live = (~done).nonzero().flatten().tolist()
         tl = tok.tolist()
         for j in live:
             generated[rows[j]].append(tl[j])
-        if logprobs is not None and lp is not None:
+        if logprobs is not None:
             lpl = lp.tolist()
             for j in live:
                 logprobs[rows[j]].append(lpl[j])
@@ -151,6 +158,7 @@ def generate(
             keep = (~done).nonzero().flatten()
             past.batch_select_indices(keep)
             attn, next_pos, tok, done = attn[keep], next_pos[keep], tok[keep], done[keep]
+            row_seed = row_seed[keep]
             rows = [rows[k] for k in keep.tolist()]
         attn = torch.cat([attn, torch.ones((len(rows), 1), dtype=attn.dtype, device=device)], dim=1)
         out = model(input_ids=tok.unsqueeze(1), attention_mask=attn, position_ids=next_pos.unsqueeze(1),
@@ -191,13 +199,17 @@ def generate_batched(
     gen: torch.Generator | None,
     batch_size: int,
     logprobs: list[list[float]] | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """`generate` over length buckets of at most `batch_size` rows; results (and `logprobs`, if given) in
-    the order of `contexts`."""
+    the order of `contexts`. Row i samples with seed `seeds[i]`, else with row i of `sampling.row_seeds`
+    (one base drawn from `gen` per call): the tokens do not depend on how the rows are bucketed."""
     out: list[list[int]] = [[] for _ in contexts]
+    rs = _row_seeds(params, len(contexts), gen, seeds)
     for bucket in length_buckets([len(c) for c in contexts], batch_size):
         lps: list[list[float]] | None = [[] for _ in bucket] if logprobs is not None else None
-        outs = generate(model, [contexts[i] for i in bucket], params, stop, pad_id, gen, lps)
+        outs = generate(model, [contexts[i] for i in bucket], params, stop, pad_id, None, lps,
+                        seeds=[rs[i] for i in bucket])
         for k, (i, o) in enumerate(zip(bucket, outs, strict=True)):
             out[i] = o
             if logprobs is not None and lps is not None:
@@ -289,17 +301,22 @@ def local_generate_batch(model: torch.nn.Module, tokenizer: Any, params: Samplin
     """The trainer's local sampler as a `GenerateBatchFn` (`rlf_envs.adapters.episode`): `generate_batched` over
     the contexts, grouped by their token room; with `logprobs`, each token's sampling log-prob is returned
     (the behaviour log-probs the agent endpoint records). The env-driven rollouts and the agent endpoint both
-    generate through it."""
+    generate through it. The function takes optional per-context `seeds` (the endpoint's per-request seeds,
+    `rlf_train.sampling`): a context's tokens then depend on its seed only, not on its batch mates or their
+    order; contexts without one get seeds from a base drawn from `gen`."""
     stop = StopChecker(tokenizer, list(stop_strings), tokenizer.eos_token_id)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
-    async def generate_batch(contexts: list[list[int]], max_tokens: list[int], _stop: list[str]) -> list[Generation]:
+    async def generate_batch(contexts: list[list[int]], max_tokens: list[int], _stop: list[str],
+                             seeds: Sequence[int | None] | None = None) -> list[Generation]:
         out: list[Generation] = [Generation(())] * len(contexts)
+        rs = _row_seeds(params, len(contexts), gen, seeds)
         for room in sorted(set(max_tokens)):  # one room (max_new_tokens) unless a budget is near its end
             rows = [k for k, m in enumerate(max_tokens) if m == room]
             p = params if room == params.max_new_tokens else replace(params, max_new_tokens=room)
             lps: list[list[float]] | None = [[] for _ in rows] if logprobs else None
-            outs = generate_batched(model, [contexts[k] for k in rows], p, stop, pad_id, gen, batch_size, lps)
+            outs = generate_batched(model, [contexts[k] for k in rows], p, stop, pad_id, None, batch_size, lps,
+                                    seeds=[rs[k] for k in rows])
             for j, (k, ids) in enumerate(zip(rows, outs, strict=True)):
                 out[k] = Generation(ids, lps[j] if lps is not None else None)
         return out

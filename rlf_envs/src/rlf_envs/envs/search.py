@@ -311,8 +311,10 @@ def default_index_dir(world: str = "default") -> Path:
     from rlf_envs.data.search.generate import world_dir
     from rlf_envs.extras import require
     from rlf_envs.retrieval import FORMAT_VERSION, RetrievalError, build_index
+    from rlf_envs.retrieval._deps import BM25S_BLOCKED, blocked_imports
 
-    require("bm25s", "rlf/Search-v0's in-process BM25 search (retriever='inprocess', the default)")
+    with blocked_imports(BM25S_BLOCKED):  # bm25s without jax (see rlf_envs.retrieval._deps)
+        require("bm25s", "rlf/Search-v0's in-process BM25 search (retriever='inprocess', the default)")
     corpus = CORPUS_PATH if world == "default" else world_dir(world) / "corpus.jsonl"
     digest = hashlib.sha256(corpus.read_bytes()).hexdigest()[:12]
     cache = Path(os.environ.get("RLF_CACHE_DIR") or Path.home() / ".cache" / "rlf")

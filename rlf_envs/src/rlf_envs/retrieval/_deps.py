@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -21,6 +24,34 @@ def require(module: str) -> ModuleType:
     except ImportError as e:
         hint = install_hint(module)
         raise RetrievalError(f"the retrieval core needs `{module}` ({e}); install it with: {hint}") from None
+
+
+#: modules bm25s imports when installed that rlf never uses and that take the accelerator at import: bm25s'
+#: `selection.py` runs `jax.lax.top_k` at import when jax is importable, and jax then pre-allocates 75% of
+#: every GPU's memory (the policy's memory, on a training machine). rlf's BM25 scores and ranks with numpy.
+BM25S_BLOCKED = ("jax",)
+
+
+@contextlib.contextmanager
+def blocked_imports(modules: tuple[str, ...]) -> Iterator[None]:
+    """While inside, `import <module>` raises ImportError for each of `modules` not imported yet (a None entry in
+    sys.modules, Python's documented way to stop an import); removed afterwards, so a later import works."""
+    added = [m for m in modules if m not in sys.modules]
+    for m in added:
+        sys.modules[m] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        for m in added:
+            if m in sys.modules and sys.modules[m] is None:
+                del sys.modules[m]
+
+
+def require_bm25s(module: str = "bm25s") -> ModuleType:
+    """`require("bm25s")` (or a submodule) without letting bm25s import jax (`BM25S_BLOCKED`): bm25s then takes
+    its numpy path. A jax the process imported before stays as it is (bm25s would use it; rlf still does not)."""
+    with blocked_imports(BM25S_BLOCKED):
+        return require(module)
 
 
 def resolve_model_dir(model: str | None) -> Path:

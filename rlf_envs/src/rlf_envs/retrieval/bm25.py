@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from rlf_envs.retrieval._deps import require
+from rlf_envs.retrieval._deps import require_bm25s
 from rlf_envs.retrieval.bm25_build import BM25_DIR, VOCAB_NAME, build_bm25, english_stopwords, split_words
 from rlf_envs.retrieval.corpus import DocStore
 from rlf_envs.retrieval.types import Hit, IndexManifest, RetrievalError
@@ -46,7 +46,7 @@ class BM25Index:
     def __init__(self, directory: str | Path, manifest: IndexManifest | None = None, *, mmap: bool = True) -> None:
         """`mmap=True` (default) maps the postings (score matrix) from disk, so they cost page cache, shared
         and reclaimable, rather than this process's memory; `mmap=False` reads them into memory."""
-        bm25s = require("bm25s")
+        bm25s = require_bm25s()
         self.directory = Path(directory)
         self.manifest = manifest or IndexManifest.read(self.directory)
         if self.manifest.kind != "bm25":

@@ -41,7 +41,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from rlf_envs.retrieval._deps import require
+from rlf_envs.retrieval._deps import require_bm25s
 from rlf_envs.retrieval.types import Document, RetrievalError
 
 BM25_DIR = "bm25"
@@ -61,7 +61,7 @@ _CHUNK_FILES = ("terms.npy", "tptr.npy", "docs.npy", "tfs.npy", "doclen.npy", "w
 
 def english_stopwords() -> tuple[str, ...]:
     """bm25s' English stopword list (what `bm25s.tokenize(stopwords="en")` removes)."""
-    return tuple(require("bm25s.stopwords").STOPWORDS_EN)
+    return tuple(require_bm25s("bm25s.stopwords").STOPWORDS_EN)
 
 
 def split_words(text: str) -> list[str]:
@@ -468,7 +468,7 @@ def build_bm25(
         blocks = _merge(work, infos, n_terms, target, params, merge_postings, show_progress)
         if _write_vocab(work, len(infos), target / VOCAB_NAME) != n_terms:
             raise RetrievalError(f"{work}: the chunks' words do not add up to the vocabulary; delete it and rebuild")
-        bm25s = require("bm25s")
+        bm25s = require_bm25s()
         meta = {**asdict(params), "num_docs": sum(i.n_docs for i in infos), "version": bm25s.__version__}
         meta["backend"] = "numpy"
         (target / PARAMS_NAME).write_text(json.dumps(meta, indent=4))

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from rlf_envs.retrieval._deps import DEFAULT_MODEL, require
+from rlf_envs.retrieval._deps import DEFAULT_MODEL, require, require_bm25s
 from rlf_envs.retrieval.bm25 import BM25Index, build_bm25
 from rlf_envs.retrieval.corpus import DocStore, iter_corpus, write_docstore
 from rlf_envs.retrieval.dense import (
@@ -207,7 +207,7 @@ def build_index(
     # the packages the build needs, before anything is written: a missing one must not leave a partial build
     # behind (a later call would "resume" it)
     for module in ("bm25s",) if kind == "bm25" else ("faiss", "sentence_transformers"):
-        require(module)
+        require_bm25s() if module == "bm25s" else require(module)
     corpus = Path(corpus_path)
     out = Path(out_dir)
     if out.exists() and not overwrite:

@@ -6,11 +6,17 @@ run on a thread of their own (with its own event loop); the server's loop keeps 
 meanwhile. A batch (one engine call) takes every request waiting: the batcher waits until every open session
 has one waiting, or the burst of arrivals pauses for `window_s`, or `max_wait_s` passed. So 64 concurrent
 agents in lock-step cost about what 64 env-driven episodes do.
+
+A request may carry a sampling seed (the server gives each call of a session one, derived from the run's seed):
+an engine that takes per-context `seeds` (the local sampler, `rlf_train.rollout.local_generate_batch`) then
+samples each request from its own seed, so its tokens do not depend on which requests share its batch or the
+order they arrived in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +40,7 @@ class _Pending:
     prompt: list[int]
     max_tokens: int
     future: asyncio.Future[tuple[Generation, int]]
+    seed: int | None = None
 
 
 class EngineFront:
@@ -67,6 +74,14 @@ class EngineFront:
     def set_engine(self, generate_batch: GenerateBatchFn, version: int) -> None:
         self.generate_batch = generate_batch
         self.version = version
+
+    @staticmethod
+    def takes_seeds(generate_batch: GenerateBatchFn) -> bool:
+        """Whether an engine's `generate_batch` takes per-context `seeds` (else requests' seeds are not passed)."""
+        try:
+            return "seeds" in inspect.signature(generate_batch).parameters
+        except (TypeError, ValueError):
+            return False
 
     # -- life (on the serving loop) -------------------------------------------------------------------
     async def start(self) -> None:
@@ -119,11 +134,12 @@ class EngineFront:
         return self._open is not None and not self._open.is_set()
 
     # -- requests ----------------------------------------------------------------------------------------
-    async def generate(self, prompt: list[int], max_tokens: int) -> tuple[Generation, int]:
+    async def generate(self, prompt: list[int], max_tokens: int, seed: int | None = None) -> tuple[Generation, int]:
+        """`seed`: this request's sampling seed (None: one from the engine's generator)."""
         if self._closed or self._wake is None:
             raise RuntimeError("the endpoint's engine is not running")
         fut: asyncio.Future[tuple[Generation, int]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(prompt, max_tokens, fut))
+        self._queue.append(_Pending(prompt, max_tokens, fut, seed))
         self._wake.set()
         return await fut
 
@@ -144,7 +160,8 @@ class EngineFront:
                 continue
             t0 = time.perf_counter()
             try:
-                gens, version = await self._call([p.prompt for p in batch], [p.max_tokens for p in batch])
+                gens, version = await self._call([p.prompt for p in batch], [p.max_tokens for p in batch],
+                                                 [p.seed for p in batch])
                 if len(gens) != len(batch):
                     raise RuntimeError(f"the engine returned {len(gens)} generations for {len(batch)} prompts")
             except Exception as e:  # every waiting request gets the error (HTTP 500), the server goes on
@@ -174,14 +191,18 @@ class EngineFront:
             seen = len(self._queue)
             await asyncio.sleep(self.window_s)
 
-    async def _generate(self, contexts: list[list[int]], max_tokens: list[int]
+    async def _generate(self, contexts: list[list[int]], max_tokens: list[int], seeds: list[int | None]
                         ) -> tuple[Sequence[Generation], int]:
         """On the engine's thread: the weights swap (`refresh`), then the batch; the version that generated it."""
         version = self.refresh() if self.refresh is not None else self.version
-        return await self.generate_batch(contexts, max_tokens, self.stop), version
+        fn = self.generate_batch
+        if any(s is not None for s in seeds) and self.takes_seeds(fn):
+            return await fn(contexts, max_tokens, self.stop, seeds=seeds), version  # type: ignore[call-arg]
+        return await fn(contexts, max_tokens, self.stop), version
 
-    async def _call(self, contexts: list[list[int]], max_tokens: list[int]) -> tuple[Sequence[Generation], int]:
+    async def _call(self, contexts: list[list[int]], max_tokens: list[int], seeds: list[int | None] | None = None
+                    ) -> tuple[Sequence[Generation], int]:
         assert self._loop is not None
         fut: ThreadFuture[tuple[Sequence[Generation], int]] = asyncio.run_coroutine_threadsafe(
-            self._generate(contexts, max_tokens), self._loop)
+            self._generate(contexts, max_tokens, seeds if seeds is not None else [None] * len(contexts)), self._loop)
         return await asyncio.wrap_future(fut)

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from rlf_envs.formats.chat import ChatMessage, ChatToolCall, Reply
 from rlf_train.endpoint.engine import EngineFront
 from rlf_train.endpoint.sessions import Session, SessionError, SessionStore, request_key, tools_key
+from rlf_train.seeds import mix_seed
 
 log = logging.getLogger(__name__)
 
@@ -309,8 +310,9 @@ class PolicyServer:
         a retry finds its answer)."""
         async with session.lock:
             prep = session.prepare(messages, tools, tkey, max_tokens)
+            seed = None if session.seed is None else mix_seed(session.seed, session.calls)  # this call's own
         try:
-            gen, version = await self.engine.generate(prep.prompt, prep.max_tokens)
+            gen, version = await self.engine.generate(prep.prompt, prep.max_tokens, seed)
         except BaseException:
             session.abandon(prep)
             raise

@@ -171,6 +171,7 @@ class Session:
         self.prompts = prompts  # a new segment's prompt ids (shared by the store's sessions; `SessionStore.add`)
         self.limits = limits
         self.meta = meta  # the rollout source's own (task, group, ...)
+        self.seed: int | None = None  # sampling seed of the episode (call k samples with mix_seed(seed, k))
         self.key = "rlf-" + secrets.token_urlsafe(18)  # the API key that also names this session
         self.deadline = time.monotonic() + limits.timeout_s
         self.closed = False

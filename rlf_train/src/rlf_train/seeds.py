@@ -1,0 +1,14 @@
+"""Seed derivation shared by the sampler (`rlf_train.sampling`) and the agent endpoint (pure Python, no torch)."""
+
+from __future__ import annotations
+
+_M64 = (1 << 64) - 1
+
+
+def mix_seed(base: int, key: int) -> int:
+    """A 63-bit seed from (base, key) (splitmix64's finaliser on Python ints): row k of a sampling call gets
+    `mix_seed(base, k)`, call k of an endpoint session `mix_seed(session seed, k)`."""
+    z = ((base & _M64) * 0x9E3779B97F4A7C15 + (key & _M64) * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return (z ^ (z >> 31)) >> 1
