@@ -13,12 +13,13 @@ from rlf_envs.sandbox.sessions.types import (
     SessionBackend,
     SessionClosed,
     SessionError,
+    SessionFileNotFound,
     SessionInfraError,
     SessionLimits,
     SessionSpec,
 )
 
-__all__ = ["ExecResult", "Session", "SessionBackend", "SessionClosed", "SessionError", "SessionInfraError",
+__all__ = ["ExecResult", "Session", "SessionBackend", "SessionClosed", "SessionError", "SessionFileNotFound", "SessionInfraError",
            "SessionLimits", "SessionSpec", "open_backend"]
 
 

@@ -31,6 +31,7 @@ from rlf_envs.sandbox.sessions.types import (
     SessionBackend,
     SessionClosed,
     SessionError,
+    SessionFileNotFound,
     SessionInfraError,
     SessionSpec,
 )
@@ -151,7 +152,8 @@ class LocalSession(Session):
         self._closed = False
         self._expired = False
         self._deadline = time.monotonic() + spec.limits.session_timeout_s
-        self._timer = asyncio.get_running_loop().call_later(spec.limits.session_timeout_s, self._expire)
+        # the killer fires a moment after the deadline, so that a call cut to the deadline still returns its result
+        self._timer = asyncio.get_running_loop().call_later(spec.limits.session_timeout_s + 1.0, self._expire)
 
     def _expire(self) -> None:
         self._expired = True
@@ -180,7 +182,7 @@ class LocalSession(Session):
             if reply.get("kind") == "infra":
                 raise SessionInfraError(err)
             if reply.get("errno") == 2:
-                raise FileNotFoundError(err)
+                raise SessionFileNotFound(err)
             raise SessionError(err)
         return reply
 
