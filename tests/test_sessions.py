@@ -25,9 +25,9 @@ from rlf_envs.sandbox.sessions import (
     SessionLimits,
     SessionSpec,
     open_backend,
+    owners,
 )
-from rlf_envs.sandbox.sessions import owners
-from rlf_envs.sandbox.sessions.local import LocalBackend, LocalSession
+from rlf_envs.sandbox.sessions.local import LocalBackend
 
 pytestmark = [pytest.mark.envs,
               pytest.mark.skipif(os.geteuid() != 0, reason="the local session backend needs root")]

@@ -34,11 +34,11 @@ def _skip_reason() -> str | None:
     try:
         c = docker.from_env(timeout=10)
         c.ping()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         return f"no docker engine reachable (DOCKER_HOST={os.environ.get('DOCKER_HOST')!r}): {e}"
     try:
         c.images.get(IMAGE)
-    except Exception:  # noqa: BLE001
+    except Exception:
         return f"the test image {IMAGE} is not in the engine (.ci/run imports it; or RLF_DOCKER_TEST_IMAGE)"
     finally:
         c.close()

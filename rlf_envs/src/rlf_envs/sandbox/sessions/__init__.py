@@ -19,8 +19,8 @@ from rlf_envs.sandbox.sessions.types import (
     SessionSpec,
 )
 
-__all__ = ["ExecResult", "Session", "SessionBackend", "SessionClosed", "SessionError", "SessionFileNotFound", "SessionInfraError",
-           "SessionLimits", "SessionSpec", "open_backend"]
+__all__ = ["ExecResult", "Session", "SessionBackend", "SessionClosed", "SessionError", "SessionFileNotFound",
+           "SessionInfraError", "SessionLimits", "SessionSpec", "open_backend"]
 
 
 def open_backend(backend: str | SessionBackend = "local", **kwargs: Any) -> SessionBackend:

@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gitdiff  # noqa: E402  (imported before the chroot: the agent keeps what it loaded)
+import gitdiff
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -253,7 +253,7 @@ def _child(req: dict[str, Any], st: dict[str, Any], stdin_fd: int, out_w: int, e
         except OSError as e:
             os.write(2, f"{argv[0]}: {e.strerror}\n".encode())
             os._exit(127)
-    except BaseException as e:  # noqa: BLE001 - anything: report and die
+    except BaseException as e:
         try:
             os.write(2, f"session exec set-up failed: {e!r}\n".encode())
         finally:
@@ -365,6 +365,7 @@ def do_exec(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
     for fd in (out_r, err_r):
         os.close(fd)
     _reap_orphans()
+    assert status is not None
     if timed_out:
         code = 124
     elif os.WIFEXITED(status):
@@ -462,7 +463,7 @@ def serve(st: dict[str, Any]) -> None:
         except OSError as e:
             reply = {"ok": False, "error": f"{req.get('op')}: {e.strerror or e}", "kind": "user",
                      "errno": e.errno}
-        except Exception as e:  # noqa: BLE001 - reported to the caller
+        except Exception as e:
             reply = {"ok": False, "error": f"{req.get('op')}: {e!r}", "kind": "infra"}
         write_frame(1, reply)
 
@@ -483,7 +484,7 @@ def session_main(parent_fd: int) -> None:
         how = build_root(r, prep["image"], prep["disk_mb"])
         if prep["image"] != "host":
             r = r + "/merged"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         write_frame(1, {"ok": False, "error": f"building the session root: {e!r}", "kind": "infra"})
         os._exit(2)
     write_frame(1, {"ok": True, "how": how})
@@ -501,7 +502,7 @@ def session_main(parent_fd: int) -> None:
         os.chdir(start["workdir"])
         if lim.get("session_timeout_s"):
             signal.alarm(int(lim["session_timeout_s"]) + 5)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         write_frame(1, {"ok": False, "error": f"starting the session: {e!r}", "kind": "infra"})
         os._exit(2)
     st = {"limits": lim, "uid": start["uid"], "workdir": start["workdir"], "env": start["env"], "seed_fd": seed_fd}

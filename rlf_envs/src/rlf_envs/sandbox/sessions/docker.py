@@ -124,11 +124,11 @@ class DockerSession(Session):
     async def _api(self, fn: Any, *args: Any, timeout_s: float = API_TIMEOUT_S, **kw: Any) -> Any:
         try:
             return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kw), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise SessionInfraError(f"the docker engine did not answer within {timeout_s:.0f} s") from None
         except SessionError:
             raise
-        except Exception as e:  # noqa: BLE001 - classified below
+        except Exception as e:
             raise self._b._classify(e) from e
 
     def _run_exec(self, argv: list[str], stdin: bytes, cwd: str, env: dict[str, str], cap: int) -> dict[str, Any]:
@@ -191,15 +191,15 @@ class DockerSession(Session):
             timed_out = False
             try:
                 r = await asyncio.wait_for(asyncio.shield(fut), timeout + 2.0)
-            except asyncio.TimeoutError:  # something the call started holds its output open: kill it all
+            except TimeoutError:  # something the call started holds its output open: kill it all
                 timed_out = True
                 await self._kill_call()
                 try:
                     r = await asyncio.wait_for(fut, GRACE_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise SessionInfraError(f"session {self.id}: the engine did not end an exec past its "
                                             "deadline") from None
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise e if isinstance(e, SessionError) else self._b._classify(e) from e
             dur = time.monotonic() - t0
             if r["code"] == 137 and dur >= timeout - 0.05:
@@ -221,7 +221,7 @@ class DockerSession(Session):
         def get() -> bytes:
             try:
                 stream, st = self._c.get_archive(p)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if getattr(e, "status_code", None) == 404:
                     raise SessionFileNotFound(f"session {self.id}: {path}: no such file") from None
                 raise
@@ -302,9 +302,9 @@ class DockerBackend(SessionBackend):
             self.client = docker.DockerClient(base_url=base_url, timeout=API_TIMEOUT_S) if base_url \
                 else docker.from_env(timeout=API_TIMEOUT_S)
             self.client.ping()
-        except Exception as e:  # noqa: BLE001
-            raise SessionInfraError(f"no docker engine at {base_url or os.environ.get('DOCKER_HOST') or 'the default socket'}: "
-                                    f"{e} (start dockerd or set DOCKER_HOST)") from None
+        except Exception as e:
+            where = base_url or os.environ.get("DOCKER_HOST") or "the default socket"
+            raise SessionInfraError(f"no docker engine at {where}: {e} (start dockerd or set DOCKER_HOST)") from None
         self._docker = docker
         self.max_starting = max_starting
         self.creates_per_s = creates_per_s
@@ -335,7 +335,7 @@ class DockerBackend(SessionBackend):
         n = 0
         try:
             found = self.client.containers.list(all=True, filters={"label": [LABEL, f"rlf.owner.host={self.host}"]})
-        except Exception:  # noqa: BLE001 - the engine may be gone: nothing to reap through it
+        except Exception:
             return 0
         for c in found:
             lab = c.labels
@@ -377,9 +377,8 @@ class DockerBackend(SessionBackend):
             init=False, hostname="sandbox")
         try:
             c.start()
-            if spec.seed_dir:
-                if not c.put_archive(spec.workdir, _tar_of_dir(spec.seed_dir)):
-                    raise SessionInfraError("could not copy the seed into the container")
+            if spec.seed_dir and not c.put_archive(spec.workdir, _tar_of_dir(spec.seed_dir)):
+                raise SessionInfraError("could not copy the seed into the container")
         except BaseException:
             with contextlib.suppress(Exception):
                 c.remove(force=True)
@@ -399,12 +398,12 @@ class DockerBackend(SessionBackend):
             fut = asyncio.ensure_future(asyncio.to_thread(self._create, spec))
             try:
                 c = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise SessionInfraError(f"the docker engine did not create a container within {API_TIMEOUT_S} s "
                                         "(the reaper removes it if it appears later)") from None
             except SessionError:
                 raise
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if isinstance(e, self._docker.errors.ImageNotFound):
                     raise SessionError(f"image {spec.image!r} is not in the engine: `docker pull`/`docker load`/"
                                        "`docker import` it first") from None

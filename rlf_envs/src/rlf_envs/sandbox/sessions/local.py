@@ -76,7 +76,7 @@ class _Agent:
         try:
             await asyncio.wait_for(self.send(obj), timeout_s)
             return await asyncio.wait_for(self.recv(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.kill()
             raise SessionInfraError(f"session agent did not answer {obj.get('op')!r} within {timeout_s:.0f} s "
                                     "(host overloaded?); the session was killed") from None
@@ -119,7 +119,7 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int) -> _Agent
         agent = _Agent(proc, label, key)
         try:
             first = await asyncio.wait_for(agent.recv(), START_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+        except (TimeoutError, asyncio.IncompleteReadError) as e:
             agent.kill()
             raise SessionInfraError(f"session agent did not start ({e!r}); is this root or a host allowing user "
                                     "namespaces?") from None
@@ -293,7 +293,7 @@ class LocalBackend(SessionBackend):
                         agent.kill()
                         return
                     self._pool.setdefault(key, []).append(agent)
-            except Exception as e:  # noqa: BLE001 - the pool is an optimisation: creates spawn on demand
+            except Exception as e:
                 log.warning("session pool for %s could not fill: %r", key[0], e)
             finally:
                 self._filling.discard(key)
