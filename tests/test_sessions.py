@@ -235,6 +235,30 @@ def test_limits_disk_pids_memory() -> None:
     run(go)
 
 
+def test_memory_cgroup_bounds_the_whole_session() -> None:
+    lim = SessionLimits(memory_mb=200, disk_mb=16, pids=64, exec_timeout_s=60)
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=lim)) as s:
+            if s._agent.cgroup is None:
+                pytest.skip("no session cgroup on this host (rlimits only)")
+            cg = s._agent.cgroup.dirs
+            assert all(os.path.isdir(d) for d in cg)
+            # 4 processes of 150 MB each: each under RLIMIT_AS (200 MB), together over the session's cgroup
+            r = await s.exec("for i in 1 2 3 4; do python3 -c 'b = bytearray(150 << 20); import time; "
+                             "time.sleep(3)' & done; wait; echo done", timeout_s=60)
+            assert r.stdout == "done\n"
+            r = await s.exec("for i in 1 2 3 4; do python3 -c 'b = bytearray(150 << 20); import time; time.sleep(3)' "
+                             "& done; fails=0; for j in 1 2 3 4; do wait -n || fails=$((fails+1)); done; echo $fails")
+            assert int(r.stdout) >= 1, r  # the kernel's OOM killer inside the session's cgroup
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(os.path.isdir(d) for d in cg):
+            await asyncio.sleep(0.1)
+        assert not any(os.path.isdir(d) for d in cg)  # removed with the session
+
+    run(go)
+
+
 def test_session_wall_clock() -> None:
     async def go(b: LocalBackend) -> None:
         s = await b.create(SessionSpec(limits=SessionLimits(session_timeout_s=2, exec_timeout_s=30)))
@@ -341,6 +365,8 @@ def test_sigkill_of_an_owner_with_32_open_sessions_leaves_nothing(tmp_path: Path
         assert not [pid for pid in pids if owners.alive(pid, None) and not _zombie(pid)]
         leftover = [d for d in os.listdir(tmp_path / "labels") if not d.startswith(".")]
         assert leftover == []
+        cgroups = [d for lab in labels for d in lab.cgroups]
+        assert not [d for d in cgroups if os.path.isdir(d)]
         with open("/proc/self/mountinfo") as f:
             assert str(tmp_path) not in f.read()
     finally:
