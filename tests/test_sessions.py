@@ -156,6 +156,19 @@ def test_diff_is_a_git_patch_that_reproduces_the_workspace(seed: Path, tmp_path:
     assert os.readlink(work / "link") == "README" and (work / "nonl.txt").read_text() == "no newline"
 
 
+def test_diff_reads_the_workspace_with_the_session_users_rights(seed: Path) -> None:
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(seed_dir=str(seed), limits=FAST)) as s:
+            await s.exec("ln -s /proc/1/environ env_link && echo x > secret && chmod 000 secret")
+            with pytest.raises(SessionError, match="ermission denied"):
+                await s.diff()  # the agent (root) does not read what the session's user cannot
+            await s.exec("chmod 600 secret")
+            patch = await s.diff()
+            assert "+/proc/1/environ" in patch and "new file mode 120000" in patch  # a link, never followed
+
+    run(go)
+
+
 def test_close_is_idempotent_and_calls_after_close_fail(seed: Path) -> None:
     async def go(b: LocalBackend) -> None:
         s = await b.create(SessionSpec(seed_dir=str(seed), limits=FAST))

@@ -19,6 +19,7 @@ owner reaper covers what that misses. All mounts live in the session's mount nam
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import json
 import os
@@ -30,6 +31,7 @@ import stat
 import struct
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -437,8 +439,24 @@ def do_write(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
 
 def do_diff(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
     seed = f"/proc/self/fd/{st['seed_fd']}" if st.get("seed_fd") is not None else None
+    uid = st["uid"]
+
+    @contextlib.contextmanager
+    def as_root() -> Iterator[None]:
+        os.seteuid(0)
+        os.setegid(0)
+        try:
+            yield
+        finally:
+            os.setegid(uid)
+            os.seteuid(uid)
+
     try:
-        patch = gitdiff.diff_trees(seed, st["workdir"], max_bytes=int(req.get("max_bytes", 256 << 20)))
+        # the workspace is read with the session user's rights (a link swapped in mid-walk reaches nothing more
+        # than the session's own code could read); the seed, trusted, with ours
+        with _As(uid):
+            patch = gitdiff.diff_trees(seed, st["workdir"], max_bytes=int(req.get("max_bytes", 256 << 20)),
+                                       old_access=as_root)
     except gitdiff.DiffTooLarge as e:
         return {"ok": False, "error": str(e), "kind": "user"}
     return {"ok": True, "patch": patch}
