@@ -384,8 +384,10 @@ class LocalBackend(SessionBackend):
         self._closed = True
         if self._reaper is not None:
             self._reaper.cancel()
-        for t in list(self._tasks):
-            t.cancel()
+        # pool fills end after their current spawn (they see _closed and kill what they made): cancelling one in the
+        # middle of starting a process could lose that process until we exit
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*list(self._tasks), return_exceptions=True), START_TIMEOUT_S)
         for s in list(self._sessions):
             await s.aclose()
         for agents in self._pool.values():
