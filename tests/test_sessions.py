@@ -434,3 +434,21 @@ def test_types_are_importable_without_the_backends() -> None:
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
     assert r.stdout == "host\n", r.stderr
 
+
+
+def test_sessions_run_on_rlf_runtime_loop(seed: Path) -> None:
+    """The loop envs use (`rlf_envs.runtime`, uvloop where installed, on a daemon thread)."""
+    from rlf_envs import runtime
+
+    async def go() -> tuple[str, bool, str]:
+        b = LocalBackend(pool_size=1)
+        try:
+            async with await b.create(SessionSpec(seed_dir=str(seed), limits=FAST)) as s:
+                r = await s.exec("echo hi; sleep 30", timeout_s=1)
+                await s.exec("echo more >> README")
+                return r.stdout, r.timed_out, await s.diff()
+        finally:
+            await b.aclose()
+
+    out, timed_out, patch = runtime.run(go())
+    assert out == "hi\n" and timed_out and "+more" in patch
