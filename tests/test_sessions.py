@@ -233,6 +233,32 @@ def test_isolation_no_network_no_host_files_read_only_system(tmp_path: Path) -> 
     run(go)
 
 
+def test_seccomp_denies_keyrings_io_uring_and_new_user_namespaces() -> None:
+    probe = textwrap.dedent("""
+        import ctypes, os, platform
+        libc = ctypes.CDLL(None, use_errno=True)
+        nrs = {"x86_64": (250, 425, 272), "aarch64": (219, 425, 97)}[platform.machine()]
+        out = []
+        for nr, args in ((nrs[0], (0, 0)), (nrs[1], (1, 0)), (nrs[2], (0x10000000,))):
+            r = libc.syscall(nr, *args)
+            out.append(f"{r}:{ctypes.get_errno()}")
+        pid = os.fork()  # an ordinary fork (clone without CLONE_NEWUSER) still works
+        if pid == 0:
+            os._exit(7)
+        out.append(str(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+        print(" ".join(out))
+    """)
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=FAST)) as s:
+            r = await s.exec(["python3", "-c", probe])
+            assert r.stdout.split() == ["-1:1", "-1:38", "-1:1", "7"], r
+            r = await s.exec("grep Seccomp: /proc/self/status; unshare -U true; echo rc=$?")
+            assert "Seccomp:\t2" in r.stdout and "rc=0" not in r.stdout, r
+
+    run(go)
+
+
 def test_limits_disk_pids_memory() -> None:
     lim = SessionLimits(disk_mb=16, pids=32, memory_mb=256, exec_timeout_s=30)
 
