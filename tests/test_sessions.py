@@ -259,6 +259,28 @@ def test_seccomp_denies_keyrings_io_uring_and_new_user_namespaces() -> None:
     run(go)
 
 
+def test_network_only_when_asked() -> None:
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    probe = f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5); print('up')\""
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=FAST)) as s:
+            assert (await s.exec(probe)).stdout == ""
+        async with await b.create(SessionSpec(limits=FAST, network=True)) as s:
+            r = await s.exec(probe)
+            assert r.stdout == "up\n", r
+
+    try:
+        run(go)
+    finally:
+        srv.close()
+
+
 def test_limits_disk_pids_memory() -> None:
     lim = SessionLimits(disk_mb=16, pids=32, memory_mb=256, exec_timeout_s=30)
 
