@@ -377,6 +377,15 @@ def test_warm_pool_serves_creates_and_refills() -> None:
         assert s._agent is pooled
         assert (await s.exec("echo ok")).stdout == "ok\n"
         await s.aclose()
+        # a warm agent killed while idle: the create starts a fresh one instead of failing
+        while len(b._pool.get(("host", False), [])) < 2:
+            await asyncio.sleep(0.05)
+        dead = b._pool[("host", False)][-1]
+        os.kill(dead.label.procs[0][0], signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        s = await b.create(SessionSpec(limits=FAST))
+        assert s._agent is not dead and (await s.exec("echo ok")).stdout == "ok\n"
+        await s.aclose()
 
     run(go, pool_size=2)
 

@@ -256,6 +256,7 @@ class LocalSession(Session):
         finally:
             self._agent.kill()
             self._backend._sessions.discard(self)
+            self._backend._uids.discard(self.uid)
             with contextlib.suppress(Exception):
                 await self._agent.wait_dead()
 
@@ -343,40 +344,48 @@ class LocalBackend(SessionBackend):
         root = images.resolve_local(spec.image)
         key = (root, spec.network)
         async with self._sem:
-            pooled = self._pool.get(key)
-            agent = None
-            while pooled:
-                cand = pooled.pop()
-                if cand.proc.returncode is None and not cand.dead:
-                    agent = cand
-                    break
-                cand.kill()
-            if agent is None:
-                await self._throttle()
-                agent = await _spawn(key, self.root_mount, spec.limits.disk_mb)
+            agent = self._lease(key)
             self._fill(key, spec.limits.disk_mb)
-            uid = self._uid()
+            if agent is not None:
+                try:
+                    return await self._start(agent, spec)
+                except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
+                    log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
+            await self._throttle()
+            return await self._start(await _spawn(key, self.root_mount, spec.limits.disk_mb), spec)
+
+    def _lease(self, key: tuple[str, bool]) -> _Agent | None:
+        pooled = self._pool.get(key)
+        while pooled:
+            cand = pooled.pop()
+            if cand.proc.returncode is None and not cand.dead:
+                return cand
+            cand.kill()
+        return None
+
+    async def _start(self, agent: _Agent, spec: SessionSpec) -> LocalSession:
+        """Give a prepared agent its session: cgroup limits, then the workspace, seed, uid and chroot."""
+        uid = self._uid()
+        try:
             if agent.cgroup is not None:
                 try:
                     agent.cgroup.limit(spec.limits.memory_mb, spec.limits.disk_mb, spec.limits.pids)
                 except OSError as e:
-                    agent.kill()
                     raise SessionInfraError(f"could not set the session's cgroup limits: {e}") from None
             env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": spec.workdir,
                    "USER": "sandbox", "TERM": "dumb", **spec.env}
-            try:
-                reply = await agent.call({"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
-                                          "seed": os.path.abspath(spec.seed_dir) if spec.seed_dir else None,
-                                          "limits": asdict(spec.limits)}, START_TIMEOUT_S)
-            except BaseException:
-                agent.kill()
-                raise
+            reply = await agent.call({"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
+                                      "seed": os.path.abspath(spec.seed_dir) if spec.seed_dir else None,
+                                      "limits": asdict(spec.limits)}, START_TIMEOUT_S)
             if not reply.get("ok"):
-                agent.kill()
                 raise SessionInfraError(f"session start: {reply.get('error')}")
-            s = LocalSession(self, agent, spec, uid)
-            self._sessions.add(s)
-            return s
+        except BaseException:
+            agent.kill()
+            self._uids.discard(uid)
+            raise
+        s = LocalSession(self, agent, spec, uid)
+        self._sessions.add(s)
+        return s
 
     async def aclose(self) -> None:
         if self._closed:
