@@ -29,6 +29,7 @@ import uuid
 from typing import Any
 
 from rlf_envs.sandbox.sessions import gitdiff, owners
+from rlf_envs.sandbox.sessions.images import inside
 from rlf_envs.sandbox.sessions.types import (
     ExecResult,
     Session,
@@ -266,7 +267,7 @@ class DockerSession(Session):
         wd = self.spec.workdir
 
         def get() -> str:
-            tmp = tempfile.mkdtemp(prefix="rlf-docker-diff-")
+            tmp = os.path.realpath(tempfile.mkdtemp(prefix="rlf-docker-diff-"))
             try:
                 stream, _ = self._c.get_archive(wd)
                 with tarfile.open(fileobj=io.BufferedReader(_Cap(stream, 1 << 30)), mode="r|") as tf:
@@ -275,6 +276,11 @@ class DockerSession(Session):
                         if name.startswith("..") or name.startswith("/") or not (m.isreg() or m.isdir()
                                                                                   or m.issym()):
                             continue
+                        target = os.path.join(tmp, name)
+                        if not inside(tmp, os.path.dirname(target)):  # never through a link a member made
+                            continue
+                        if os.path.islink(target):
+                            os.unlink(target)
                         m.name = name
                         m.mode = (m.mode & 0o755) | (0o700 if m.isdir() else 0o600)
                         m.uid = m.gid = os.getuid()
