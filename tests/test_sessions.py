@@ -140,7 +140,8 @@ def test_diff_is_a_git_patch_that_reproduces_the_workspace(seed: Path, tmp_path:
             assert await s.diff() == ""
             await s.exec("printf 'def f():\\n    return 2\\n' > pkg/mod.py && rm gone.txt && echo hi > new.txt"
                          " && printf '\\x00\\x01\\x02' > blob.bin && chmod +x README && ln -s README link"
-                         " && printf 'no newline' > nonl.txt && echo x > .git/HEAD")
+                         " && printf 'no newline' > nonl.txt && echo x > .git/HEAD"
+                         " && mkdir 'sp ace' && echo q > 'sp ace/q\"uote\ttab.txt'")
             return await s.diff()
 
     patch = run(go)
@@ -154,6 +155,7 @@ def test_diff_is_a_git_patch_that_reproduces_the_workspace(seed: Path, tmp_path:
     assert not (work / "gone.txt").exists() and (work / "new.txt").read_text() == "hi\n"
     assert (work / "blob.bin").read_bytes() == b"\x00\x01\x02" and os.access(work / "README", os.X_OK)
     assert os.readlink(work / "link") == "README" and (work / "nonl.txt").read_text() == "no newline"
+    assert (work / "sp ace" / 'q"uote\ttab.txt').read_text() == "q\n"
 
 
 def test_diff_reads_the_workspace_with_the_session_users_rights(seed: Path) -> None:
@@ -229,6 +231,10 @@ def test_isolation_no_network_no_host_files_read_only_system(tmp_path: Path) -> 
             assert r.stdout.count("ermission denied") + r.stdout.count("Read-only") >= 3, r.stdout
             r = await s.exec("grep CapEff /proc/self/status; cat /proc/1/environ")
             assert "0000000000000000" in r.stdout and r.exit_code != 0
+            # the agent (pid 1, root) can be neither killed, traced nor entered
+            r = await s.exec("kill -9 1; ls /proc/1/root/ /proc/1/fd/; echo end")
+            assert r.stdout == "end\n" and r.stderr.count("ermission denied") + r.stderr.count("not permitted") >= 2
+            assert (await s.exec("echo alive")).stdout == "alive\n"
 
     run(go)
 
