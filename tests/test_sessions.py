@@ -76,8 +76,8 @@ def test_exec_shell_argv_stdin_cwd_env_and_exit_codes(seed: Path) -> None:
             await s.exec("echo kept > state.txt && export GONE=1")
             r = await s.exec("cat state.txt; echo ${GONE:-unset}")
             assert r.stdout == "kept\nunset\n"
-            r = await s.exec("id -u")
-            assert int(r.stdout) == s.uid != 0
+            r = await s.exec("id -u; whoami")
+            assert r.stdout.split() == [str(s.uid), "sandbox"] and s.uid != 0
 
     run(go)
 

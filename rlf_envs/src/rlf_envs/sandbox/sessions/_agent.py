@@ -270,10 +270,15 @@ def finish_root(r: str, workdir: str, disk_mb: int, uid: int, seed: str | None) 
         for dirpath, dirnames, filenames in os.walk(ws):
             for n in dirnames + filenames:
                 os.lchown(os.path.join(dirpath, n), uid, uid)
-    home = r + "/home/sandbox"
-    if os.path.isdir(r + "/home"):
+    # the session's user has a name (git, whoami, getpwuid): appended to the root's own copy of the user database
+    # (the host image's is a copy in the root tmpfs, an image's is in the overlay's upper layer)
+    for name, line in (("passwd", f"sandbox:x:{uid}:{uid}:sandbox:{workdir}:/bin/sh\n"),
+                       ("group", f"sandbox:x:{uid}:\n")):
+        path = f"{r}/etc/{name}"
         try:
-            os.makedirs(home, 0o755, exist_ok=True)
+            if os.path.isfile(path) and not os.path.islink(path):
+                with open(path, "a") as f:
+                    f.write(line)
         except OSError:
             pass
 

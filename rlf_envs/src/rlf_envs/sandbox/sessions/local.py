@@ -108,6 +108,10 @@ class _Agent:
     async def _finish(self) -> None:
         with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
             await asyncio.wait_for(self.proc.wait(), 10)
+        transport = getattr(self.proc, "_transport", None)  # its pipes, now, on this loop (not at GC, maybe later)
+        if transport is not None:
+            with contextlib.suppress(Exception):
+                transport.close()
         if await asyncio.to_thread(owners.remove_cgroups, self.label.cgroups):
             self.label.remove()  # else: left for the reaper (the label names the busy cgroup)
 
@@ -279,6 +283,7 @@ class LocalBackend(SessionBackend):
         self._filling: set[tuple[str, bool]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sessions: set[LocalSession] = set()
+        self._dying: set[_Agent] = set()  # killed outside a session's close: their clean-up is awaited at aclose
         self._uids: set[int] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
@@ -361,6 +366,7 @@ class LocalBackend(SessionBackend):
             if cand.proc.returncode is None and not cand.dead:
                 return cand
             cand.kill()
+            self._dying.add(cand)
         return None
 
     async def _start(self, agent: _Agent, spec: SessionSpec) -> LocalSession:
@@ -381,6 +387,7 @@ class LocalBackend(SessionBackend):
                 raise SessionInfraError(f"session start: {reply.get('error')}")
         except BaseException:
             agent.kill()
+            self._dying.add(agent)
             self._uids.discard(uid)
             raise
         s = LocalSession(self, agent, spec, uid)
@@ -406,3 +413,6 @@ class LocalBackend(SessionBackend):
             for a in agents:
                 await a.wait_dead()
         self._pool.clear()
+        for a in list(self._dying):
+            await a.wait_dead()
+        self._dying.clear()
