@@ -392,8 +392,31 @@ def test_warm_pool_serves_creates_and_refills() -> None:
         s = await b.create(SessionSpec(limits=FAST))
         assert s._agent is not dead and (await s.exec("echo ok")).stdout == "ok\n"
         await s.aclose()
+        # the backend closes while its pool is refilling (a create just leased an agent): nothing outlives the
+        # close, not even the agent that fill was starting, nor its label
+        await (await b.create(SessionSpec(limits=FAST))).aclose()
+        await b.aclose()
+        assert _agents_of_ours() == []
+        assert [lab.id for lab in owners.labels() if lab.owner_pid == os.getpid()] == []
 
     run(go, pool_size=2)
+
+
+def _agents_of_ours() -> list[int]:
+    """Our child processes that are (or were: zombies keep their name) session agents."""
+    out = []
+    for n in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{n}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{n}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
+        if int(rest.split()[1]) == os.getpid() and (b"_agent.py" in cmd or (not cmd and "python" in comm)):
+            out.append(int(n))
+    return out
 
 
 OWNER = textwrap.dedent("""
@@ -449,6 +472,9 @@ def test_sigkill_of_an_owner_with_32_open_sessions_leaves_nothing(tmp_path: Path
         os.environ.pop("RLF_SESSIONS_DIR", None)
         if p.poll() is None:
             p.kill()
+            p.wait(30)
+        if p.stdout is not None:
+            p.stdout.close()
 
 
 def test_session_processes_have_no_leftover_uid_processes_after_close() -> None:

@@ -162,6 +162,9 @@ def test_docker_sigkill_of_an_owner_with_32_sessions_leaves_no_container() -> No
     finally:
         if p.poll() is None:
             p.kill()
+            p.wait(30)
+        if p.stdout is not None:
+            p.stdout.close()
         client.close()
 
 

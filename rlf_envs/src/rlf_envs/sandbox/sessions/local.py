@@ -321,6 +321,7 @@ class LocalBackend(SessionBackend):
                     agent = await _spawn(key, self.root_mount, disk_mb)
                     if self._closed:
                         agent.kill()
+                        await agent.wait_dead()
                         return
                     self._pool.setdefault(key, []).append(agent)
             except Exception as e:
