@@ -45,7 +45,7 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (0x0002000
                                                                        0x20000000, 0x40000000)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
     1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_NAME = 1, 38, 15
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 38, 15, 36
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf", "hosts",
                "os-release", "alternatives", "ssl", "ca-certificates", "profile", "profile.d", "bash.bashrc",
@@ -624,6 +624,9 @@ def main() -> None:
     network = "--network" in sys.argv
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (0 if network else CLONE_NEWNET)
     _check(_libc.unshare(flags), "unshare")
+    # the session's processes are re-parented to us when C (their pid 1) dies: we reap them, so that the session's
+    # cgroups are empty when we exit (the host's init may reap late, or never)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     me = os.pidfd_open(os.getpid())
     pid = os.fork()
     if pid == 0:  # pragma: no cover - C
@@ -638,6 +641,12 @@ def main() -> None:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, lambda *a: os.kill(pid, signal.SIGKILL))
     _, status = os.waitpid(pid, 0)
+    signal.alarm(10)  # bounded: a process stuck in the kernel does not keep us (the owner then kills us)
+    try:
+        while True:  # the kernel SIGKILLed every process of the namespace when C died: reap them all
+            os.waitpid(-1, 0)
+    except ChildProcessError:
+        pass
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import random
+import signal
 import struct
 import sys
 import time
@@ -93,9 +94,13 @@ class _Agent:
         if self.dead:
             return
         self.dead = True
-        owners.kill_label(self.label)
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
+        c = self.label.procs[0] if len(self.label.procs) >= 2 else None
+        if c is not None and owners.alive(*c):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c[0], signal.SIGKILL)  # P reaps the session's processes, then exits (`_finish`)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
         if self.proc.stdin is not None:
             with contextlib.suppress(Exception):
                 self.proc.stdin.close()
@@ -106,8 +111,13 @@ class _Agent:
                 self.label.remove()
 
     async def _finish(self) -> None:
-        with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
-            await asyncio.wait_for(self.proc.wait(), 10)
+        try:
+            await asyncio.wait_for(self.proc.wait(), 15)
+        except TimeoutError:  # P did not end by itself: kill it
+            owners.kill_label(self.label)
+            with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
+                self.proc.kill()
+                await asyncio.wait_for(self.proc.wait(), 5)
         transport = getattr(self.proc, "_transport", None)  # its pipes, now, on this loop (not at GC, maybe later)
         if transport is not None:
             with contextlib.suppress(Exception):
