@@ -1,0 +1,188 @@
+"""A git-format patch (what `git diff --no-index --binary a b` prints, with `a/` and `b/` paths relative to the two
+roots) between two directory trees, in pure stdlib Python so that it runs inside a session's agent whatever the
+image holds (no git needed). `git apply` takes it: text hunks (unified, 3 lines of context, `\\ No newline at end of
+file`), new and deleted files, mode changes (100644/100755), symlinks (120000), and binary files as `GIT binary
+patch` literals with full blob ids (which `git apply` needs to accept a binary patch).
+
+The trees are hostile in a session: only regular files and symlinks are read (opened with O_NOFOLLOW | O_NONBLOCK, so
+a FIFO or device never blocks), directories are never followed through links, and `max_bytes` bounds what is read.
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import hashlib
+import os
+import stat
+import zlib
+from collections.abc import Iterator
+
+#: directory names never descended into (a repository's own git data is not part of its diff)
+EXCLUDE = frozenset({".git"})
+ZERO = "0" * 40
+
+
+class DiffTooLarge(Exception):
+    """The trees hold more than `max_bytes` of candidate file content."""
+
+
+def _entries(root: str, exclude: frozenset[str]) -> dict[str, tuple[int, str]]:
+    """path (relative, '/'-separated) -> (mode, absolute path) for every regular file and symlink under root."""
+    out: dict[str, tuple[int, str]] = {}
+    if not root or not os.path.isdir(root):
+        return out
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            it = list(os.scandir(os.path.join(root, rel) if rel else root))
+        except OSError:
+            continue
+        for e in it:
+            name = f"{rel}/{e.name}" if rel else e.name
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                if e.name not in exclude:
+                    stack.append(name)
+            elif stat.S_ISLNK(st.st_mode):
+                out[name] = (0o120000, e.path)
+            elif stat.S_ISREG(st.st_mode):
+                out[name] = (0o100755 if st.st_mode & 0o111 else 0o100644, e.path)
+    return out
+
+
+def _read(mode: int, path: str, budget: list[int]) -> bytes:
+    if mode == 0o120000:
+        data = os.fsencode(os.readlink(path))
+    else:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return b""
+            chunks, n = [], 0
+            while True:
+                b = os.read(fd, 1 << 20)
+                if not b:
+                    break
+                n += len(b)
+                if n > budget[0]:
+                    raise DiffTooLarge("the workspace holds too much changed data to diff")
+                chunks.append(b)
+            data = b"".join(chunks)
+        finally:
+            os.close(fd)
+    budget[0] -= len(data)
+    if budget[0] < 0:
+        raise DiffTooLarge("the workspace holds too much changed data to diff")
+    return data
+
+
+def blob_id(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _is_binary(data: bytes) -> bool:
+    if b"\0" in data[:8000]:
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def _quote(path: str) -> str:
+    if any(c in path for c in '"\\\t\n') or not path.isprintable():
+        esc = path.encode("utf-8", "surrogateescape")
+        body = "".join(chr(b) if 32 <= b < 127 and b not in (34, 92) else
+                       {9: "\\t", 10: "\\n", 34: '\\"', 92: "\\\\"}.get(b, f"\\{b:03o}") for b in esc)
+        return f'"{body}"'
+    return path
+
+
+def _b85_lines(data: bytes) -> Iterator[str]:
+    z = zlib.compress(data, 9)
+    for i in range(0, len(z), 52):
+        chunk = z[i:i + 52]
+        n = len(chunk)
+        prefix = chr(ord("A") + n - 1) if n <= 26 else chr(ord("a") + n - 27)
+        yield prefix + base64.b85encode(chunk + b"\0" * (-n % 4)).decode()[: (n + 3) // 4 * 5]
+
+
+def _binary(old: bytes, new: bytes) -> list[str]:
+    out = ["GIT binary patch", f"literal {len(new)}", *_b85_lines(new), "", f"literal {len(old)}", *_b85_lines(old), ""]
+    return out
+
+
+def _text_hunks(old: bytes, new: bytes) -> list[str]:
+    a = old.decode("utf-8").splitlines(keepends=True)
+    b = new.decode("utf-8").splitlines(keepends=True)
+    out: list[str] = []
+    for line in list(difflib.unified_diff(a, b, n=3, lineterm="\n"))[2:]:
+        if line.endswith("\n"):
+            out.append(line[:-1])
+        else:
+            out.append(line)
+            out.append("\\ No newline at end of file")
+    return out
+
+
+def _diff_file(path: str, old: tuple[int, bytes] | None, new: tuple[int, bytes] | None) -> list[str]:
+    q_a, q_b = _quote("a/" + path), _quote("b/" + path)
+    lines = [f"diff --git {q_a} {q_b}"]
+    old_mode, old_data = old if old else (0, b"")
+    new_mode, new_data = new if new else (0, b"")
+    if old is None:
+        lines.append(f"new file mode {new_mode:o}")
+    elif new is None:
+        lines.append(f"deleted file mode {old_mode:o}")
+    elif old_mode != new_mode:
+        lines += [f"old mode {old_mode:o}", f"new mode {new_mode:o}"]
+    if old_data == new_data and old is not None and new is not None:
+        return lines  # a mode change only
+    if old_mode and new_mode and (old_mode == 0o120000) != (new_mode == 0o120000):
+        # a file became a link (or back): git shows a deletion and an addition
+        return _diff_file(path, old, None) + _diff_file(path, None, new)
+    oid = blob_id(old_data) if old is not None else ZERO
+    nid = blob_id(new_data) if new is not None else ZERO
+    same_mode = old is not None and new is not None and old_mode == new_mode
+    lines.append(f"index {oid}..{nid}" + (f" {new_mode:o}" if same_mode else ""))
+    if _is_binary(old_data) or _is_binary(new_data):
+        return lines + _binary(old_data, new_data)
+    lines.append("--- " + (q_a if old is not None else "/dev/null"))
+    lines.append("+++ " + (q_b if new is not None else "/dev/null"))
+    return lines + _text_hunks(old_data, new_data)
+
+
+def diff_trees(old_root: str | None, new_root: str, *, max_bytes: int = 256 << 20,
+               exclude: frozenset[str] = EXCLUDE) -> str:
+    """The git-format patch turning `old_root` (None or missing: empty) into `new_root`. Raises DiffTooLarge when the
+    files compared hold more than `max_bytes`."""
+    old = _entries(old_root or "", exclude)
+    new = _entries(new_root, exclude)
+    budget = [max_bytes]
+    out: list[str] = []
+    for path in sorted(set(old) | set(new)):
+        o, n = old.get(path), new.get(path)
+        if o and n and o[0] == n[0] and o[0] != 0o120000:
+            try:
+                so, sn = os.lstat(o[1]), os.lstat(n[1])
+                if so.st_size != sn.st_size:
+                    pass
+                elif _read(o[0], o[1], budget) == _read(n[0], n[1], budget):
+                    continue
+            except OSError:
+                pass
+        try:
+            od = (o[0], _read(o[0], o[1], budget)) if o else None
+            nd = (n[0], _read(n[0], n[1], budget)) if n else None
+        except FileNotFoundError:
+            continue
+        if od == nd:
+            continue
+        out += _diff_file(path, od, nd)
+    return "\n".join(out) + "\n" if out else ""

@@ -1,0 +1,365 @@
+"""The local backend: one confined process tree per session (namespaces + chroot, no daemon). See `_agent.py` for
+the tree and docs/sessions.md for the limits and the threat model.
+
+`LocalBackend(pool_size=2, max_starting=8, creates_per_s=50)`: a warm pool per (image, network) of agents that are
+already in their namespaces with the image's root built (a create then only makes the workspace and copies the
+seed); at most `max_starting` sessions start at once and creates are rate-limited (a token bucket), so hundreds of
+concurrent episodes queue instead of timing out. Every session is labelled with its owner before any wait
+(`owners.py`); the reaper runs at start-up and every `reap_every_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import random
+import struct
+import sys
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any
+
+from rlf_envs.sandbox.sessions import images, owners
+from rlf_envs.sandbox.sessions.types import (
+    ExecResult,
+    Session,
+    SessionBackend,
+    SessionClosed,
+    SessionError,
+    SessionInfraError,
+    SessionSpec,
+)
+
+log = logging.getLogger(__name__)
+
+AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_agent.py")
+#: the session uids: one per session, from this range (so RLIMIT_NPROC counts one session's processes)
+UID_BASE, UID_SPAN = 2_000_000_000, 100_000_000
+#: extra seconds an agent may take to answer beyond a call's own deadline before it counts as lost
+GRACE_S = 30.0
+START_TIMEOUT_S = 60.0
+MAX_FRAME = 256 << 20
+
+
+class _Agent:
+    """One spawned agent process (P, and C = pid 1 of its session), talking frames on its stdin/stdout."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, label: owners.Label, key: tuple[str, bool]) -> None:
+        self.proc = proc
+        self.label = label
+        self.key = key
+        self.dead = False
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        body = json.dumps(obj).encode()
+        self.proc.stdin.write(struct.pack(">I", len(body)) + body)
+        await self.proc.stdin.drain()
+
+    async def recv(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        head = await self.proc.stdout.readexactly(4)
+        (n,) = struct.unpack(">I", head)
+        if n > MAX_FRAME:
+            raise SessionInfraError(f"session agent sent a {n}-byte frame")
+        reply: dict[str, Any] = json.loads(await self.proc.stdout.readexactly(n))
+        return reply
+
+    async def call(self, obj: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """One request and its reply, with a deadline; a lost agent is killed and raises SessionInfraError."""
+        try:
+            await asyncio.wait_for(self.send(obj), timeout_s)
+            return await asyncio.wait_for(self.recv(), timeout_s)
+        except asyncio.TimeoutError:
+            self.kill()
+            raise SessionInfraError(f"session agent did not answer {obj.get('op')!r} within {timeout_s:.0f} s "
+                                    "(host overloaded?); the session was killed") from None
+        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError) as e:
+            self.kill()
+            raise SessionInfraError(f"session agent died during {obj.get('op')!r}: {e!r}") from None
+
+    def kill(self) -> None:
+        """SIGKILL both agent processes (C first: pid 1, its death kills the session), drop the label."""
+        if self.dead:
+            return
+        self.dead = True
+        owners.kill_label(self.label)
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.label.remove()
+        for s in (self.proc.stdin,):
+            if s is not None:
+                with contextlib.suppress(Exception):
+                    s.close()
+
+    async def wait_dead(self) -> None:
+        with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
+            await asyncio.wait_for(self.proc.wait(), 10)
+
+
+async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int) -> _Agent:
+    """Start an agent for (image root, network) and have it build the image's root; labelled before any wait."""
+    image, network = key
+    label = owners.Label.new("loc-" + uuid.uuid4().hex[:16])
+    label.save()
+    proc = None
+    try:
+        args = [sys.executable, "-I", "-S", AGENT] + (["--network"] if network else [])
+        proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.PIPE,
+                                                    stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+        label.procs.append((proc.pid, owners.start_time(proc.pid)))
+        label.save()
+        agent = _Agent(proc, label, key)
+        try:
+            first = await asyncio.wait_for(agent.recv(), START_TIMEOUT_S)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+            agent.kill()
+            raise SessionInfraError(f"session agent did not start ({e!r}); is this root or a host allowing user "
+                                    "namespaces?") from None
+        c = int(first["pid"])
+        label.procs.insert(0, (c, owners.start_time(c)))
+        label.save()
+        reply = await agent.call({"op": "prepare", "image": image, "root_mount": root_mount, "disk_mb": disk_mb},
+                                 START_TIMEOUT_S)
+        if not reply.get("ok"):
+            agent.kill()
+            raise SessionInfraError(f"session root: {reply.get('error')}")
+        return agent
+    except BaseException:
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        owners.kill_label(label)
+        label.remove()
+        raise
+
+
+class LocalSession(Session):
+    def __init__(self, backend: LocalBackend, agent: _Agent, spec: SessionSpec, uid: int) -> None:
+        self.id = agent.label.id
+        self.spec = spec
+        self.uid = uid
+        self._backend = backend
+        self._agent = agent
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self._expired = False
+        self._deadline = time.monotonic() + spec.limits.session_timeout_s
+        self._timer = asyncio.get_running_loop().call_later(spec.limits.session_timeout_s, self._expire)
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._agent.kill()
+
+    def _check(self) -> None:
+        if self._expired:
+            raise SessionClosed(f"session {self.id} ran past its wall clock "
+                                f"(session_timeout_s={self.spec.limits.session_timeout_s})")
+        if self._closed:
+            raise SessionClosed(f"session {self.id} is closed")
+
+    async def _call(self, req: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        async with self._lock:
+            self._check()
+            if self._agent.dead:
+                raise SessionInfraError(f"session {self.id} was killed from outside")
+            try:
+                reply = await self._agent.call(req, timeout_s)
+            except SessionInfraError:
+                if self._expired:
+                    raise SessionClosed(f"session {self.id} ran past its wall clock") from None
+                raise
+        if not reply.get("ok"):
+            err = f"session {self.id}: {reply.get('error')}"
+            if reply.get("kind") == "infra":
+                raise SessionInfraError(err)
+            if reply.get("errno") == 2:
+                raise FileNotFoundError(err)
+            raise SessionError(err)
+        return reply
+
+    async def exec(self, cmd: str | list[str], *, stdin: str | bytes | None = None, timeout_s: float | None = None,
+                   cwd: str | None = None, env: dict[str, str] | None = None) -> ExecResult:
+        if isinstance(cmd, str):
+            req: dict[str, Any] = {"op": "exec", "shell": cmd}
+        elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd):
+            req = {"op": "exec", "argv": cmd}
+        else:
+            raise ValueError("exec takes a shell command (str) or a non-empty argv (list of str)")
+        timeout = float(timeout_s if timeout_s is not None else self.spec.limits.exec_timeout_s)
+        if not timeout > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        timeout = max(0.001, min(timeout, self._deadline - time.monotonic()))
+        data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+        req.update(stdin=base64.b64encode(data).decode(), timeout=timeout, cwd=cwd, env=env or {})
+        r = await self._call(req, timeout + GRACE_S)
+        return ExecResult(exit_code=r["exit_code"],
+                          stdout=base64.b64decode(r["stdout"]).decode("utf-8", "replace"),
+                          stderr=base64.b64decode(r["stderr"]).decode("utf-8", "replace"),
+                          timed_out=r["timed_out"], truncated=r["truncated"], duration_s=r["duration_s"])
+
+    async def read_file(self, path: str) -> bytes:
+        r = await self._call({"op": "read", "path": path}, GRACE_S + 30)
+        return base64.b64decode(r["data"])
+
+    async def write_file(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        await self._call({"op": "write", "path": path, "data": base64.b64encode(raw).decode(), "mode": mode},
+                         GRACE_S + 30)
+
+    async def diff(self) -> str:
+        r = await self._call({"op": "diff"}, GRACE_S + self.spec.limits.exec_timeout_s)
+        patch: str = r["patch"]
+        return patch
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._timer.cancel()
+        try:
+            if not self._agent.dead:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._agent.send({"op": "close"}), 2)
+        finally:
+            self._agent.kill()
+            self._backend._sessions.discard(self)
+            with contextlib.suppress(Exception):
+                await self._agent.wait_dead()
+
+
+class LocalBackend(SessionBackend):
+    name = "local"
+
+    def __init__(self, pool_size: int | None = None, max_starting: int = 8, creates_per_s: float = 50.0,
+                 reap_every_s: float = 30.0) -> None:
+        if os.geteuid() != 0:
+            raise SessionInfraError("the local session backend needs root (mount namespaces, chroot, per-session "
+                                    "uids); run as root or use the docker backend")
+        self.pool_size = int(os.environ.get("RLF_SESSION_POOL", 2)) if pool_size is None else pool_size
+        self.max_starting = max_starting
+        self.creates_per_s = creates_per_s
+        self.reap_every_s = reap_every_s
+        self._sem: asyncio.Semaphore | None = None
+        self._bucket_t = 0.0
+        self._pool: dict[tuple[str, bool], list[_Agent]] = {}
+        self._filling: set[tuple[str, bool]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._sessions: set[LocalSession] = set()
+        self._uids: set[int] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._closed = False
+        self.root_mount = os.path.join(owners.label_dir(), ".mnt")
+        os.makedirs(self.root_mount, mode=0o755, exist_ok=True)
+        self.reaped_at_start = owners.reap("local")
+
+    def reap(self) -> int:
+        return owners.reap("local")
+
+    async def _reap_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.reap_every_s)
+            with contextlib.suppress(Exception):
+                self.reap()
+
+    async def _throttle(self) -> None:
+        """A token bucket of `creates_per_s` (burst: max_starting)."""
+        if self.creates_per_s <= 0:
+            return
+        now = time.monotonic()
+        step = 1.0 / self.creates_per_s
+        self._bucket_t = max(self._bucket_t, now - self.max_starting * step) + step
+        if self._bucket_t > now:
+            await asyncio.sleep(self._bucket_t - now)
+
+    def _fill(self, key: tuple[str, bool], disk_mb: int) -> None:
+        if self.pool_size <= 0 or key in self._filling or self._closed:
+            return
+        self._filling.add(key)
+
+        async def fill() -> None:
+            try:
+                while len(self._pool.get(key, [])) < self.pool_size and not self._closed:
+                    agent = await _spawn(key, self.root_mount, disk_mb)
+                    if self._closed:
+                        agent.kill()
+                        return
+                    self._pool.setdefault(key, []).append(agent)
+            except Exception as e:  # noqa: BLE001 - the pool is an optimisation: creates spawn on demand
+                log.warning("session pool for %s could not fill: %r", key[0], e)
+            finally:
+                self._filling.discard(key)
+
+        t = asyncio.get_running_loop().create_task(fill())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _uid(self) -> int:
+        while True:
+            uid = UID_BASE + random.randrange(UID_SPAN)
+            if uid not in self._uids:
+                self._uids.add(uid)
+                return uid
+
+    async def create(self, spec: SessionSpec) -> LocalSession:
+        if self._closed:
+            raise SessionClosed("the local session backend is closed")
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.max_starting)
+        if self._reaper is None and self.reap_every_s > 0:
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
+        root = images.resolve_local(spec.image)
+        key = (root, spec.network)
+        async with self._sem:
+            pooled = self._pool.get(key)
+            agent = None
+            while pooled:
+                cand = pooled.pop()
+                if cand.proc.returncode is None and not cand.dead:
+                    agent = cand
+                    break
+                cand.kill()
+            if agent is None:
+                await self._throttle()
+                agent = await _spawn(key, self.root_mount, spec.limits.disk_mb)
+            self._fill(key, spec.limits.disk_mb)
+            uid = self._uid()
+            env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": spec.workdir,
+                   "USER": "sandbox", "TERM": "dumb", **spec.env}
+            try:
+                reply = await agent.call({"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
+                                          "seed": os.path.abspath(spec.seed_dir) if spec.seed_dir else None,
+                                          "limits": asdict(spec.limits)}, START_TIMEOUT_S)
+            except BaseException:
+                agent.kill()
+                raise
+            if not reply.get("ok"):
+                agent.kill()
+                raise SessionInfraError(f"session start: {reply.get('error')}")
+            s = LocalSession(self, agent, spec, uid)
+            self._sessions.add(s)
+            return s
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        for s in list(self._sessions):
+            await s.aclose()
+        for agents in self._pool.values():
+            for a in agents:
+                a.kill()
+        for agents in self._pool.values():
+            for a in agents:
+                await a.wait_dead()
+        self._pool.clear()
