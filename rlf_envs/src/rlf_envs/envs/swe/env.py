@@ -1,0 +1,492 @@
+"""`rlf/SWE-v0`: repair a real Python repository with a shell and file tools; hidden tests decide the reward.
+
+Tools (shared by every env of the process; each call runs in the episode's own sandbox session, bound by the
+env where no JSON argument can forge it): `bash(command)`, `read_file(path, start?, end?)`, `write_file(path,
+text)`, `edit(path, old, new)` (exact, unique match), `submit()` (ends the episode; other calls of that turn are
+not run). Outputs are capped with a marker saying what was cut.
+
+The session (`rlf_envs.sandbox.sessions`) starts at the first tool call from the task's repository (its starting
+state: base + bug), in the task's image. At the end of the episode (submit, a final answer, max turns or the
+token budget) the env takes the workspace's diff and closes the session; `SweVerifier` applies the library part
+of the diff to a FRESH session of the same repository and runs the hidden FAIL_TO_PASS + PASS_TO_PASS tests
+there (`verify.py`: what the patch may not touch, how the run is guarded). Reward 1.0 when every one passes
+(`partial_credit=True`: the F2P fraction when every P2P passes). A host failure (`SessionInfraError`) makes the
+episode infrastructure-failed: `info["infra_failed"] = True`, `trajectory.score_info["infra_failed"] = 1.0`,
+reward 0 that the trainer must drop, never train on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rlf_envs import runtime
+from rlf_envs.env.tool_env import PendingStep, StepReturn, ToolEnv
+from rlf_envs.envs.swe.tasks import SweTask, load_swe_jsonl, load_swe_rows, repo_for, shipped_tasks
+from rlf_envs.envs.swe.verify import Verdict, run_hidden_tests
+from rlf_envs.rewards.base import Verifier
+from rlf_envs.sandbox.sessions import (
+    Session,
+    SessionBackend,
+    SessionError,
+    SessionInfraError,
+    SessionLimits,
+    SessionSpec,
+    open_backend,
+)
+from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
+from rlf_envs.types import Action, ActionKind, Score, Task, ToolCall, Trajectory
+
+log = logging.getLogger(__name__)
+WS_ARG = "__workspace__"
+SUBMIT = "submit"
+SYSTEM_PROMPT = (
+    "You are a software engineer fixing a bug in a Python repository. Use the tools to explore the code, run the "
+    "tests, and edit files. Keep commands short; outputs are cut when long. Call submit() when the fix is done."
+)
+
+_BACKENDS: dict[str, SessionBackend] = {}
+_LOCK = threading.Lock()
+
+
+def shared_backend(name: str | SessionBackend) -> SessionBackend:
+    """One session backend per name per process (closed at exit), or the instance given."""
+    if isinstance(name, SessionBackend):
+        return name
+    with _LOCK:
+        if name not in _BACKENDS:
+            _BACKENDS[name] = open_backend(name)
+            runtime.register_closer(_BACKENDS[name])
+        return _BACKENDS[name]
+
+
+def default_image() -> str:
+    """The Debian test image (python3, git, pytest) when it was built, else the host's tools."""
+    try:
+        from rlf_envs.sandbox.sessions.images import debian_test_image
+
+        return debian_test_image() or "host"
+    except ImportError:
+        return "host"
+
+
+@dataclass(frozen=True)
+class SweLimits:
+    """Limits of the episode's session and of the hidden run. `output_chars`: what one tool call shows."""
+
+    exec_timeout_s: float = 30.0
+    memory_mb: int = 1024
+    pids: int = 256
+    disk_mb: int = 512
+    session_timeout_s: float = 3600.0
+    output_chars: int = 8000
+    test_timeout_s: float = 300.0
+    max_file_chars: int = 200_000
+
+    def session(self) -> SessionLimits:
+        return SessionLimits(memory_mb=self.memory_mb, pids=self.pids, disk_mb=self.disk_mb,
+                             exec_timeout_s=self.exec_timeout_s, session_timeout_s=self.session_timeout_s,
+                             output_bytes=max(4096, self.output_chars * 4))
+
+
+def session_spec(t: SweTask, image: str | None, limits: SweLimits) -> SessionSpec:
+    img = t.image if t.image != "host" or image is None else image
+    seed = repo_for(t)
+    return SessionSpec(image=img, workdir=t.workdir, seed_dir=str(seed) if seed is not None else None,
+                       env={"LANG": "C.UTF-8", "PYTHONPATH": f"{t.workdir}/{t.pythonpath}".rstrip("/."),
+                            "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp"},
+                       network=False, limits=limits.session())
+
+
+class Workspace:
+    """The episode's session, started at its first use (so a reset costs nothing) and closed at the end."""
+
+    def __init__(self, backend: SessionBackend, spec: SessionSpec) -> None:
+        self.backend, self.spec = backend, spec
+        self._session: Session | None = None
+        self._lock = asyncio.Lock()
+        self.infra_error: str | None = None
+        self.closed = False
+
+    @property
+    def started(self) -> bool:
+        return self._session is not None
+
+    async def session(self) -> Session:
+        async with self._lock:
+            if self.closed:
+                raise ToolError("the episode is over: its workspace is closed")
+            if self.infra_error is not None:
+                raise ToolError(f"infrastructure failure: {self.infra_error} (not your fault; the episode is "
+                                "not scored)")
+            if self._session is None:
+                try:
+                    self._session = await self.backend.create(self.spec)
+                except SessionInfraError as e:
+                    self.infra_error = str(e)[:300]
+                    raise ToolError(f"infrastructure failure: could not start the workspace ({self.infra_error})")
+            return self._session
+
+    def mark_infra(self, e: BaseException) -> None:
+        self.infra_error = self.infra_error or f"{type(e).__name__}: {str(e)[:300]}"
+
+    async def aclose(self) -> None:
+        self.closed = True
+        s, self._session = self._session, None
+        if s is not None:
+            try:
+                await s.aclose()
+            except Exception as e:  # close never raises by contract; a bad plugin must not break the step
+                log.warning("session close failed: %r", e)
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` within `limit` characters: head and tail kept, a marker says how much of the middle was cut."""
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    tail = limit - head
+    return (f"{text[:head]}\n...[output cut: {len(text) - limit} of {len(text)} characters removed from the "
+            f"middle]...\n{text[-tail:]}")
+
+
+class SweTool(Tool):
+    """Base of the SWE tools: takes the bound workspace, checks arguments, maps session errors."""
+
+    validates_arguments = True
+    allowed: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()
+
+    def __init__(self, limits: SweLimits) -> None:
+        self.limits = limits
+        self.timeout_s = limits.exec_timeout_s + 60.0  # after the session's own deadline (and a cold start)
+
+    def _ws(self, arguments: dict[str, Any]) -> Workspace:
+        ws = arguments.get(WS_ARG)
+        if not isinstance(ws, Workspace):
+            raise ToolError(f"{self.name} runs only inside rlf/SWE-v0 (no workspace bound to this episode)")
+        extra = sorted(set(arguments) - {WS_ARG, *self.allowed})
+        if extra:
+            raise InvalidArguments(f"unknown argument(s) for {self.name}: {', '.join(extra)}; it takes "
+                                   f"{', '.join(self.allowed) or 'no arguments'}")
+        for k in self.required:
+            if not isinstance(arguments.get(k), str):
+                raise InvalidArguments(f"{self.name} needs a string argument {k!r}")
+        return ws
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        ws = self._ws(arguments)
+        session = await ws.session()
+        try:
+            return await self._run(session, arguments)
+        except SessionInfraError as e:
+            ws.mark_infra(e)
+            raise ToolError(f"infrastructure failure: {ws.infra_error} (not your fault; the episode is not "
+                            "scored)") from None
+        except SessionError as e:
+            raise ToolError(str(e)[:500]) from None
+
+    async def _run(self, s: Session, arguments: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+
+class Bash(SweTool):
+    allowed = required = ("command",)
+
+    def __init__(self, limits: SweLimits) -> None:
+        super().__init__(limits)
+        self.spec = ToolSpec("bash", f"Run a bash command in the repository (cwd: the repository root; no network; "
+                                     f"killed after {limits.exec_timeout_s:.0f} s). Shows stdout, stderr and the "
+                                     "exit code.",
+                             {"type": "object", "properties": {"command": {"type": "string"}},
+                              "required": ["command"]})
+
+    async def _run(self, s: Session, arguments: dict[str, Any]) -> str:
+        cmd = arguments["command"]
+        if not cmd.strip():
+            raise InvalidArguments("'command' is empty")
+        r = await s.exec(cmd, timeout_s=self.limits.exec_timeout_s)
+        parts = []
+        if r.stdout:
+            parts.append(r.stdout.rstrip("\n"))
+        if r.stderr:
+            parts.append("[stderr]\n" + r.stderr.rstrip("\n"))
+        text = cut("\n".join(parts), self.limits.output_chars)
+        if r.truncated:
+            text += "\n[output cut by the session: more than its per-call output cap]"
+        if r.timed_out:
+            text += f"\n[timed out after {self.limits.exec_timeout_s:.0f} s: everything the command started was killed]"
+        return f"{text}\n[exit code {r.exit_code}]".lstrip("\n")
+
+
+class ReadFile(SweTool):
+    allowed = ("path", "start", "end")
+    required = ("path",)
+
+    def __init__(self, limits: SweLimits) -> None:
+        super().__init__(limits)
+        self.spec = ToolSpec(
+            "read_file", "Show a file with line numbers, optionally only lines start..end (1-based, inclusive).",
+            {"type": "object", "properties": {"path": {"type": "string"}, "start": {"type": "integer"},
+                                              "end": {"type": "integer"}}, "required": ["path"]})
+
+    async def _run(self, s: Session, arguments: dict[str, Any]) -> str:
+        start, end = arguments.get("start", 1), arguments.get("end")
+        if not isinstance(start, int) or isinstance(start, bool) or start < 1:
+            raise InvalidArguments("'start' must be a line number >= 1")
+        if end is not None and (not isinstance(end, int) or isinstance(end, bool) or end < start):
+            raise InvalidArguments("'end' must be a line number >= start")
+        data = await s.read_file(arguments["path"])
+        lines = data.decode("utf-8", "replace").splitlines()
+        if start > max(len(lines), 1):
+            raise ToolError(f"{arguments['path']} has {len(lines)} lines; start={start} is past its end")
+        chosen = lines[start - 1:end]
+        width = len(str(start + len(chosen)))
+        body = "\n".join(f"{n:>{width}}  {line}" for n, line in enumerate(chosen, start))
+        return cut(body, self.limits.output_chars) if body else "(empty file)"
+
+
+class WriteFile(SweTool):
+    allowed = required = ("path", "text")
+
+    def __init__(self, limits: SweLimits) -> None:
+        super().__init__(limits)
+        self.spec = ToolSpec("write_file", "Create or overwrite a file with the given text.",
+                             {"type": "object", "properties": {"path": {"type": "string"},
+                                                               "text": {"type": "string"}},
+                              "required": ["path", "text"]})
+
+    async def _run(self, s: Session, arguments: dict[str, Any]) -> str:
+        text = arguments["text"]
+        if len(text) > self.limits.max_file_chars:
+            raise InvalidArguments(f"'text' has {len(text)} characters; the limit is {self.limits.max_file_chars}")
+        await s.write_file(arguments["path"], text)
+        return f"wrote {len(text)} characters to {arguments['path']}"
+
+
+class Edit(SweTool):
+    allowed = required = ("path", "old", "new")
+
+    def __init__(self, limits: SweLimits) -> None:
+        super().__init__(limits)
+        self.spec = ToolSpec(
+            "edit", "Replace the exact text `old` with `new` in a file; `old` must occur exactly once (include "
+                    "surrounding lines to make it unique).",
+            {"type": "object", "properties": {"path": {"type": "string"}, "old": {"type": "string"},
+                                              "new": {"type": "string"}}, "required": ["path", "old", "new"]})
+
+    async def _run(self, s: Session, arguments: dict[str, Any]) -> str:
+        path, old, new = arguments["path"], arguments["old"], arguments["new"]
+        if not old:
+            raise InvalidArguments("'old' is empty: give the exact text to replace (use write_file for a new file)")
+        text = (await s.read_file(path)).decode("utf-8", "replace")
+        n = text.count(old)
+        if n == 0:
+            raise ToolError(f"'old' was not found in {path} (it must match exactly, whitespace and indentation "
+                            "included; read_file the lines first)")
+        if n > 1:
+            raise ToolError(f"'old' occurs {n} times in {path}; include more surrounding lines so it is unique")
+        out = text.replace(old, new, 1)
+        if len(out) > self.limits.max_file_chars * 5:
+            raise ToolError(f"the edited file would have {len(out)} characters; too large")
+        await s.write_file(path, out)
+        line = text[:text.index(old)].count("\n") + 1
+        return f"edited {path} at line {line} ({old.count(chr(10)) + 1} line(s) replaced by {new.count(chr(10)) + 1})"
+
+
+class Submit(Tool):
+    def __init__(self) -> None:
+        self.spec = ToolSpec(SUBMIT, "Submit your changes for grading; ends the episode.",
+                             {"type": "object", "properties": {}})
+
+    async def call(self, arguments: dict[str, Any]) -> str:
+        return "submitted"
+
+
+_TOOLS: dict[SweLimits, tuple[Tool, ...]] = {}
+
+
+def swe_tools(limits: SweLimits | None = None) -> tuple[Tool, ...]:
+    """The process-wide SWE tools for these limits (envs share them, and so one Toolbox)."""
+    limits = limits or SweLimits()
+    with _LOCK:
+        if limits not in _TOOLS:
+            _TOOLS[limits] = (Bash(limits), ReadFile(limits), WriteFile(limits), Edit(limits), Submit())
+        return _TOOLS[limits]
+
+
+class SweVerifier(Verifier):
+    """Scores a SWE episode: its patch (`trajectory.answer`) on a fresh session of the task's repository, hidden
+    F2P + P2P tests (see `verify.py`). A host failure gives `info["infra_failed"] = 1.0`."""
+
+    name = "swe"
+
+    def __init__(self, backend: str | SessionBackend = "local", image: str | None = None,
+                 limits: SweLimits | None = None, partial_credit: bool = False) -> None:
+        self.backend = backend
+        self.image = image
+        self.limits = limits or SweLimits()
+        self.partial_credit = partial_credit
+
+    async def verdict(self, patch: str, task: Task) -> Verdict:
+        t = SweTask.from_meta(task)
+        spec = session_spec(t, self.image, self.limits)
+        backend = shared_backend(self.backend)
+        session = None
+        try:
+            session = await backend.create(spec)
+            return await run_hidden_tests(session, t, patch, partial_credit=self.partial_credit,
+                                          timeout_s=self.limits.test_timeout_s)
+        except SessionInfraError as e:
+            return Verdict(f2p_total=len(t.FAIL_TO_PASS), p2p_total=len(t.PASS_TO_PASS), infra_failed=True,
+                           error=f"{type(e).__name__}: {str(e)[:300]}")
+        finally:
+            if session is not None:
+                await session.aclose()
+
+    async def score(self, trajectory: Trajectory, task: Task) -> Score:
+        if trajectory.score_info.get("infra_failed"):
+            return Score(0.0, info={"infra_failed": 1.0})
+        v = await self.verdict(trajectory.answer or "", task)
+        return Score(0.0 if v.infra_failed else v.value, info=v.info())
+
+
+class SweEnv(ToolEnv):
+    """Repository repair with a shell, file tools and hidden tests.
+
+    Args:
+        split: "train" or "test" of rlf's shipped tasks (ignored when `tasks` or `task_file` is given).
+        task_file: a SWE-bench-style JSONL/JSON file (see `rlf_envs.envs.swe.tasks`), or a directory of Harbor
+            tasks (`rlf_envs.tasks.harbor`).
+        backend: "local" (default), "docker", or a SessionBackend.
+        image: the session image of tasks that name none ("host" tasks): default the Debian test image when it was
+            built (`python -m rlf_envs.sandbox.sessions.images build-debian`), else the host's tools.
+        limits: SweLimits or its dict (exec deadline, memory, output cap, hidden-run deadline...).
+        partial_credit: reward the fraction of FAIL_TO_PASS tests that pass (when every PASS_TO_PASS passes).
+        **kwargs: ToolEnv's (tasks, max_turns (default 30), max_total_tokens (default 32768), max_obs_tokens,
+            tokenizer, format, system_prompt...).
+    """
+
+    def __init__(
+        self,
+        split: str = "train",
+        task_file: str | None = None,
+        backend: str | SessionBackend = "local",
+        image: str | None = None,
+        limits: SweLimits | dict[str, Any] | None = None,
+        partial_credit: bool = False,
+        format: Any = "qwen3",
+        **kwargs: Any,
+    ) -> None:
+        lim = SweLimits(**limits) if isinstance(limits, dict) else (limits or SweLimits())
+        if task_file is not None:
+            if kwargs.get("tasks") is not None:
+                raise ValueError("give tasks= or task_file=, not both")
+            from pathlib import Path
+
+            if Path(task_file).is_dir():
+                from rlf_envs.tasks.harbor import load_harbor_dir
+
+                kwargs["tasks"] = load_harbor_dir(task_file)
+            else:
+                kwargs["tasks"] = load_swe_jsonl(task_file)
+        elif kwargs.get("tasks") is None:
+            kwargs["tasks"] = shipped_tasks(split)
+        else:
+            tasks = kwargs["tasks"]
+            if not isinstance(tasks, str) and all(isinstance(t, dict) and "instance_id" in t for t in tasks):
+                kwargs["tasks"] = load_swe_rows(tasks)
+        self.backend_name = backend
+        self.image = image if image is not None else default_image()
+        self.limits = lim
+        self._tools = swe_tools(lim)
+        kwargs.setdefault("verifier", SweVerifier(backend, self.image, lim, partial_credit))
+        kwargs.setdefault("system_prompt", SYSTEM_PROMPT)
+        kwargs.setdefault("max_turns", 30)
+        kwargs.setdefault("max_total_tokens", 32768)
+        kwargs.setdefault("max_obs_tokens", 2048)
+        super().__init__(tools=[*self._tools, *kwargs.pop("tools", ())], format=format, **kwargs)
+        self._names = frozenset(t.name for t in self._tools if t.name != SUBMIT)
+        self._ws: Workspace | None = None
+        for t in self.tasks:
+            SweTask.from_meta(t)  # every task is a SWE task (raises naming the one that is not)
+
+    @property
+    def workspace(self) -> Workspace | None:
+        return self._ws
+
+    def _parse(self, text: str) -> Action:
+        """A turn that calls submit() ends the episode (its other calls are not run)."""
+        action = super()._parse(text)
+        if action.kind is ActionKind.TOOL_CALLS and any(c.name == SUBMIT for c in action.calls):
+            return Action(ActionKind.ANSWER, action.text, calls=action.calls, answer=SUBMIT)
+        return action
+
+    def _workspace(self) -> Workspace:
+        if self._ws is None:
+            t = SweTask.from_meta(self.trajectory.task)
+            self._ws = Workspace(shared_backend(self.backend_name), session_spec(t, self.image, self.limits))
+        return self._ws
+
+    def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:
+        calls = step.turn.action.calls
+        if not any(c.name in self._names for c in calls):
+            return calls
+        ws = self._workspace()
+        return [ToolCall(c.name, {**c.arguments, WS_ARG: ws}, c.id) if c.name in self._names else c for c in calls]
+
+    async def _patch(self) -> tuple[str, str | None]:
+        """The workspace's diff ("" when no session was started) and the infra error, if any."""
+        ws = self._ws
+        if ws is None or not ws.started:
+            return "", ws.infra_error if ws is not None else None
+        if ws.infra_error is not None:
+            return "", ws.infra_error
+        try:
+            session = await ws.session()
+            return await session.diff(), None
+        except SessionInfraError as e:
+            ws.mark_infra(e)
+            return "", ws.infra_error
+        except (SessionError, ToolError) as e:
+            ws.mark_infra(e)  # a session that expired or closed under us: no patch to judge
+            return "", ws.infra_error
+
+    async def _score_end(self, result: StepReturn) -> StepReturn:
+        traj = self._traj
+        assert traj is not None
+        try:
+            patch, infra = await runtime.bridge(self._patch())
+        finally:
+            ws, self._ws = self._ws, None
+            if ws is not None:
+                await runtime.bridge(ws.aclose())
+        traj.answer = patch
+        if infra is not None:
+            traj.score_info = {"infra_failed": 1.0}
+        obs, reward, terminated, truncated, info = await super()._score_end(result)
+        infra_failed = bool(traj.score_info.get("infra_failed"))
+        info["infra_failed"] = infra_failed
+        if infra_failed:
+            info["infra_error"] = infra or "the hidden-test session failed"
+        return obs, reward, terminated, truncated, info
+
+    def _end_episode(self) -> None:
+        ws, self._ws = self._ws, None
+        if ws is not None and ws.started:
+            try:
+                loop = runtime.get_loop()
+                asyncio.run_coroutine_threadsafe(ws.aclose(), loop)  # closing must not block a reset
+            except RuntimeError:
+                pass
+
+
+def swe_tasks(split: str = "train") -> list[Task]:
+    return shipped_tasks(split)
+
+
+__all__ = ["SweEnv", "SweLimits", "SweVerifier", "Workspace", "swe_tasks", "swe_tools"]
