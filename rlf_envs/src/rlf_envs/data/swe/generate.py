@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlf_envs.data.swe.mutate import Mutant, mutants
-from rlf_envs.envs.swe.pytest_report import PLUGIN_MODULE, PLUGIN_SOURCE, REPORT_ENV, TestOutcome, parse_report
+from rlf_envs.envs.swe.pytest_report import PLUGIN_MODULE, PLUGIN_SOURCE, REPORT_ENV, PytestOutcome, parse_report
 
 HERE = Path(__file__).resolve().parent
 SEED = 3939
@@ -157,7 +157,7 @@ def pack(root: Path, files: Iterable[str]) -> bytes:
 
 
 def run_tests(repo: Path, p: Project, tests: Iterable[str], plugin_dir: Path,
-              timeout_s: float = RUN_TIMEOUT_S) -> dict[str, TestOutcome]:
+              timeout_s: float = RUN_TIMEOUT_S) -> dict[str, PytestOutcome]:
     """pytest on `repo` with the report plugin; the outcomes by node id ({} when the run died)."""
     fd, report = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -186,7 +186,7 @@ def unified_diff(path: str, before: str, after: str) -> str:
 _ADDR = re.compile(r"0x[0-9a-fA-F]{6,}")
 
 
-def problem_statement(p: Project, failing: list[tuple[str, TestOutcome]], m: Mutant, source: str) -> str:
+def problem_statement(p: Project, failing: list[tuple[str, PytestOutcome]], m: Mutant, source: str) -> str:
     """The issue: which tests fail and how, never where or what the change is."""
     mutated_lines = {ln.strip() for ln in m.apply(source).splitlines()[m.lineno - 1:m.end_lineno] if ln.strip()}
     original_lines = {ln.strip() for ln in source.splitlines()[m.lineno - 1:m.end_lineno] if ln.strip()}
@@ -214,7 +214,7 @@ def _split_of(p: Project, function: str) -> str:
     return "test" if (h % 1000) < TEST_SHARE * 1000 else "train"
 
 
-def _try_mutant(p: Project, pristine: Path, m: Mutant, baseline: dict[str, TestOutcome],
+def _try_mutant(p: Project, pristine: Path, m: Mutant, baseline: dict[str, PytestOutcome],
                 plugin_dir: Path, rng_seed: int) -> dict[str, object] | None:
     with tempfile.TemporaryDirectory(prefix=f"swe-{p.id}-") as tmp:
         work = Path(tmp) / "repo"

@@ -93,20 +93,27 @@ class SweLimits:
                              output_bytes=max(4096, self.output_chars * 4))
 
 
-def session_spec(t: SweTask, image: str | None, limits: SweLimits) -> SessionSpec:
+def session_spec(t: SweTask, image: str | None, limits: SweLimits,
+                 backend: str | SessionBackend = "local") -> tuple[SessionSpec, list[tuple[str, ...]]]:
+    """The task's session spec and the steps replayed at each session start (Harbor tasks' Dockerfiles)."""
+    if t.harbor is not None:
+        from rlf_envs.envs.swe.harbor_run import harbor_spec
+
+        name = backend if isinstance(backend, str) else getattr(backend, "name", "local")
+        return harbor_spec(t.harbor, name, limits.session())
     img = t.image if t.image != "host" or image is None else image
     seed = repo_for(t)
     return SessionSpec(image=img, workdir=t.workdir, seed_dir=str(seed) if seed is not None else None,
                        env={"LANG": "C.UTF-8", "PYTHONPATH": f"{t.workdir}/{t.pythonpath}".rstrip("/."),
                             "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp"},
-                       network=False, limits=limits.session())
+                       network=False, limits=limits.session()), []
 
 
 class Workspace:
     """The episode's session, started at its first use (so a reset costs nothing) and closed at the end."""
 
-    def __init__(self, backend: SessionBackend, spec: SessionSpec) -> None:
-        self.backend, self.spec = backend, spec
+    def __init__(self, backend: SessionBackend, spec: SessionSpec, steps: list[tuple[str, ...]] | None = None) -> None:
+        self.backend, self.spec, self.steps = backend, spec, steps or []
         self._session: Session | None = None
         self._lock = asyncio.Lock()
         self.infra_error: str | None = None
@@ -125,10 +132,20 @@ class Workspace:
                                 "not scored)")
             if self._session is None:
                 try:
-                    self._session = await self.backend.create(self.spec)
+                    session = await self.backend.create(self.spec)
                 except SessionInfraError as e:
                     self.infra_error = str(e)[:300]
                     raise ToolError(f"infrastructure failure: could not start the workspace ({self.infra_error})")
+                if self.steps:
+                    from rlf_envs.envs.swe.harbor_run import prepare
+
+                    try:
+                        await prepare(session, self.steps)
+                    except (SessionError, ValueError) as e:
+                        await session.aclose()
+                        self.infra_error = f"the task's environment could not be prepared: {str(e)[:300]}"
+                        raise ToolError(f"infrastructure failure: {self.infra_error}") from None
+                self._session = session
             return self._session
 
     def mark_infra(self, e: BaseException) -> None:
@@ -334,11 +351,15 @@ class SweVerifier(Verifier):
 
     async def verdict(self, patch: str, task: Task) -> Verdict:
         t = SweTask.from_meta(task)
-        spec = session_spec(t, self.image, self.limits)
+        spec, steps = session_spec(t, self.image, self.limits, self.backend)
         backend = shared_backend(self.backend)
         session = None
         try:
             session = await backend.create(spec)
+            if t.harbor is not None:
+                from rlf_envs.envs.swe.harbor_run import run_harbor_verifier
+
+                return await run_harbor_verifier(session, t.harbor, patch, steps)
             return await run_hidden_tests(session, t, patch, partial_credit=self.partial_credit,
                                           timeout_s=self.limits.test_timeout_s)
         except SessionInfraError as e:
@@ -429,7 +450,8 @@ class SweEnv(ToolEnv):
     def _workspace(self) -> Workspace:
         if self._ws is None:
             t = SweTask.from_meta(self.trajectory.task)
-            self._ws = Workspace(shared_backend(self.backend_name), session_spec(t, self.image, self.limits))
+            spec, steps = session_spec(t, self.image, self.limits, self.backend_name)
+            self._ws = Workspace(shared_backend(self.backend_name), spec, steps)
         return self._ws
 
     def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:

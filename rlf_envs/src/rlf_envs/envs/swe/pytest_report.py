@@ -52,7 +52,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @dataclass(frozen=True, slots=True)
-class TestOutcome:
+class PytestOutcome:
     outcome: str  # passed | failed | skipped | error
     message: str = ""
 
@@ -61,7 +61,7 @@ class TestOutcome:
         return self.outcome == "passed"
 
 
-def parse_report(text: str | bytes, limit: int = 1 << 22) -> dict[str, TestOutcome]:
+def parse_report(text: str | bytes, limit: int = 1 << 22) -> dict[str, PytestOutcome]:
     """The plugin's JSON as outcomes by node id; malformed or oversized input gives {}."""
     if len(text) > limit:
         return {}
@@ -71,11 +71,11 @@ def parse_report(text: str | bytes, limit: int = 1 << 22) -> dict[str, TestOutco
         return {}
     if not isinstance(data, dict):
         return {}
-    out: dict[str, TestOutcome] = {}
+    out: dict[str, PytestOutcome] = {}
     for k, v in data.items():
         if isinstance(k, str) and isinstance(v, dict) and isinstance(v.get("outcome"), str):
-            out[k] = TestOutcome(v["outcome"], str(v.get("message", ""))[:2000])
+            out[k] = PytestOutcome(v["outcome"], str(v.get("message", ""))[:2000])
     return out
 
 
-__all__ = ["PLUGIN_MODULE", "PLUGIN_SOURCE", "REPORT_ENV", "TestOutcome", "parse_report"]
+__all__ = ["PLUGIN_MODULE", "PLUGIN_SOURCE", "REPORT_ENV", "PytestOutcome", "parse_report"]

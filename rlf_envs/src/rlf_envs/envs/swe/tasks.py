@@ -20,13 +20,13 @@ import tarfile
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from rlf_envs.types import Task
 
-DEFAULT_TEST_CMD = "python -m pytest -p no:cacheprovider -o addopts= -q"
+DEFAULT_TEST_CMD = "python3 -m pytest -p no:cacheprovider -o addopts= -q"
 _LOCK = threading.Lock()
 
 
@@ -47,7 +47,8 @@ class SweTask:
     workdir: str = "/workspace"
     pythonpath: str = "."  # the import root inside the repository, put on PYTHONPATH for the tests
     test_cmd: str = DEFAULT_TEST_CMD
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: a Harbor task: {"path": task dir, "build_args": {...}, "base_images": {...}} (`rlf_envs.tasks.harbor`)
+    harbor: dict[str, Any] | None = None
 
     def to_meta(self) -> dict[str, Any]:
         return {"swe": {
@@ -55,7 +56,7 @@ class SweTask:
             "FAIL_TO_PASS": list(self.FAIL_TO_PASS), "PASS_TO_PASS": list(self.PASS_TO_PASS), "patch": self.patch,
             "test_patch": self.test_patch, "bug_patch": self.bug_patch, "repo": self.repo,
             "repo_dir": self.repo_dir, "image": self.image, "workdir": self.workdir,
-            "pythonpath": self.pythonpath, "test_cmd": self.test_cmd}}
+            "pythonpath": self.pythonpath, "test_cmd": self.test_cmd, "harbor": self.harbor}}
 
     @classmethod
     def from_meta(cls, task: Task) -> SweTask:
@@ -108,6 +109,9 @@ def swe_task_from_row(row: Mapping[str, Any], where: str = "row", base_dir: Path
         if not p.is_dir():
             raise ValueError(f"{where}: repo_dir {str(p)!r} is not a directory")
         repo_dir = str(p.resolve())
+    harbor = row.get("harbor")
+    if harbor is not None and (not isinstance(harbor, Mapping) or not isinstance(harbor.get("path"), str)):
+        raise ValueError(f"{where}: harbor must be an object with the task directory's 'path'")
     workdir = strs["workdir"] or ("/testbed" if (strs["image"] or "").startswith("docker:") else "/workspace")
     if not PurePosixPath(workdir).is_absolute():
         raise ValueError(f"{where}: workdir must be an absolute path inside the session, got {workdir!r}")
@@ -116,6 +120,7 @@ def swe_task_from_row(row: Mapping[str, Any], where: str = "row", base_dir: Path
         patch=strs["patch"] or "", test_patch=strs["test_patch"] or "", bug_patch=strs["bug_patch"] or "",
         repo=strs["repo"] or "", repo_dir=repo_dir, image=strs["image"] or "host", workdir=workdir,
         pythonpath=strs["pythonpath"] or ".", test_cmd=strs["test_cmd"] or DEFAULT_TEST_CMD,
+        harbor=dict(harbor) if harbor is not None else None,
     )
 
 
