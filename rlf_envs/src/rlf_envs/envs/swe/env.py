@@ -434,7 +434,9 @@ class SweEnv(ToolEnv):
         self._names = frozenset(t.name for t in self._tools if t.name != SUBMIT)
         self._ws: Workspace | None = None
         for t in self.tasks:
-            SweTask.from_meta(t)  # every task is a SWE task (raises naming the one that is not)
+            st = SweTask.from_meta(t)  # every task is a SWE task (raises naming the one that is not)
+            if st.harbor is not None and backend == "local":
+                session_spec(st, self.image, lim, backend)  # a Dockerfile the local backend cannot replay: now
 
     @property
     def workspace(self) -> Workspace | None:
