@@ -118,7 +118,8 @@ def test_mutants_change_one_site_and_reparse() -> None:
 def test_problem_statement_never_quotes_the_change() -> None:
     m = next(m for m in mutants(SRC, "calc/__init__.py") if m.op == "compare" and m.lineno == 5)
     bad_line = m.apply(SRC).splitlines()[4].strip()
-    failing = [("tests/test_calc.py::test_high", PytestOutcome("failed", f"AssertionError: {bad_line} at 0x7f00aabbcc"))]
+    msg = f"AssertionError: {bad_line} at 0x7f00aabbcc"
+    failing = [("tests/test_calc.py::test_high", PytestOutcome("failed", msg))]
     from rlf_envs.data.swe.generate import PROJECTS
 
     text = problem_statement(PROJECTS[0], failing, m, SRC)

@@ -226,7 +226,7 @@ class DockerPlan:
     workdir: str
     env: dict[str, str]
     seed: dict[str, str] = field(default_factory=dict)
-    steps: list[tuple[str, ...]] = field(default_factory=list)
+    steps: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str, str] | None = None,
@@ -241,7 +241,7 @@ def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str,
     base: str | None = None
     cwd = "/"
     copies: list[tuple[Path, str]] = []
-    steps: list[tuple[str, ...]] = []
+    steps: list[tuple[Any, ...]] = []
     for ins in instrs:
         where = f"{name}:{ins.line}: {ins.keyword}"
         values = {**args, **env}

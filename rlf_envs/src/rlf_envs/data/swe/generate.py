@@ -51,8 +51,63 @@ SEED = 3939
 TEST_SHARE = 0.25
 MAX_P2P = 15
 MAX_F2P = 40
-RUN_TIMEOUT_S = 120.0
+RUN_TIMEOUT_S = 60.0
 PYTEST_ARGS = ("-p", "no:cacheprovider", "-o", "addopts=", "-q", "-p", PLUGIN_MODULE)
+
+
+COVERAGE_MODULE = "rlf_swe_coverage"
+COVERAGE_SOURCE = '''
+import json, os, sys, threading
+
+import pytest
+
+_ROOT = os.path.realpath(os.environ["RLF_SWE_COVER_ROOT"])
+_LINES = {}
+_cur = None
+_keep = {}
+
+
+def _wanted(filename):
+    r = _keep.get(filename)
+    if r is None:
+        real = os.path.realpath(filename)
+        r = _keep[filename] = real.startswith(_ROOT + os.sep) and "/tests/" not in real and not os.path.basename(
+            real).startswith(("test_", "conftest"))
+    return r
+
+
+def _local(frame, event, arg):
+    if event == "line" and _cur is not None:
+        _cur.add((os.path.relpath(os.path.realpath(frame.f_code.co_filename), _ROOT), frame.f_lineno))
+    return _local
+
+
+def _global(frame, event, arg):
+    if _wanted(frame.f_code.co_filename):
+        _local(frame, "line", arg)
+        return _local
+    return None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _cur
+    _cur = set()
+    sys.settrace(_global)
+    threading.settrace(_global)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+        _LINES[item.nodeid] = sorted(_cur)
+        _cur = None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    with open(os.environ["RLF_SWE_COVER_OUT"], "w") as f:
+        json.dump(_LINES, f)
+'''
 
 
 @dataclass(frozen=True)
@@ -157,22 +212,31 @@ def pack(root: Path, files: Iterable[str]) -> bytes:
 
 
 def run_tests(repo: Path, p: Project, tests: Iterable[str], plugin_dir: Path,
-              timeout_s: float = RUN_TIMEOUT_S) -> dict[str, PytestOutcome]:
-    """pytest on `repo` with the report plugin; the outcomes by node id ({} when the run died)."""
+              timeout_s: float = RUN_TIMEOUT_S, coverage: dict[str, list[tuple[str, int]]] | None = None
+              ) -> dict[str, PytestOutcome]:
+    """pytest on `repo` with the report plugin; the outcomes by node id ({} when the run died). With `coverage`
+    (a dict to fill), the source lines each test executes are recorded too (slower: sys.settrace)."""
     fd, report = tempfile.mkstemp(suffix=".json")
     os.close(fd)
+    cover = report + ".cover"
     try:
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(plugin_dir), "LANG": "C.UTF-8",
                "PYTHONPATH": os.pathsep.join([str(repo / p.pythonpath), str(plugin_dir)]),
-               "PYTHONDONTWRITEBYTECODE": "1", REPORT_ENV: report, "PYTHONHASHSEED": "0"}
+               "PYTHONDONTWRITEBYTECODE": "1", REPORT_ENV: report, "PYTHONHASHSEED": "0",
+               "RLF_SWE_COVER_ROOT": str(repo), "RLF_SWE_COVER_OUT": cover}
+        extra = ["-p", COVERAGE_MODULE] if coverage is not None else []
         try:
-            subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, *tests], cwd=repo, env=env,
+            subprocess.run([sys.executable, "-m", "pytest", *PYTEST_ARGS, *extra, *tests], cwd=repo, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return {}
+        if coverage is not None and os.path.exists(cover):
+            coverage.update({k: [(f, n) for f, n in v] for k, v in json.loads(Path(cover).read_text()).items()})
         return parse_report(Path(report).read_text(encoding="utf-8"))
     finally:
-        os.unlink(report)
+        for f in (report, cover):
+            if os.path.exists(f):
+                os.unlink(f)
 
 
 def unified_diff(path: str, before: str, after: str) -> str:
@@ -215,40 +279,40 @@ def _split_of(p: Project, function: str) -> str:
 
 
 def _try_mutant(p: Project, pristine: Path, m: Mutant, baseline: dict[str, PytestOutcome],
-                plugin_dir: Path, rng_seed: int) -> dict[str, object] | None:
+                covering: list[str], plugin_dir: Path, rng_seed: int) -> dict[str, object] | None:
+    """Run the tests that execute the mutated lines (and a P2P sample) on the mutant; validate; the row or None."""
+    passing = [k for k, o in baseline.items() if o.passed and " " not in k and k.isascii() and "::" in k]
+    cands = [k for k in covering if k in set(passing)]
+    if not cands:
+        return None  # no test executes the mutated lines: no test can see the bug
+    rng = random.Random(rng_seed)
+    files = {k.split("::")[0] for k in cands}
+    rest = [k for k in passing if k not in set(cands)]
+    near = [k for k in rest if k.split("::")[0] in files]
+    far = [k for k in rest if k.split("::")[0] not in files]
+    rng.shuffle(near)
+    rng.shuffle(far)
+    extra = (near + far)[:MAX_P2P]
     with tempfile.TemporaryDirectory(prefix=f"swe-{p.id}-") as tmp:
         work = Path(tmp) / "repo"
         shutil.copytree(pristine, work)
         src = (pristine / m.path).read_text(encoding="utf-8")
         broken = m.apply(src)
         (work / m.path).write_text(broken, encoding="utf-8")
-        after = run_tests(work, p, p.tests, plugin_dir)
-        if not after or any(k.startswith("<collection>") or "::" not in k for k in after
-                            if after[k].outcome == "error"):
+        after = run_tests(work, p, cands + extra, plugin_dir)
+        if not after or any(o.outcome == "error" and "::" not in k for k, o in after.items()):
             return None
-        passing = [k for k, o in baseline.items() if o.passed and " " not in k and k.isascii()]
-        f2p = [k for k in passing if k in after and not after[k].passed]
+        if any(k not in after for k in cands + extra):
+            return None
+        f2p = [k for k in cands if not after[k].passed]
         if not f2p or len(f2p) > min(MAX_F2P, len(passing) // 4):
             return None
-        if any(k not in after for k in passing):
-            return None
-        still = [k for k in passing if after[k].passed]
-        files = {k.split("::")[0] for k in f2p}
-        rng = random.Random(rng_seed)
-        near = [k for k in still if k.split("::")[0] in files]
-        far = [k for k in still if k.split("::")[0] not in files]
-        rng.shuffle(near)
-        rng.shuffle(far)
-        p2p = sorted((near + far)[:MAX_P2P])
-        # validate: broken tree -> every F2P fails, every P2P passes; gold tree -> all pass
+        still = [k for k in cands if after[k].passed]
+        rng.shuffle(still)
+        p2p = sorted(([k for k in extra if after[k].passed] + still)[:MAX_P2P])
         sel = f2p + p2p
-        check_broken = run_tests(work, p, sel, plugin_dir)
         (work / m.path).write_text(src, encoding="utf-8")
         check_gold = run_tests(work, p, sel, plugin_dir)
-        if not all(k in check_broken and not check_broken[k].passed for k in f2p):
-            return None
-        if not all(k in check_broken and check_broken[k].passed for k in p2p):
-            return None
         if not all(k in check_gold and check_gold[k].passed for k in sel):
             return None
         failing = [(k, after[k]) for k in f2p]
@@ -280,7 +344,12 @@ def build_project(p: Project, cache: Path, out: Path, per_project: int, max_trie
         shutil.copyfile(root / f, pristine / f)
     (out / "repos").mkdir(parents=True, exist_ok=True)
     (out / "repos" / f"{p.id}.tar.gz").write_bytes(pack(pristine, files))
-    baseline = run_tests(pristine, p, p.tests, plugin_dir)
+    coverage: dict[str, list[tuple[str, int]]] = {}
+    baseline = run_tests(pristine, p, p.tests, plugin_dir, timeout_s=900, coverage=coverage)
+    by_line: dict[tuple[str, int], list[str]] = {}
+    for nodeid, lines in coverage.items():
+        for fl in lines:
+            by_line.setdefault((fl[0], fl[1]), []).append(nodeid)
     n_pass = sum(o.passed for o in baseline.values())
     if n_pass < 20:
         raise RuntimeError(f"{p.id}: only {n_pass} tests pass on the pristine tree; is pytest installed?")
@@ -308,8 +377,11 @@ def build_project(p: Project, cache: Path, out: Path, per_project: int, max_trie
             if not batch:
                 break
             tried += len(batch)
-            for m, row in zip(batch, pool.map(lambda m: _try_mutant(p, pristine, m, baseline, plugin_dir,
-                                                                      SEED + m.index), batch), strict=True):
+            def covering(m: Mutant) -> list[str]:
+                return sorted({t for ln in range(m.lineno, m.end_lineno + 1) for t in by_line.get((m.path, ln), ())})
+
+            for m, row in zip(batch, pool.map(lambda m: _try_mutant(p, pristine, m, baseline, covering(m),
+                                                                      plugin_dir, SEED + m.index), batch), strict=True):
                 if row is not None and per_fn.get(m.function, 0) < 2 and len(kept) < per_project:
                     per_fn[m.function] = per_fn.get(m.function, 0) + 1
                     kept.append(row)
@@ -330,6 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="swe-plugin-") as plugin:
         plugin_dir = Path(plugin)
         (plugin_dir / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE, encoding="utf-8")
+        (plugin_dir / f"{COVERAGE_MODULE}.py").write_text(COVERAGE_SOURCE, encoding="utf-8")
         rows: list[dict[str, object]] = []
         chosen = [p for p in PROJECTS if p.id in args.projects]
         for p in chosen:

@@ -17,6 +17,7 @@ import ast
 import copy
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any, cast
 
 _CMP_FLIP: dict[type[ast.cmpop], type[ast.cmpop]] = {
     ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
@@ -57,7 +58,7 @@ class Mutant:
         first = lines[self.lineno - 1].encode()
         last = lines[self.end_lineno - 1].encode()
         new = (first[: self.col] + self.replacement.encode() + last[self.end_col:]).decode()
-        return "".join(lines[: self.lineno - 1] + [new] + lines[self.end_lineno:])
+        return "".join([*lines[:self.lineno - 1], new, *lines[self.end_lineno:]])
 
 
 def _functions(tree: ast.Module) -> Iterator[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
@@ -90,7 +91,7 @@ def _is_docstring(node: ast.AST, fn: ast.AST) -> bool:
     return bool(body) and isinstance(body[0], ast.Expr) and body[0].value is node
 
 
-def _variants(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> Iterator[tuple[str, ast.AST]]:
+def _variants(node: Any, parents: dict[ast.AST, ast.AST]) -> Iterator[tuple[str, ast.AST]]:
     """(operator, mutated copy of `node`) for every mutation of this node."""
     if isinstance(node, ast.Compare):
         for i, op in enumerate(node.ops):
@@ -100,19 +101,19 @@ def _variants(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> Iterator[tuple[
                 yield "compare", new
     elif isinstance(node, ast.BinOp):
         if type(node.op) in _BIN_FLIP and not _is_string_format(node):
-            new = copy.deepcopy(node)
-            new.op = _BIN_FLIP[type(node.op)]()
-            yield "binop", new
+            flipped = copy.deepcopy(node)
+            flipped.op = _BIN_FLIP[type(node.op)]()
+            yield "binop", flipped
         if isinstance(node.op, _NON_COMMUTATIVE) and not _is_string_format(node):
-            new = copy.deepcopy(node)
-            new.left, new.right = new.right, new.left
-            yield "swap", new
+            swapped = copy.deepcopy(node)
+            swapped.left, swapped.right = swapped.right, swapped.left
+            yield "swap", swapped
     elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
         yield "negation", copy.deepcopy(node.operand)
     elif isinstance(node, ast.BoolOp):
-        new = copy.deepcopy(node)
-        new.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
-        yield "boolop", new
+        other = copy.deepcopy(node)
+        other.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+        yield "boolop", other
     elif isinstance(node, ast.Constant) and type(node.value) is bool:
         yield "constant", ast.Constant(not node.value)
     elif isinstance(node, ast.Constant) and type(node.value) is int:
@@ -149,6 +150,7 @@ def mutants(source: str, path: str) -> list[Mutant]:
     index = 0
     for qualname, fn in _functions(tree):
         for node in _own_nodes(fn):
+            node = cast(Any, node)
             if not hasattr(node, "end_lineno") or _is_docstring(node, fn):
                 continue
             for op, new in _variants(node, parents):

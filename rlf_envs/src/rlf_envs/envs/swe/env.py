@@ -94,7 +94,7 @@ class SweLimits:
 
 
 def session_spec(t: SweTask, image: str | None, limits: SweLimits,
-                 backend: str | SessionBackend = "local") -> tuple[SessionSpec, list[tuple[str, ...]]]:
+                 backend: str | SessionBackend = "local") -> tuple[SessionSpec, list[tuple[Any, ...]]]:
     """The task's session spec and the steps replayed at each session start (Harbor tasks' Dockerfiles)."""
     if t.harbor is not None:
         from rlf_envs.envs.swe.harbor_run import harbor_spec
@@ -112,7 +112,7 @@ def session_spec(t: SweTask, image: str | None, limits: SweLimits,
 class Workspace:
     """The episode's session, started at its first use (so a reset costs nothing) and closed at the end."""
 
-    def __init__(self, backend: SessionBackend, spec: SessionSpec, steps: list[tuple[str, ...]] | None = None) -> None:
+    def __init__(self, backend: SessionBackend, spec: SessionSpec, steps: list[tuple[Any, ...]] | None = None) -> None:
         self.backend, self.spec, self.steps = backend, spec, steps or []
         self._session: Session | None = None
         self._lock = asyncio.Lock()
@@ -135,7 +135,8 @@ class Workspace:
                     session = await self.backend.create(self.spec)
                 except SessionInfraError as e:
                     self.infra_error = str(e)[:300]
-                    raise ToolError(f"infrastructure failure: could not start the workspace ({self.infra_error})")
+                    raise ToolError(f"infrastructure failure: could not start the workspace ({self.infra_error})"
+                                    ) from None
                 if self.steps:
                     from rlf_envs.envs.swe.harbor_run import prepare
 

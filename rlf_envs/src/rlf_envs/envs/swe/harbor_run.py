@@ -47,7 +47,7 @@ def _plan(path: str, build_args: tuple[tuple[str, str], ...], base_images: tuple
 _plan_cached = functools.lru_cache(maxsize=256)(_plan)
 
 
-def harbor_spec(h: dict[str, Any], backend: str, limits: SessionLimits) -> tuple[SessionSpec, list[tuple[str, ...]]]:
+def harbor_spec(h: dict[str, Any], backend: str, limits: SessionLimits) -> tuple[SessionSpec, list[tuple[Any, ...]]]:
     """The session spec of a Harbor task and the steps to replay at each session start."""
     task = _task(h["path"])
     cfg = task.config
@@ -73,7 +73,7 @@ def harbor_spec(h: dict[str, Any], backend: str, limits: SessionLimits) -> tuple
                        limits=lim), plan.steps
 
 
-async def prepare(session: Any, steps: list[tuple[str, ...]], timeout_s: float = 600.0) -> None:
+async def prepare(session: Any, steps: list[tuple[Any, ...]], timeout_s: float = 600.0) -> None:
     """Replay the Dockerfile's steps that are not the seed (files outside the workdir, RUN) in `session`."""
     for st in steps:
         if st[0] == "file":
@@ -127,7 +127,7 @@ def lenient_filter(patch: str) -> tuple[str, int]:
 
 
 async def run_harbor_verifier(session: Any, h: dict[str, Any], patch: str,
-                              steps: list[tuple[str, ...]]) -> Verdict:
+                              steps: list[tuple[Any, ...]]) -> Verdict:
     """On a fresh session: replay, apply the episode's patch, upload tests/, run test.sh, read the reward."""
     task = _task(h["path"])
     v = Verdict(f2p_total=1)
@@ -156,7 +156,7 @@ async def run_harbor_verifier(session: Any, h: dict[str, Any], patch: str,
     for name in ("reward.txt", "reward.json"):
         try:
             got.append(await session.read_file(f"{rdir}/{name}"))
-        except Exception:  # noqa: BLE001 - no such file
+        except Exception:
             got.append(None)
     reward = parse_reward(got[0], got[1])
     if reward is None:

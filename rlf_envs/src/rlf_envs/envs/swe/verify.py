@@ -198,7 +198,7 @@ async def run_hidden_tests(session: Any, t: SweTask, patch: str, *, partial_cred
         data = json.loads(raw) if len(raw) < (1 << 22) else None
         if isinstance(data, dict) and data.get("nonce") == nonce:
             outcomes = parse_report(json.dumps(data.get("outcomes")))
-    except Exception:  # noqa: BLE001 - no report (timeout, crash, forged): every test counts as not passed
+    except Exception:
         if getattr(r, "timed_out", False):
             v.error = f"the hidden tests ran past {timeout_s:.0f} s"
         elif "No module named pytest" in r.stderr:
