@@ -340,3 +340,12 @@ def test_all_shipped_tasks_gold_one_broken_zero() -> None:
     tasks = shipped_tasks("train") + shipped_tasks("test")
     bad = [v for v in _verdicts(tasks) if v[1:] != (1.0, 0.0)]
     assert not bad, f"{len(bad)} of {len(tasks)} tasks: {bad[:10]}"
+
+
+def test_viewer_shows_commands_and_edits_readably() -> None:
+    from rlf_envs.view import show_arguments
+
+    assert show_arguments("bash", {"command": "python3 -m pytest -q tests"}) == "$ python3 -m pytest -q tests"
+    shown = show_arguments("edit", {"path": "a.py", "old": "if x:\n    y", "new": "if not x:\n    y"})
+    assert "path: a.py" in shown and "old:\nif x:\n    y" in shown and "\\n" not in shown
+    assert show_arguments("calculator", {"expression": "1+1"}) == '{\n "expression": "1+1"\n}'

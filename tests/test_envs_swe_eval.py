@@ -74,3 +74,34 @@ def test_eval_cli_on_held_out_split_with_scripted_react_server(tmp_path: Path, c
     shown = json.dumps(r.model_dump() if hasattr(r, "model_dump") else r.__dict__, default=str)
     assert "pytest" in shown and "[exit code" in shown  # the command and its output are in the record
     assert r.end_reason == "answer" and r.success
+
+
+def test_react_agent_example_through_the_openai_sdk() -> None:
+    """examples/swe_agent/agent.py (what `rollout.agent` trains) against the scripted server: reward 1.0."""
+    _skip_without_sessions()
+    import asyncio
+    import importlib.util
+
+    import openai
+
+    spec = importlib.util.spec_from_file_location("swe_agent", Path(__file__).parents[1] / "examples" / "swe_agent"
+                                                  / "agent.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    fake = RepairServer()
+    server = RunningServer(fake)
+    try:
+        async def go() -> list[float]:
+            client = openai.AsyncOpenAI(base_url=fake.url, api_key="x", timeout=60, max_retries=0)
+            try:
+                return [await mod.agent(t, client) for t in shipped_tasks("test")[:2]]
+            finally:
+                await client.close()
+
+        rewards = asyncio.run(go())
+    finally:
+        server.stop()
+    assert rewards == [1.0, 1.0]
+    assert any(m.get("role") == "tool" and "[exit code" in (m.get("content") or "") for b in fake.bodies
+               for m in b["messages"])

@@ -514,4 +514,62 @@ def swe_tasks(split: str = "train") -> list[Task]:
     return shipped_tasks(split)
 
 
-__all__ = ["SweEnv", "SweLimits", "SweVerifier", "Workspace", "swe_tasks", "swe_tools"]
+
+class SweSession:
+    """rlf/SWE-v0's tools and verdict outside an env, for agent code (`rollout.agent`, any OpenAI-SDK loop):
+
+        ws = SweSession(task)                  # a SWE Task (shipped, SWE-bench-style or Harbor)
+        tools = ws.openai_tools()              # bash, read_file, write_file, edit, submit as `tools=`
+        text = await ws.call("bash", {"command": "ls"})   # errors come back as "Error: ..." text
+        verdict = await ws.submit()            # diff -> fresh session -> hidden tests; closes the workspace
+
+    `verdict.value` is the reward; `verdict.infra_failed` marks a host failure (not a reward)."""
+
+    def __init__(self, task: Task, backend: str | SessionBackend = "local", image: str | None = None,
+                 limits: SweLimits | None = None, partial_credit: bool = False) -> None:
+        self.task = task
+        self.limits = limits or SweLimits()
+        self.image = image if image is not None else default_image()
+        self.backend = backend
+        t = SweTask.from_meta(task)
+        spec, steps = session_spec(t, self.image, self.limits, backend)
+        self.workspace = Workspace(shared_backend(backend), spec, steps)
+        self.tools = {tool.name: tool for tool in swe_tools(self.limits)}
+        self.verifier = SweVerifier(backend, self.image, self.limits, partial_credit)
+
+    def openai_tools(self) -> list[dict[str, Any]]:
+        return [tool.spec.to_openai() for tool in self.tools.values()]
+
+    async def call(self, name: str, arguments: dict[str, Any]) -> str:
+        tool = self.tools.get(name)
+        if tool is None:
+            return f"Error: no tool {name!r}; tools: {', '.join(self.tools)}"
+        if not isinstance(arguments, dict):
+            return "Error: arguments must be a JSON object"
+        try:
+            return await asyncio.wait_for(tool.call({**arguments, WS_ARG: self.workspace}),
+                                          (tool.timeout_s or 60.0) + 5.0)
+        except (ToolError, InvalidArguments) as e:
+            return f"Error: {e}"
+        except TimeoutError:
+            return "Error: the tool call ran past its deadline"
+
+    async def submit(self) -> Verdict:
+        try:
+            if self.workspace.infra_error is not None:
+                return Verdict(infra_failed=True, error=self.workspace.infra_error)
+            patch = ""
+            if self.workspace.started:
+                try:
+                    patch = await (await self.workspace.session()).diff()
+                except (SessionError, ToolError) as e:
+                    return Verdict(infra_failed=True, error=f"{type(e).__name__}: {str(e)[:300]}")
+            return await self.verifier.verdict(patch, self.task)
+        finally:
+            await self.workspace.aclose()
+
+    async def aclose(self) -> None:
+        await self.workspace.aclose()
+
+
+__all__ = ["SweEnv", "SweLimits", "SweSession", "SweVerifier", "Workspace", "swe_tasks", "swe_tools"]
