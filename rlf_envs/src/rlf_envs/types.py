@@ -174,6 +174,14 @@ class Trajectory:
     loss_mask: list[int] | None = None
     reward: float = 0.0  # final (outcome) score value
     score_info: dict[str, float] = field(default_factory=dict)
+    #: why the episode failed by infrastructure (a sandbox session that could not start, died from the host's
+    #: side, lost its engine: `SessionInfraError`), else None. Such an episode's reward means nothing: the trainer
+    #: drops it (and its GRPO group) from the loss and counts it (`infra_failed` in the step's metrics).
+    infra_error: str | None = None
+
+    @property
+    def infra_failed(self) -> bool:
+        return self.infra_error is not None
 
     @property
     def text(self) -> str:

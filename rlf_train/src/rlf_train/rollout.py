@@ -230,6 +230,24 @@ class Rollouts:
 
 
 
+def drop_infra_failed(trajs: Sequence[Trajectory], task_indices: Sequence[int],
+                      group_size: int) -> tuple[list[Trajectory], list[int], int]:
+    """Remove every GRPO group (rows i*G..(i+1)*G-1) holding an infrastructure-failed episode
+    (`Trajectory.infra_failed`): its reward is no signal, and the group's advantages would be normalised against it.
+    Returns the kept trajectories, their task indices and the number of infra-failed episodes."""
+    failed = sum(t.infra_failed for t in trajs)
+    if not failed:
+        return list(trajs), list(task_indices), 0
+    keep_t: list[Trajectory] = []
+    keep_i: list[int] = []
+    for g in range(0, len(trajs), group_size):
+        group = trajs[g:g + group_size]
+        if not any(t.infra_failed for t in group):
+            keep_t += group
+            keep_i += task_indices[g:g + group_size]
+    return keep_t, keep_i, failed
+
+
 def is_success(t: Trajectory) -> bool:
     return t.reward >= SUCCESS_THRESHOLD
 

@@ -53,7 +53,15 @@ from rlf_train.grpo import (
 )
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
 from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
-from rlf_train.rollout import Rollouts, RolloutStats, SamplingParams, episode_stats, is_success, reward_stats
+from rlf_train.rollout import (
+    Rollouts,
+    RolloutStats,
+    SamplingParams,
+    drop_infra_failed,
+    episode_stats,
+    is_success,
+    reward_stats,
+)
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
 from rlf_train.sources import EnvSource
 from rlf_train.vllm_engine import VllmRollout, check_policy_shape
@@ -372,6 +380,13 @@ class Trainer:
         row of an episode gets the episode's advantage."""
         cfg, a = self.cfg, self.cfg.algorithm
         r = cfg.rollout
+        infra_failed, rows_in = 0, len(trajs)
+        if episodes is None:  # infrastructure failures are not rewards: their groups leave the loss
+            all_trajs = trajs
+            trajs, task_indices, infra_failed = drop_infra_failed(trajs, task_indices, r.samples_per_prompt)
+            if not trajs:  # every group holds one: no update this step (the metrics say why)
+                return {"stage": "rl", "step": step, **episode_stats(all_trajs), "infra_failed": infra_failed,
+                        "infra_dropped_rows": rows_in, "skipped_update": 1}
         # the advantage groups rows i*G..(i+1)*G-1 together: they must be the G samples of one prompt
         got = [t.task.id for t in trajs]
         want = [self.train_tasks[task_indices[e]].id for e in episodes.episode_of_row] if episodes is not None \
@@ -446,6 +461,8 @@ class Trainer:
         scheduler.step()
         now = time.perf_counter()
         rec: dict[str, Any] = {"stage": "rl", "step": step}
+        if infra_failed:
+            rec.update({"infra_failed": infra_failed, "infra_dropped_rows": rows_in - len(trajs)})
         rec.update(episode_stats(trajs))
         if episodes is not None:  # rows are segments: success and reward are per episode
             rec.update(reward_stats(ep_returns.tolist()))

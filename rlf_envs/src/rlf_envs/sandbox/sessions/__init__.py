@@ -13,13 +13,14 @@ from rlf_envs.sandbox.sessions.types import (
     SessionBackend,
     SessionClosed,
     SessionError,
+    SessionFileNotFound,
     SessionInfraError,
     SessionLimits,
     SessionSpec,
 )
 
-__all__ = ["ExecResult", "Session", "SessionBackend", "SessionClosed", "SessionError", "SessionInfraError",
-           "SessionLimits", "SessionSpec", "open_backend"]
+__all__ = ["ExecResult", "Session", "SessionBackend", "SessionClosed", "SessionError", "SessionFileNotFound",
+           "SessionInfraError", "SessionLimits", "SessionSpec", "open_backend"]
 
 
 def open_backend(backend: str | SessionBackend = "local", **kwargs: Any) -> SessionBackend:

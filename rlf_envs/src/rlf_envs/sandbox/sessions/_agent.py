@@ -19,6 +19,7 @@ owner reaper covers what that misses. All mounts live in the session's mount nam
 from __future__ import annotations
 
 import base64
+import contextlib
 import ctypes
 import json
 import os
@@ -30,10 +31,11 @@ import stat
 import struct
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gitdiff  # noqa: E402  (imported before the chroot: the agent keeps what it loaded)
+import gitdiff
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -253,7 +255,7 @@ def _child(req: dict[str, Any], st: dict[str, Any], stdin_fd: int, out_w: int, e
         except OSError as e:
             os.write(2, f"{argv[0]}: {e.strerror}\n".encode())
             os._exit(127)
-    except BaseException as e:  # noqa: BLE001 - anything: report and die
+    except BaseException as e:
         try:
             os.write(2, f"session exec set-up failed: {e!r}\n".encode())
         finally:
@@ -365,6 +367,7 @@ def do_exec(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
     for fd in (out_r, err_r):
         os.close(fd)
     _reap_orphans()
+    assert status is not None
     if timed_out:
         code = 124
     elif os.WIFEXITED(status):
@@ -436,8 +439,24 @@ def do_write(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
 
 def do_diff(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
     seed = f"/proc/self/fd/{st['seed_fd']}" if st.get("seed_fd") is not None else None
+    uid = st["uid"]
+
+    @contextlib.contextmanager
+    def as_root() -> Iterator[None]:
+        os.seteuid(0)
+        os.setegid(0)
+        try:
+            yield
+        finally:
+            os.setegid(uid)
+            os.seteuid(uid)
+
     try:
-        patch = gitdiff.diff_trees(seed, st["workdir"], max_bytes=int(req.get("max_bytes", 256 << 20)))
+        # the workspace is read with the session user's rights (a link swapped in mid-walk reaches nothing more
+        # than the session's own code could read); the seed, trusted, with ours
+        with _As(uid):
+            patch = gitdiff.diff_trees(seed, st["workdir"], max_bytes=int(req.get("max_bytes", 256 << 20)),
+                                       old_access=as_root)
     except gitdiff.DiffTooLarge as e:
         return {"ok": False, "error": str(e), "kind": "user"}
     return {"ok": True, "patch": patch}
@@ -462,7 +481,7 @@ def serve(st: dict[str, Any]) -> None:
         except OSError as e:
             reply = {"ok": False, "error": f"{req.get('op')}: {e.strerror or e}", "kind": "user",
                      "errno": e.errno}
-        except Exception as e:  # noqa: BLE001 - reported to the caller
+        except Exception as e:
             reply = {"ok": False, "error": f"{req.get('op')}: {e!r}", "kind": "infra"}
         write_frame(1, reply)
 
@@ -483,7 +502,7 @@ def session_main(parent_fd: int) -> None:
         how = build_root(r, prep["image"], prep["disk_mb"])
         if prep["image"] != "host":
             r = r + "/merged"
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         write_frame(1, {"ok": False, "error": f"building the session root: {e!r}", "kind": "infra"})
         os._exit(2)
     write_frame(1, {"ok": True, "how": how})
@@ -501,7 +520,7 @@ def session_main(parent_fd: int) -> None:
         os.chdir(start["workdir"])
         if lim.get("session_timeout_s"):
             signal.alarm(int(lim["session_timeout_s"]) + 5)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         write_frame(1, {"ok": False, "error": f"starting the session: {e!r}", "kind": "infra"})
         os._exit(2)
     st = {"limits": lim, "uid": start["uid"], "workdir": start["workdir"], "env": start["env"], "seed_fd": seed_fd}

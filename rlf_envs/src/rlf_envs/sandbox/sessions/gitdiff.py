@@ -16,7 +16,8 @@ import hashlib
 import os
 import stat
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 
 #: directory names never descended into (a repository's own git data is not part of its diff)
 EXCLUDE = frozenset({".git"})
@@ -159,10 +160,13 @@ def _diff_file(path: str, old: tuple[int, bytes] | None, new: tuple[int, bytes] 
 
 
 def diff_trees(old_root: str | None, new_root: str, *, max_bytes: int = 256 << 20,
-               exclude: frozenset[str] = EXCLUDE) -> str:
+               exclude: frozenset[str] = EXCLUDE,
+               old_access: Callable[[], AbstractContextManager[object]] = nullcontext) -> str:
     """The git-format patch turning `old_root` (None or missing: empty) into `new_root`. Raises DiffTooLarge when the
-    files compared hold more than `max_bytes`."""
-    old = _entries(old_root or "", exclude)
+    files compared hold more than `max_bytes`. `old_access`: a context entered around every read of the old (trusted)
+    tree, e.g. to regain the rights the caller dropped to read the new (hostile) one."""
+    with old_access():
+        old = _entries(old_root or "", exclude)
     new = _entries(new_root, exclude)
     budget = [max_bytes]
     out: list[str] = []
@@ -170,15 +174,17 @@ def diff_trees(old_root: str | None, new_root: str, *, max_bytes: int = 256 << 2
         o, n = old.get(path), new.get(path)
         if o and n and o[0] == n[0] and o[0] != 0o120000:
             try:
-                so, sn = os.lstat(o[1]), os.lstat(n[1])
-                if so.st_size != sn.st_size:
-                    pass
-                elif _read(o[0], o[1], budget) == _read(n[0], n[1], budget):
+                with old_access():
+                    so = os.lstat(o[1])
+                    same_size = so.st_size == os.lstat(n[1]).st_size
+                    old_data = _read(o[0], o[1], budget) if same_size else None
+                if old_data is not None and old_data == _read(n[0], n[1], budget):
                     continue
             except OSError:
                 pass
         try:
-            od = (o[0], _read(o[0], o[1], budget)) if o else None
+            with old_access():
+                od = (o[0], _read(o[0], o[1], budget)) if o else None
             nd = (n[0], _read(n[0], n[1], budget)) if n else None
         except FileNotFoundError:
             continue

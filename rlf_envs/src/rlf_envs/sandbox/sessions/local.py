@@ -25,12 +25,14 @@ from dataclasses import asdict
 from typing import Any
 
 from rlf_envs.sandbox.sessions import images, owners
+from rlf_envs.sandbox.sessions.cgroups import SessionCgroup
 from rlf_envs.sandbox.sessions.types import (
     ExecResult,
     Session,
     SessionBackend,
     SessionClosed,
     SessionError,
+    SessionFileNotFound,
     SessionInfraError,
     SessionSpec,
 )
@@ -54,6 +56,8 @@ class _Agent:
         self.label = label
         self.key = key
         self.dead = False
+        self.cgroup: SessionCgroup | None = None
+        self._cleanup: asyncio.Task[None] | None = None
 
     async def send(self, obj: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -75,7 +79,7 @@ class _Agent:
         try:
             await asyncio.wait_for(self.send(obj), timeout_s)
             return await asyncio.wait_for(self.recv(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.kill()
             raise SessionInfraError(f"session agent did not answer {obj.get('op')!r} within {timeout_s:.0f} s "
                                     "(host overloaded?); the session was killed") from None
@@ -84,22 +88,33 @@ class _Agent:
             raise SessionInfraError(f"session agent died during {obj.get('op')!r}: {e!r}") from None
 
     def kill(self) -> None:
-        """SIGKILL both agent processes (C first: pid 1, its death kills the session), drop the label."""
+        """SIGKILL both agent processes (C, pid 1 of the session: its death kills the session), then, once they are
+        gone, remove the session's cgroups and its label (`wait_dead` waits for that)."""
         if self.dead:
             return
         self.dead = True
         owners.kill_label(self.label)
         with contextlib.suppress(ProcessLookupError):
             self.proc.kill()
-        self.label.remove()
-        for s in (self.proc.stdin,):
-            if s is not None:
-                with contextlib.suppress(Exception):
-                    s.close()
+        if self.proc.stdin is not None:
+            with contextlib.suppress(Exception):
+                self.proc.stdin.close()
+        try:
+            self._cleanup = asyncio.get_running_loop().create_task(self._finish())
+        except RuntimeError:  # no loop (interpreter exit): best effort now, the reaper does the rest
+            if owners.remove_cgroups(self.label.cgroups, wait_s=0.5):
+                self.label.remove()
 
-    async def wait_dead(self) -> None:
+    async def _finish(self) -> None:
         with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
             await asyncio.wait_for(self.proc.wait(), 10)
+        if await asyncio.to_thread(owners.remove_cgroups, self.label.cgroups):
+            self.label.remove()  # else: left for the reaper (the label names the busy cgroup)
+
+    async def wait_dead(self) -> None:
+        if self._cleanup is not None:
+            with contextlib.suppress(Exception):
+                await self._cleanup
 
 
 async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int) -> _Agent:
@@ -118,13 +133,22 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int) -> _Agent
         agent = _Agent(proc, label, key)
         try:
             first = await asyncio.wait_for(agent.recv(), START_TIMEOUT_S)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+        except (TimeoutError, asyncio.IncompleteReadError) as e:
             agent.kill()
             raise SessionInfraError(f"session agent did not start ({e!r}); is this root or a host allowing user "
                                     "namespaces?") from None
         c = int(first["pid"])
         label.procs.insert(0, (c, owners.start_time(c)))
-        label.save()
+        cg = SessionCgroup.create(label.id)
+        if cg is not None:
+            label.cgroups = cg.dirs
+        label.save()  # (before the cgroup holds anything: a reaper always knows what to remove)
+        if cg is not None:
+            try:
+                cg.add(c)
+                agent.cgroup = cg
+            except OSError as e:
+                log.warning("sessions: could not move the agent into its cgroup (%s): rlimits only", e)
         reply = await agent.call({"op": "prepare", "image": image, "root_mount": root_mount, "disk_mb": disk_mb},
                                  START_TIMEOUT_S)
         if not reply.get("ok"):
@@ -136,7 +160,8 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int) -> _Agent
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
         owners.kill_label(label)
-        label.remove()
+        if owners.remove_cgroups(label.cgroups, wait_s=0.5):
+            label.remove()
         raise
 
 
@@ -151,7 +176,8 @@ class LocalSession(Session):
         self._closed = False
         self._expired = False
         self._deadline = time.monotonic() + spec.limits.session_timeout_s
-        self._timer = asyncio.get_running_loop().call_later(spec.limits.session_timeout_s, self._expire)
+        # the killer fires a moment after the deadline, so that a call cut to the deadline still returns its result
+        self._timer = asyncio.get_running_loop().call_later(spec.limits.session_timeout_s + 1.0, self._expire)
 
     def _expire(self) -> None:
         self._expired = True
@@ -180,7 +206,7 @@ class LocalSession(Session):
             if reply.get("kind") == "infra":
                 raise SessionInfraError(err)
             if reply.get("errno") == 2:
-                raise FileNotFoundError(err)
+                raise SessionFileNotFound(err)
             raise SessionError(err)
         return reply
 
@@ -291,7 +317,7 @@ class LocalBackend(SessionBackend):
                         agent.kill()
                         return
                     self._pool.setdefault(key, []).append(agent)
-            except Exception as e:  # noqa: BLE001 - the pool is an optimisation: creates spawn on demand
+            except Exception as e:
                 log.warning("session pool for %s could not fill: %r", key[0], e)
             finally:
                 self._filling.discard(key)
@@ -330,6 +356,12 @@ class LocalBackend(SessionBackend):
                 agent = await _spawn(key, self.root_mount, spec.limits.disk_mb)
             self._fill(key, spec.limits.disk_mb)
             uid = self._uid()
+            if agent.cgroup is not None:
+                try:
+                    agent.cgroup.limit(spec.limits.memory_mb, spec.limits.disk_mb, spec.limits.pids)
+                except OSError as e:
+                    agent.kill()
+                    raise SessionInfraError(f"could not set the session's cgroup limits: {e}") from None
             env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": spec.workdir,
                    "USER": "sandbox", "TERM": "dumb", **spec.env}
             try:

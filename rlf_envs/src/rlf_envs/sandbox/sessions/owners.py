@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import tempfile
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 
@@ -83,19 +84,18 @@ class Label:
 
 
 def kill_label(label: Label) -> None:
-    """SIGKILL the session's processes (those still the same processes) and remove its cgroups."""
+    """SIGKILL the session's processes (those still the same processes)."""
     for pid, started in label.procs:
         if alive(pid, started):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-    for cg in label.cgroups:
-        remove_cgroup(cg)
 
 
-def remove_cgroup(path: str) -> None:
-    """Kill what is left in a cgroup directory and remove it (best effort: a busy one stays for the next reap)."""
+def remove_cgroup(path: str) -> bool:
+    """Kill what is left in a cgroup directory and remove it. False while it is still busy (its processes are
+    still exiting): try again later."""
     try:
         with open(os.path.join(path, "cgroup.procs")) as f:
             for line in f:
@@ -108,9 +108,21 @@ def remove_cgroup(path: str) -> None:
     try:
         os.rmdir(path)
     except FileNotFoundError:
-        pass
+        return True
     except OSError:
-        pass
+        return False
+    return True
+
+
+def remove_cgroups(paths: list[str], wait_s: float = 2.0) -> bool:
+    """`remove_cgroup` each, retrying for up to `wait_s` while busy; whether all are gone."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [p for p in paths if not remove_cgroup(p)]
+        if not left or time.monotonic() >= deadline:
+            return not left
+        paths = left
+        time.sleep(0.02)
 
 
 def labels() -> list[Label]:
@@ -136,6 +148,7 @@ def reap(backend: str = "local") -> int:
         if lab.backend != backend or lab.owner_alive():
             continue
         kill_label(lab)
-        lab.remove()
-        n += 1
+        if remove_cgroups(lab.cgroups):  # else: still busy, the next reap finishes it
+            lab.remove()
+            n += 1
     return n

@@ -26,6 +26,10 @@ class SessionInfraError(SessionError):
     trainer drops it from the loss."""
 
 
+class SessionFileNotFound(SessionError, FileNotFoundError):
+    """`read_file` (or a `cwd`) named a path that does not exist in the session."""
+
+
 class SessionClosed(SessionError):
     """The session was closed (or expired) before this call."""
 
