@@ -296,6 +296,7 @@ def test_partial_credit_and_infra_failure(tmp_path: Path) -> None:
     r, info, obs = run_episode(env, [call("bash", command="ls"), call("submit")])
     assert "infrastructure failure" in obs[0]
     assert info["infra_failed"] is True and info["trajectory"].score_info["infra_failed"] == 1.0 and r == 0.0
+    assert info["trajectory"].infra_failed and "engine lost" in info["trajectory"].infra_error
     env.close()
 
 

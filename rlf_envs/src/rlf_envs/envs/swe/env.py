@@ -11,8 +11,8 @@ token budget) the env takes the workspace's diff and closes the session; `SweVer
 of the diff to a FRESH session of the same repository and runs the hidden FAIL_TO_PASS + PASS_TO_PASS tests
 there (`verify.py`: what the patch may not touch, how the run is guarded). Reward 1.0 when every one passes
 (`partial_credit=True`: the F2P fraction when every P2P passes). A host failure (`SessionInfraError`) makes the
-episode infrastructure-failed: `info["infra_failed"] = True`, `trajectory.score_info["infra_failed"] = 1.0`,
-reward 0 that the trainer must drop, never train on.
+episode infrastructure-failed: `trajectory.infra_error` is set (the trainer drops such episodes from the loss),
+`info["infra_failed"] = True`, `trajectory.score_info["infra_failed"] = 1.0`; its reward 0.0 is not a verdict.
 """
 
 from __future__ import annotations
@@ -496,8 +496,8 @@ class SweEnv(ToolEnv):
         obs, reward, terminated, truncated, info = await super()._score_end(result)
         infra_failed = bool(traj.score_info.get("infra_failed"))
         info["infra_failed"] = infra_failed
-        if infra_failed:
-            info["infra_error"] = infra or "the hidden-test session failed"
+        if infra_failed:  # the trainer drops it (Trajectory.infra_error), never trains on its 0.0
+            traj.infra_error = info["infra_error"] = infra or "the hidden-test session failed on the host"
         return obs, reward, terminated, truncated, info
 
     def _end_episode(self) -> None:
