@@ -76,30 +76,24 @@ def _wanted(filename):
     return r
 
 
-def _local(frame, event, arg):
-    if event == "line" and _cur is not None:
-        _cur.add((os.path.relpath(os.path.realpath(frame.f_code.co_filename), _ROOT), frame.f_lineno))
-    return _local
-
-
-def _global(frame, event, arg):
-    if _wanted(frame.f_code.co_filename):
-        _local(frame, "line", arg)
-        return _local
-    return None
+def _profile(frame, event, arg):
+    if event == "call" and _cur is not None:
+        code = frame.f_code
+        if _wanted(code.co_filename):
+            _cur.add((os.path.relpath(os.path.realpath(code.co_filename), _ROOT), code.co_firstlineno))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     global _cur
     _cur = set()
-    sys.settrace(_global)
-    threading.settrace(_global)
+    sys.setprofile(_profile)
+    threading.setprofile(_profile)
     try:
         yield
     finally:
-        sys.settrace(None)
-        threading.settrace(None)
+        sys.setprofile(None)
+        threading.setprofile(None)
         _LINES[item.nodeid] = sorted(_cur)
         _cur = None
 
@@ -215,7 +209,8 @@ def run_tests(repo: Path, p: Project, tests: Iterable[str], plugin_dir: Path,
               timeout_s: float = RUN_TIMEOUT_S, coverage: dict[str, list[tuple[str, int]]] | None = None
               ) -> dict[str, PytestOutcome]:
     """pytest on `repo` with the report plugin; the outcomes by node id ({} when the run died). With `coverage`
-    (a dict to fill), the source lines each test executes are recorded too (slower: sys.settrace)."""
+    (a dict to fill), the source functions each test calls are recorded too, as (path, first line of the code
+    object) (sys.setprofile: call events only)."""
     fd, report = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     cover = report + ".cover"
@@ -280,11 +275,11 @@ def _split_of(p: Project, function: str) -> str:
 
 def _try_mutant(p: Project, pristine: Path, m: Mutant, baseline: dict[str, PytestOutcome],
                 covering: list[str], plugin_dir: Path, rng_seed: int) -> dict[str, object] | None:
-    """Run the tests that execute the mutated lines (and a P2P sample) on the mutant; validate; the row or None."""
+    """Run the tests that call the mutated function (and a P2P sample) on the mutant; validate; the row or None."""
     passing = [k for k, o in baseline.items() if o.passed and " " not in k and k.isascii() and "::" in k]
     cands = [k for k in covering if k in set(passing)]
     if not cands:
-        return None  # no test executes the mutated lines: no test can see the bug
+        return None  # no test calls the mutated function: no test can see the bug
     rng = random.Random(rng_seed)
     files = {k.split("::")[0] for k in cands}
     rest = [k for k in passing if k not in set(cands)]
@@ -377,8 +372,8 @@ def build_project(p: Project, cache: Path, out: Path, per_project: int, max_trie
             if not batch:
                 break
             tried += len(batch)
-            def covering(m: Mutant) -> list[str]:
-                return sorted({t for ln in range(m.lineno, m.end_lineno + 1) for t in by_line.get((m.path, ln), ())})
+            def covering(m: Mutant) -> list[str]:  # the tests that call the mutated function
+                return sorted(by_line.get((m.path, m.def_line), ()))
 
             for m, row in zip(batch, pool.map(lambda m: _try_mutant(p, pristine, m, baseline, covering(m),
                                                                       plugin_dir, SEED + m.index), batch), strict=True):

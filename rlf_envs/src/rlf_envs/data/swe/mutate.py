@@ -45,6 +45,8 @@ class Mutant:
     end_col: int
     #: the new text of the span (for "early_return": "" and the span is whole lines)
     replacement: str
+    #: the first line of the mutated function's code object (its first decorator, else its `def`)
+    def_line: int = 0
 
     @property
     def key(self) -> str:
@@ -149,6 +151,7 @@ def mutants(source: str, path: str) -> list[Mutant]:
     out: list[Mutant] = []
     index = 0
     for qualname, fn in _functions(tree):
+        first = min([fn.lineno, *(d.lineno for d in fn.decorator_list)])
         for node in _own_nodes(fn):
             node = cast(Any, node)
             if not hasattr(node, "end_lineno") or _is_docstring(node, fn):
@@ -156,13 +159,13 @@ def mutants(source: str, path: str) -> list[Mutant]:
             for op, new in _variants(node, parents):
                 index += 1
                 m = Mutant(path, qualname, op, index, node.lineno, node.end_lineno or node.lineno,
-                           node.col_offset, node.end_col_offset or 0, ast.unparse(new))
+                           node.col_offset, node.end_col_offset or 0, ast.unparse(new), first)
                 if _checks(source, m, tree, node, new):
                     out.append(m)
         for guard in _early_returns(fn):
             index += 1
             m = Mutant(path, qualname, "early_return", index, guard.lineno, guard.end_lineno or guard.lineno,
-                       0, 0, "")
+                       0, 0, "", first)
             out.append(m)
     return [m for m in out if _reparses(source, m)]
 
