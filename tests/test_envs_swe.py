@@ -350,3 +350,17 @@ def test_viewer_shows_commands_and_edits_readably() -> None:
     shown = show_arguments("edit", {"path": "a.py", "old": "if x:\n    y", "new": "if not x:\n    y"})
     assert "path: a.py" in shown and "old:\nif x:\n    y" in shown and "\\n" not in shown
     assert show_arguments("calculator", {"expression": "1+1"}) == '{\n "expression": "1+1"\n}'
+
+
+def test_vector_env_runs_sessions_side_by_side(tmp_path: Path) -> None:
+    """gymnasium.make_vec: two episodes in one batch, each in its own session; gold and untouched in one step."""
+    _skip_without_sessions()
+    vec = gym.make_vec("rlf/SWE-v0", num_envs=2, tasks=[tiny_row(tmp_path)])
+    try:
+        vec.reset(seed=0)
+        vec.step([call("edit", path="calc/__init__.py", old="if x < hi:", new="if x > hi:"),
+                  call("bash", command="cat calc/__init__.py | grep -c 'x < hi'")])
+        _, rewards, terms, _, _ = vec.step([call("submit"), call("submit")])
+        assert list(terms) == [True, True] and list(rewards) == [1.0, 0.0]
+    finally:
+        vec.close()
