@@ -1,7 +1,8 @@
 """Build rlf's repository-level repair tasks (SWE-smith style) from real pure-Python projects.
 
     python -m rlf_envs.data.swe.generate             # fetch the sdists, mutate, run, validate, write here
-    python -m rlf_envs.data.swe.generate --per-project 40 --workers 2
+    python -m rlf_envs.data.swe.generate --projects toolz --cache /tmp/swe   # one project (in parallel: several)
+    python -m rlf_envs.data.swe.generate --merge-only --cache /tmp/swe       # the splits from the built projects
 
 For each project of `PROJECTS` (small, pure Python, MIT/BSD licensed, no runtime dependencies, tests in the
 sdist): `pip download --no-binary :all: --no-deps name==version` fetches the sdist, its licence is checked,
@@ -259,7 +260,7 @@ def problem_statement(p: Project, failing: list[tuple[str, PytestOutcome]], m: M
         lines.append(f"- `{nodeid}`" + (f"\n  {msg[:300]}" if msg else ""))
     if len(failing) > 5:
         lines.append(f"- ... and {len(failing) - 5} more")
-    lines += ["", f"Reproduce with `python -m pytest -o addopts= {failing[0][0]}` (import root: "
+    lines += ["", f"Reproduce with `python3 -m pytest -o addopts= {failing[0][0]}` (import root: "
               f"`{p.pythonpath}`). Fix the library so that these tests pass and the rest of the suite keeps "
               "passing; do not change the tests."]
     return "\n".join(lines)
@@ -385,32 +386,56 @@ def build_project(p: Project, cache: Path, out: Path, per_project: int, max_trie
     return kept
 
 
+def write_outputs(out: Path, rows_dir: Path, projects: list[Project]) -> tuple[int, int]:
+    """projects.json and train/test JSONL from the per-project rows (`rows-<id>.jsonl`)."""
+    rows: list[dict[str, object]] = []
+    for p in projects:
+        path = rows_dir / f"rows-{p.id}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: build project {p.id} first")
+        rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    manifest = {p.id: {k: v for k, v in asdict(p).items() if k not in ("sources", "ship")} for p in projects}
+    (out / "projects.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    counts = []
+    for split in ("train", "test"):
+        chosen = [r for r in rows if r["split"] == split]
+        with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for r in chosen:
+                f.write(json.dumps({k: v for k, v in r.items() if k != "split"}) + "\n")
+        counts.append(len(chosen))
+    return counts[0], counts[1]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=HERE)
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "rlf-swe-sdists")
-    ap.add_argument("--per-project", type=int, default=40)
-    ap.add_argument("--max-tries", type=int, default=160)
+    ap.add_argument("--per-project", type=int, default=45)
+    ap.add_argument("--max-tries", type=int, default=700)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--projects", nargs="*", default=[p.id for p in PROJECTS])
+    ap.add_argument("--projects", nargs="*", default=[p.id for p in PROJECTS],
+                    help="build only these (several processes can build different projects at once)")
+    ap.add_argument("--merge-only", action="store_true", help="only write the splits from the built projects")
     args = ap.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="swe-plugin-") as plugin:
-        plugin_dir = Path(plugin)
-        (plugin_dir / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE, encoding="utf-8")
-        (plugin_dir / f"{COVERAGE_MODULE}.py").write_text(COVERAGE_SOURCE, encoding="utf-8")
-        rows: list[dict[str, object]] = []
-        chosen = [p for p in PROJECTS if p.id in args.projects]
-        for p in chosen:
-            rows += build_project(p, args.cache, args.out, args.per_project, args.max_tries, args.workers,
-                                  plugin_dir)
-    manifest = {p.id: {k: v for k, v in asdict(p).items() if k not in ("sources", "ship")} for p in chosen}
-    (args.out / "projects.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-    for split in ("train", "test"):
-        with open(args.out / f"{split}.jsonl", "w", encoding="utf-8") as f:
-            for r in rows:
-                if r["split"] == split:
-                    f.write(json.dumps({k: v for k, v in r.items() if k != "split"}, sort_keys=False) + "\n")
-    print(f"train {sum(r['split'] == 'train' for r in rows)}, test {sum(r['split'] == 'test' for r in rows)}")
+    rows_dir = args.cache / "rows"
+    rows_dir.mkdir(parents=True, exist_ok=True)
+    if not args.merge_only:
+        with tempfile.TemporaryDirectory(prefix="swe-plugin-") as plugin:
+            plugin_dir = Path(plugin)
+            (plugin_dir / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE, encoding="utf-8")
+            (plugin_dir / f"{COVERAGE_MODULE}.py").write_text(COVERAGE_SOURCE, encoding="utf-8")
+            for p in [p for p in PROJECTS if p.id in args.projects]:
+                rows = build_project(p, args.cache, args.out, args.per_project, args.max_tries, args.workers,
+                                     plugin_dir)
+                tmp = rows_dir / f".rows-{p.id}.jsonl"
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+                os.replace(tmp, rows_dir / f"rows-{p.id}.jsonl")
+    done = [p for p in PROJECTS if (rows_dir / f"rows-{p.id}.jsonl").is_file()]
+    if len(done) == len(PROJECTS):
+        train, test = write_outputs(args.out, rows_dir, list(PROJECTS))
+        print(f"train {train}, test {test}")
+    else:
+        print(f"built {[p.id for p in done]}; run the others (or --merge-only once all are built)")
 
 
 if __name__ == "__main__":
