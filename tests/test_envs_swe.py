@@ -364,3 +364,59 @@ def test_vector_env_runs_sessions_side_by_side(tmp_path: Path) -> None:
         assert list(terms) == [True, True] and list(rewards) == [1.0, 0.0]
     finally:
         vec.close()
+
+
+KILLED_OWNER = """
+import json, sys, time
+import gymnasium as gym
+import rlf_envs
+vec = gym.make_vec("rlf/SWE-v0", num_envs=8, task_file=sys.argv[1])
+vec.reset(seed=0)
+call = '<tool_call>' + json.dumps({"name": "bash", "arguments": {"command": "(sleep 1000 &) ; echo started"}})
+vec.step([call + '</tool_call>'] * 8)
+print("ready", flush=True)
+time.sleep(1000)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_mid_batch_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A trainer process SIGKILLed with 8 SWE episodes open (each with a background process): the next backend's
+    start-up reaps every session: no label, no process of theirs, no cgroup, no mount left."""
+    _skip_without_sessions()
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from rlf_envs.sandbox.sessions import owners
+    from rlf_envs.sandbox.sessions.local import LocalBackend
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(tiny_row(tmp_path)) + "\n")
+    env = {**os.environ, "RLF_SESSIONS_DIR": str(tmp_path / "labels"),
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    p = subprocess.Popen([sys.executable, "-c", KILLED_OWNER, str(tasks)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None
+        assert p.stdout.readline() == "ready\n"
+        os.environ["RLF_SESSIONS_DIR"] = str(tmp_path / "labels")
+        labels = owners.labels()
+        assert len(labels) >= 8
+        pids = [pid for lab in labels for pid, _ in lab.procs]
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        b = LocalBackend(pool_size=0)  # start-up reaps what the dead owner left
+        assert b.reaped_at_start >= 8
+        assert owners.labels() == []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(owners.alive(pid, None) for pid in pids):
+            time.sleep(0.1)
+        assert not [pid for pid in pids if owners.alive(pid, None)]
+        assert not [d for lab in labels for d in lab.cgroups if os.path.isdir(d)]
+        with open("/proc/self/mountinfo") as f:
+            assert str(tmp_path) not in f.read()
+    finally:
+        os.environ.pop("RLF_SESSIONS_DIR", None)
+        if p.poll() is None:
+            p.kill()
