@@ -396,6 +396,9 @@ def write_outputs(out: Path, rows_dir: Path, projects: list[Project]) -> tuple[i
         rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     manifest = {p.id: {k: v for k, v in asdict(p).items() if k not in ("sources", "ship")} for p in projects}
     (out / "projects.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+    by_id = {p.id: p for p in projects}
+    for r in rows:  # the split is decided here (TEST_SHARE can change without rebuilding)
+        r["split"] = _split_of(by_id[str(r["repo"])], str(r["mutation"]["function"]))  # type: ignore[index]
     counts = []
     for split in ("train", "test"):
         chosen = [r for r in rows if r["split"] == split]

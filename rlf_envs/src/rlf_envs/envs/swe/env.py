@@ -227,6 +227,9 @@ class Bash(SweTool):
         cmd = arguments["command"]
         if not cmd.strip():
             raise InvalidArguments("'command' is empty")
+        if len(cmd) > self.limits.max_file_chars:
+            raise InvalidArguments(f"'command' has {len(cmd)} characters (limit {self.limits.max_file_chars}): "
+                                   "write long scripts with write_file and run them")
         r = await s.exec(cmd, timeout_s=self.limits.exec_timeout_s)
         parts = []
         if r.stdout:
