@@ -4,7 +4,7 @@ execs measured in the same run.
     python benchmarks/swe_env.py [--concurrency 16 64] [--calls 20] [--backend local] [--json out/swe_env.json]
 
 For each concurrency N: N episodes of rlf's shipped train tasks at once (asyncio, one SweEnv each, `astep`), each
-made of `--calls` tool calls (bash `true`, `read_file`, `bash "python3 -c pass"`, `edit` round trip, in turn)
+made of `--calls` tool calls (bash `true`, `ls | head`, `python3 -c pass`, an append + `du`, in turn)
 and then `submit()` (workspace diff + hidden F2P/P2P run on a fresh session). Reported:
 
 - episodes/s (wall clock of the whole batch), env-step p50/p99 of the tool steps;
@@ -52,7 +52,7 @@ def actions(calls: int) -> list[str]:
         if k == 0:
             out.append(tool_call("bash", command="true"))
         elif k == 1:
-            out.append(tool_call("read_file", path="LICENSE", start=1, end=5))
+            out.append(tool_call("bash", command="ls | head -3"))
         elif k == 2:
             out.append(tool_call("bash", command="python3 -c pass"))
         else:
@@ -60,8 +60,15 @@ def actions(calls: int) -> list[str]:
     return out
 
 
+_TASKS: list[Any] = []
+
+
+def bench_tasks() -> list[Any]:
+    return _TASKS or shipped_tasks("train")
+
+
 async def run_envs(n: int, calls: int, backend: str) -> dict[str, Any]:
-    tasks = shipped_tasks("train")
+    tasks = bench_tasks()
     envs = [gym.make("rlf/SWE-v0", tasks=tasks, backend=backend, max_turns=calls + 2).unwrapped for _ in range(n)]
     plan = actions(calls)
     first: list[float] = []
@@ -108,7 +115,7 @@ async def run_envs(n: int, calls: int, backend: str) -> dict[str, Any]:
 
 
 async def run_bare(n: int, calls: int, backend: str) -> dict[str, Any]:
-    t = SweTask.from_meta(shipped_tasks("train")[0])
+    t = SweTask.from_meta(bench_tasks()[0])
     spec, _ = session_spec(t, default_image(), SweLimits(), backend)
     b = shared_backend(backend)
     lat: list[float] = []
@@ -135,7 +142,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--backend", default="local")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--task-file", help="SWE-bench-style JSONL instead of rlf's shipped train split")
     args = ap.parse_args()
+    if args.task_file:
+        from rlf_envs.envs.swe.tasks import load_swe_jsonl
+
+        _TASKS.extend(load_swe_jsonl(args.task_file))
     rows = []
     for n in args.concurrency:
         bare = runtime.run(run_bare(n, args.calls, args.backend))
@@ -151,7 +163,7 @@ def main() -> None:
               f"{row['share_tool_execs']:.0%}, hidden tests {row['share_hidden_tests']:.0%} | workspace "
               f"{row['workspace_kb_p50']:.0f} kB | infra failed {row['infra_failed']}", flush=True)
     repo_cache = sum(p.stat().st_size for p in (cache_dir() / "swe").rglob("*") if p.is_file())
-    print(f"rlf repository cache ({cache_dir() / 'swe'}): {repo_cache / 1e6:.1f} MB for all tasks seen")
+    print(f"rlf repository cache ({cache_dir() / 'swe'}): {repo_cache / 1e6:.2f} MB for all tasks seen")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"rows": rows, "repo_cache_bytes": repo_cache}, indent=1))
