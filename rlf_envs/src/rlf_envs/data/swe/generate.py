@@ -49,7 +49,7 @@ from rlf_envs.envs.swe.pytest_report import PLUGIN_MODULE, PLUGIN_SOURCE, REPORT
 
 HERE = Path(__file__).resolve().parent
 SEED = 3939
-TEST_SHARE = 0.25
+TEST_SHARE = 0.2
 MAX_P2P = 15
 MAX_F2P = 40
 RUN_TIMEOUT_S = 60.0
@@ -274,6 +274,11 @@ def _split_of(p: Project, function: str) -> str:
     return "test" if (h % 1000) < TEST_SHARE * 1000 else "train"
 
 
+def _instance_id(p: Project, m: Mutant) -> str:
+    fn_slug = re.sub(r"[^a-z0-9]+", "-", m.function.lower()).strip("-")
+    return f"{p.id}__{fn_slug}-{m.op.replace('_', '-')}-{m.index}"
+
+
 def _try_mutant(p: Project, pristine: Path, m: Mutant, baseline: dict[str, PytestOutcome],
                 covering: list[str], plugin_dir: Path, rng_seed: int) -> dict[str, object] | None:
     """Run the tests that call the mutated function (and a P2P sample) on the mutant; validate; the row or None."""
@@ -312,9 +317,8 @@ def _try_mutant(p: Project, pristine: Path, m: Mutant, baseline: dict[str, Pytes
         if not all(k in check_gold and check_gold[k].passed for k in sel):
             return None
         failing = [(k, after[k]) for k in f2p]
-    fn_slug = re.sub(r"[^a-z0-9]+", "-", m.function.lower()).strip("-")
     return {
-        "instance_id": f"{p.id}__{fn_slug}-{m.op.replace('_', '-')}-{m.index}",
+        "instance_id": _instance_id(p, m),
         "repo": p.id,
         "version": p.version,
         "problem_statement": problem_statement(p, failing, m, src),
@@ -329,7 +333,7 @@ def _try_mutant(p: Project, pristine: Path, m: Mutant, baseline: dict[str, Pytes
 
 
 def build_project(p: Project, cache: Path, out: Path, per_project: int, max_tries: int, workers: int,
-                  plugin_dir: Path) -> list[dict[str, object]]:
+                  plugin_dir: Path, previous: list[dict[str, object]] | None = None) -> list[dict[str, object]]:
     root = fetch_sdist(p, cache)
     files = _shipped_files(root, p)
     pristine = cache / f"ship-{p.id}"
@@ -358,14 +362,18 @@ def build_project(p: Project, cache: Path, out: Path, per_project: int, max_trie
     rng = random.Random(f"{SEED}:{p.id}")
     rng.shuffle(cands)
     per_fn: dict[str, int] = {}
-    kept: list[dict[str, object]] = []
+    kept: list[dict[str, object]] = list(previous or [])
+    done_ids = {str(r["instance_id"]) for r in kept}
+    for r in kept:
+        fn = str(r["mutation"]["function"])  # type: ignore[index]
+        per_fn[fn] = per_fn.get(fn, 0) + 1
     tried = 0
     with cf.ThreadPoolExecutor(max_workers=workers) as pool:
         queue = iter(cands)
         while len(kept) < per_project and tried < max_tries:
             batch = []
             for m in queue:
-                if per_fn.get(m.function, 0) >= 2:
+                if per_fn.get(m.function, 0) >= 2 or _instance_id(p, m) in done_ids:
                     continue
                 batch.append(m)
                 if len(batch) >= workers * 2:
@@ -419,6 +427,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--projects", nargs="*", default=[p.id for p in PROJECTS],
                     help="build only these (several processes can build different projects at once)")
     ap.add_argument("--merge-only", action="store_true", help="only write the splits from the built projects")
+    ap.add_argument("--extend", action="store_true",
+                    help="keep a project's built rows and add more (up to --per-project), skipping what it has")
     args = ap.parse_args(argv)
     rows_dir = args.cache / "rows"
     rows_dir.mkdir(parents=True, exist_ok=True)
@@ -428,8 +438,11 @@ def main(argv: list[str] | None = None) -> None:
             (plugin_dir / f"{PLUGIN_MODULE}.py").write_text(PLUGIN_SOURCE, encoding="utf-8")
             (plugin_dir / f"{COVERAGE_MODULE}.py").write_text(COVERAGE_SOURCE, encoding="utf-8")
             for p in [p for p in PROJECTS if p.id in args.projects]:
+                built = rows_dir / f"rows-{p.id}.jsonl"
+                previous = ([json.loads(x) for x in built.read_text(encoding="utf-8").splitlines() if x.strip()]
+                            if args.extend and built.is_file() else None)
                 rows = build_project(p, args.cache, args.out, args.per_project, args.max_tries, args.workers,
-                                     plugin_dir)
+                                     plugin_dir, previous)
                 tmp = rows_dir / f".rows-{p.id}.jsonl"
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
                 os.replace(tmp, rows_dir / f"rows-{p.id}.jsonl")

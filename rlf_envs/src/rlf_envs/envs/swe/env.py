@@ -544,6 +544,10 @@ class SweSession:
         return [tool.spec.to_openai() for tool in self.tools.values()]
 
     async def call(self, name: str, arguments: dict[str, Any]) -> str:
+        """Run one tool (on rlf's loop, where the process's sessions live, whatever loop the caller runs on)."""
+        return await runtime.bridge(self._call(name, arguments))
+
+    async def _call(self, name: str, arguments: dict[str, Any]) -> str:
         tool = self.tools.get(name)
         if tool is None:
             return f"Error: no tool {name!r}; tools: {', '.join(self.tools)}"
@@ -558,6 +562,10 @@ class SweSession:
             return "Error: the tool call ran past its deadline"
 
     async def submit(self) -> Verdict:
+        """The episode's verdict: the workspace diff on a fresh session, hidden tests; closes the workspace."""
+        return await runtime.bridge(self._submit())
+
+    async def _submit(self) -> Verdict:
         try:
             if self.workspace.infra_error is not None:
                 return Verdict(infra_failed=True, error=self.workspace.infra_error)
@@ -572,7 +580,7 @@ class SweSession:
             await self.workspace.aclose()
 
     async def aclose(self) -> None:
-        await self.workspace.aclose()
+        await runtime.bridge(self.workspace.aclose())
 
 
 __all__ = ["SweEnv", "SweLimits", "SweSession", "SweVerifier", "Workspace", "swe_tasks", "swe_tools"]
