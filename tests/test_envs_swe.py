@@ -420,3 +420,17 @@ def test_sigkill_mid_batch_leaves_nothing_behind(tmp_path: Path) -> None:
         os.environ.pop("RLF_SESSIONS_DIR", None)
         if p.poll() is None:
             p.kill()
+
+
+def test_gymnasium_check_env_and_sync_vector(tmp_path: Path) -> None:
+    """Gymnasium's own env checker passes on rlf/SWE-v0."""
+    import warnings
+
+    from gymnasium.utils.env_checker import check_env
+
+    env = gym.make("rlf/SWE-v0", tasks=[tiny_row(tmp_path)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_env(env.unwrapped)
+    env.close()
+    assert env.unwrapped.tasks[0].meta["swe"]["FAIL_TO_PASS"]
