@@ -7,7 +7,9 @@ Measured:
   bare      `subprocess.run(["true"])` (fork+exec from the benchmark process, no isolation): the baseline
   local     create from a warm pool (`LocalBackend(pool_size=4)`, the pool refilled between creates) and cold
             (pool_size=0); exec p50 of argv ["true"] and of the shell command "true" (bash -lc)
-  docker    create (a container per session), exec p50 of ["true"] through the session, beside `docker exec <c> true`
+  docker    create (a container per session; sequential creates, so mostly from the backend's warm pool of 2 with the
+            seed copied in, a cold container when the pool has not refilled yet), exec p50 of ["true"] through the
+            session, beside `docker exec <c> true`
             (the CLI, what the goal compares with) and the SDK's raw `exec_run` on the same container
   episodes/s at each concurrency: N episodes at once, each create + 3 execs + write_file + read_file + diff + close;
             the bare baseline runs the same 3 commands per episode as plain subprocesses at the same concurrency

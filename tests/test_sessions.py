@@ -76,8 +76,8 @@ def test_exec_shell_argv_stdin_cwd_env_and_exit_codes(seed: Path) -> None:
             await s.exec("echo kept > state.txt && export GONE=1")
             r = await s.exec("cat state.txt; echo ${GONE:-unset}")
             assert r.stdout == "kept\nunset\n"
-            r = await s.exec("id -u")
-            assert int(r.stdout) == s.uid != 0
+            r = await s.exec("id -u; whoami")
+            assert r.stdout.split() == [str(s.uid), "sandbox"] and s.uid != 0
 
     run(go)
 
@@ -140,7 +140,8 @@ def test_diff_is_a_git_patch_that_reproduces_the_workspace(seed: Path, tmp_path:
             assert await s.diff() == ""
             await s.exec("printf 'def f():\\n    return 2\\n' > pkg/mod.py && rm gone.txt && echo hi > new.txt"
                          " && printf '\\x00\\x01\\x02' > blob.bin && chmod +x README && ln -s README link"
-                         " && printf 'no newline' > nonl.txt && echo x > .git/HEAD")
+                         " && printf 'no newline' > nonl.txt && echo x > .git/HEAD"
+                         " && mkdir 'sp ace' && echo q > 'sp ace/q\"uote\ttab.txt'")
             return await s.diff()
 
     patch = run(go)
@@ -154,6 +155,7 @@ def test_diff_is_a_git_patch_that_reproduces_the_workspace(seed: Path, tmp_path:
     assert not (work / "gone.txt").exists() and (work / "new.txt").read_text() == "hi\n"
     assert (work / "blob.bin").read_bytes() == b"\x00\x01\x02" and os.access(work / "README", os.X_OK)
     assert os.readlink(work / "link") == "README" and (work / "nonl.txt").read_text() == "no newline"
+    assert (work / "sp ace" / 'q"uote\ttab.txt').read_text() == "q\n"
 
 
 def test_diff_reads_the_workspace_with_the_session_users_rights(seed: Path) -> None:
@@ -229,8 +231,60 @@ def test_isolation_no_network_no_host_files_read_only_system(tmp_path: Path) -> 
             assert r.stdout.count("ermission denied") + r.stdout.count("Read-only") >= 3, r.stdout
             r = await s.exec("grep CapEff /proc/self/status; cat /proc/1/environ")
             assert "0000000000000000" in r.stdout and r.exit_code != 0
+            # the agent (pid 1, root) can be neither killed, traced nor entered
+            r = await s.exec("kill -9 1; ls /proc/1/root/ /proc/1/fd/; echo end")
+            assert r.stdout == "end\n" and r.stderr.count("ermission denied") + r.stderr.count("not permitted") >= 2
+            assert (await s.exec("echo alive")).stdout == "alive\n"
 
     run(go)
+
+
+def test_seccomp_denies_keyrings_io_uring_and_new_user_namespaces() -> None:
+    probe = textwrap.dedent("""
+        import ctypes, os, platform
+        libc = ctypes.CDLL(None, use_errno=True)
+        nrs = {"x86_64": (250, 425, 272), "aarch64": (219, 425, 97)}[platform.machine()]
+        out = []
+        for nr, args in ((nrs[0], (0, 0)), (nrs[1], (1, 0)), (nrs[2], (0x10000000,))):
+            r = libc.syscall(nr, *args)
+            out.append(f"{r}:{ctypes.get_errno()}")
+        pid = os.fork()  # an ordinary fork (clone without CLONE_NEWUSER) still works
+        if pid == 0:
+            os._exit(7)
+        out.append(str(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])))
+        print(" ".join(out))
+    """)
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=FAST)) as s:
+            r = await s.exec(["python3", "-c", probe])
+            assert r.stdout.split() == ["-1:1", "-1:38", "-1:1", "7"], r
+            r = await s.exec("grep Seccomp: /proc/self/status; unshare -U true; echo rc=$?")
+            assert "Seccomp:\t2" in r.stdout and "rc=0" not in r.stdout, r
+
+    run(go)
+
+
+def test_network_only_when_asked() -> None:
+    import socket
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    probe = f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=5); print('up')\""
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=FAST)) as s:
+            assert (await s.exec(probe)).stdout == ""
+        async with await b.create(SessionSpec(limits=FAST, network=True)) as s:
+            r = await s.exec(probe)
+            assert r.stdout == "up\n", r
+
+    try:
+        run(go)
+    finally:
+        srv.close()
 
 
 def test_limits_disk_pids_memory() -> None:
@@ -329,8 +383,40 @@ def test_warm_pool_serves_creates_and_refills() -> None:
         assert s._agent is pooled
         assert (await s.exec("echo ok")).stdout == "ok\n"
         await s.aclose()
+        # a warm agent killed while idle: the create starts a fresh one instead of failing
+        while len(b._pool.get(("host", False), [])) < 2:
+            await asyncio.sleep(0.05)
+        dead = b._pool[("host", False)][-1]
+        os.kill(dead.label.procs[0][0], signal.SIGKILL)
+        await asyncio.sleep(0.2)
+        s = await b.create(SessionSpec(limits=FAST))
+        assert s._agent is not dead and (await s.exec("echo ok")).stdout == "ok\n"
+        await s.aclose()
+        # the backend closes while its pool is refilling (a create just leased an agent): nothing outlives the
+        # close, not even the agent that fill was starting, nor its label
+        await (await b.create(SessionSpec(limits=FAST))).aclose()
+        await b.aclose()
+        assert _agents_of_ours() == []
+        assert [lab.id for lab in owners.labels() if lab.owner_pid == os.getpid()] == []
 
     run(go, pool_size=2)
+
+
+def _agents_of_ours() -> list[int]:
+    """Our child processes that are (or were: zombies keep their name) session agents."""
+    out = []
+    for n in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{n}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{n}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        comm, rest = stat.split(" (", 1)[1].rsplit(")", 1)
+        if int(rest.split()[1]) == os.getpid() and (b"_agent.py" in cmd or (not cmd and "python" in comm)):
+            out.append(int(n))
+    return out
 
 
 OWNER = textwrap.dedent("""
@@ -386,6 +472,9 @@ def test_sigkill_of_an_owner_with_32_open_sessions_leaves_nothing(tmp_path: Path
         os.environ.pop("RLF_SESSIONS_DIR", None)
         if p.poll() is None:
             p.kill()
+            p.wait(30)
+        if p.stdout is not None:
+            p.stdout.close()
 
 
 def test_session_processes_have_no_leftover_uid_processes_after_close() -> None:
@@ -434,3 +523,21 @@ def test_types_are_importable_without_the_backends() -> None:
                        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
     assert r.stdout == "host\n", r.stderr
 
+
+
+def test_sessions_run_on_rlf_runtime_loop(seed: Path) -> None:
+    """The loop envs use (`rlf_envs.runtime`, uvloop where installed, on a daemon thread)."""
+    from rlf_envs import runtime
+
+    async def go() -> tuple[str, bool, str]:
+        b = LocalBackend(pool_size=1)
+        try:
+            async with await b.create(SessionSpec(seed_dir=str(seed), limits=FAST)) as s:
+                r = await s.exec("echo hi; sleep 30", timeout_s=1)
+                await s.exec("echo more >> README")
+                return r.stdout, r.timed_out, await s.diff()
+        finally:
+            await b.aclose()
+
+    out, timed_out, patch = runtime.run(go())
+    assert out == "hi\n" and timed_out and "+more" in patch

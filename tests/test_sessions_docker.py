@@ -162,4 +162,32 @@ def test_docker_sigkill_of_an_owner_with_32_sessions_leaves_no_container() -> No
     finally:
         if p.poll() is None:
             p.kill()
+            p.wait(30)
+        if p.stdout is not None:
+            p.stdout.close()
+        client.close()
+
+
+def test_docker_warm_pool_serves_creates_and_close_leaves_no_container(seed: Path) -> None:
+    import docker
+
+    async def go(b: Any) -> None:
+        await (await b.create(spec())).aclose()
+        key = b._key(spec(seed_dir=str(seed)))
+        for _ in range(600):
+            if len(b._pool.get(key, [])) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(b._pool[key]) == 2
+        warm = b._pool[key][-1]
+        async with await b.create(spec(seed_dir=str(seed))) as s:
+            assert s._c.id == warm.id
+            assert (await s.exec("cat pkg/mod.py")).stdout == "def f():\n    return 1\n"  # the seed, copied in
+
+    run(go, pool_size=2)
+    client = docker.from_env(timeout=60)
+    try:
+        mine = client.containers.list(all=True, filters={"label": [f"rlf.owner.pid={os.getpid()}"]})
+        assert mine == []
+    finally:
         client.close()

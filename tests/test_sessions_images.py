@@ -25,12 +25,17 @@ needs_debian = pytest.mark.skipif(DEBIAN is None, reason="the Debian test image 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="the local session backend needs root")
 
 
-def _tar(entries: list[tuple[str, bytes | None]]) -> bytes:
+def _tar(entries: list[tuple[str, bytes | str | None]]) -> bytes:
+    """Members: bytes = a file, None = a directory, a str = a symlink to it (or, named "hard", a hard link)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
         for name, data in entries:
             info = tarfile.TarInfo(name)
-            if data is None:
+            if isinstance(data, str):
+                info.type = tarfile.LNKTYPE if name == "hard" else tarfile.SYMTYPE
+                info.linkname = data
+                tf.addfile(info)
+            elif data is None:
                 info.type, info.mode = tarfile.DIRTYPE, 0o755
                 tf.addfile(info)
             else:
@@ -52,7 +57,7 @@ def _oci(path: Path, layers: list[bytes]) -> None:
     cfg = add(b"{}")
     manifest = json.dumps({"schemaVersion": 2, "config": {"digest": cfg, "size": 2}, "layers": ldescs}).encode()
     index = json.dumps({"schemaVersion": 2, "manifests": [{"digest": add(manifest), "size": len(manifest)}]})
-    entries: list[tuple[str, bytes | None]] = [("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'),
+    entries: list[tuple[str, bytes | str | None]] = [("oci-layout", b'{"imageLayoutVersion": "1.0.0"}'),
                                                ("index.json", index.encode())]
     entries += [(f"blobs/sha256/{d.split(':')[1]}", data) for d, data in blobs.items()]
     path.write_bytes(_tar(entries))
@@ -61,7 +66,9 @@ def _oci(path: Path, layers: list[bytes]) -> None:
 def test_oci_archive_layers_and_whiteouts_unpack_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLF_CACHE_DIR", str(tmp_path / "cache"))
     base = _tar([("bin", None), ("bin/sh", b"#!"), ("etc", None), ("etc/gone", b"x"), ("opq", None),
-                 ("opq/old", b"o"), ("../evil", b"e"), ("/abs", b"a")])
+                 ("opq/old", b"o"), ("../evil", b"e"), ("/abs", b"a"), ("out", str(tmp_path)),
+                 ("out/through_link", b"t"), ("hard", "out/victim")])
+    (tmp_path / "victim").write_text("v")
     top = _tar([("etc/.wh.gone", b""), ("opq/.wh..wh..opq", b""), ("opq/new", b"n"), ("etc/added", b"a")])
     arch = tmp_path / "img.tar"
     _oci(arch, [base, top])
@@ -69,6 +76,8 @@ def test_oci_archive_layers_and_whiteouts_unpack_once(tmp_path: Path, monkeypatc
     assert (root / "bin" / "sh").read_bytes() == b"#!" and (root / "etc" / "added").read_bytes() == b"a"
     assert not (root / "etc" / "gone").exists() and sorted(os.listdir(root / "opq")) == ["new"]
     assert not (tmp_path / "evil").exists() and (root / "abs").read_bytes() == b"a"  # names stay inside
+    assert not (tmp_path / "through_link").exists() and not (root / "hard").exists()  # never through a link
+    assert (tmp_path / "victim").stat().st_nlink == 1
     mtime = root.stat().st_mtime_ns
     assert images.resolve_local(f"oci-archive:{arch}") == str(root) and root.stat().st_mtime_ns == mtime  # cached
     with pytest.raises(images.ImageError, match="index.json"):

@@ -32,6 +32,14 @@ def test_drop_infra_failed_removes_whole_groups() -> None:
     assert not _t(0).infra_failed and _t(0, True).infra_failed
 
 
+def test_an_infra_failed_episode_is_recorded_as_such() -> None:
+    from rlf_envs.records import TrajectoryRecord
+
+    rec = TrajectoryRecord.from_trajectory(_t(0, True))
+    assert (rec.end_reason, rec.error) == ("infra_error", "session died")
+    assert TrajectoryRecord.from_trajectory(_t(0)).error is None
+
+
 def _step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failed_rows: set[int]) -> tuple[dict[str, Any], list[
         torch.Tensor], bool]:
     tr = Trainer(spec_cfg(tmp_path / "run"))

@@ -19,7 +19,9 @@ Schema (version 1), one JSON object per line:
   into `token_ids`); from an asynchronous RL run, `policy_version` (the weights version that sampled the
   action: staleness = the update's version - 1 - this) and `behaviour_logprobs` (one per action token)
 - `answer`, `end_reason` ("answer" | "max_turns" | "token_budget", or "policy_error" when the policy itself
-  failed, e.g. an API that kept erroring; `error` then says why), `reward` (final score), `score_info`
+  failed, e.g. an API that kept erroring; "infra_error" when the infrastructure failed the episode, e.g. its
+  sandbox session died: no reward signal, dropped from the loss; `error` then says why), `reward` (final score),
+  `score_info`
 - `success` (reward >= `success_threshold`), `num_tool_calls`, `num_tool_errors`
 - token mode: `token_ids` and `loss_mask` (1 = policy token, trained on; 0 = prompt/observation token)
 - `usage`: optional counters from the policy (e.g. `prompt_tokens`, `completion_tokens`, `latency_s`)
@@ -145,8 +147,9 @@ class TrajectoryRecord(_Model):
             prompt=traj.prompt,
             turns=[TurnRecord.from_turn(turn) for turn in traj.turns],
             answer=traj.answer,
-            end_reason="policy_error" if error is not None else traj.end.value,
-            error=error,
+            end_reason="policy_error" if error is not None else "infra_error" if traj.infra_error is not None
+            else traj.end.value,
+            error=error if error is not None else traj.infra_error,
             reward=traj.reward,
             score_info={k: float(v) for k, v in traj.score_info.items()},
             success=traj.reward >= success_threshold,

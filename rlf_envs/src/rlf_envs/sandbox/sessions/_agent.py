@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import json
 import os
+import platform
 import resource
 import select
 import shutil
@@ -44,7 +45,7 @@ CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (0x0002000
                                                                        0x20000000, 0x40000000)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
     1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_NAME = 1, 38, 15
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 38, 15, 36
 SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf", "hosts",
                "os-release", "alternatives", "ssl", "ca-certificates", "profile", "profile.d", "bash.bashrc",
@@ -71,6 +72,82 @@ def bind(src: str, dst: str, writable: bool = False) -> None:
 
 def prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), "prctl")
+
+
+# ---------------------------------------------------------------- seccomp
+#: per native arch: (AUDIT_ARCH, key calls, io_uring calls, clone3, (unshare, clone)); the filter answers EPERM to the
+#: kernel keyring calls (keys outlive processes: a channel between sessions), ENOSYS to io_uring and clone3 (so libc
+#: falls back to clone, whose flags a classic filter can read), EPERM to unshare/clone asking for a new user namespace
+#: (capabilities there would reopen the kernel's mount/namespace surface), and EPERM to every call of a foreign ABI
+#: (i386 int 0x80, x32) which the native rules would not see
+SECCOMP_ARCHES = {
+    "x86_64": (0xC000003E, (248, 249, 250), (425, 426, 427), 435, (272, 56)),
+    "aarch64": (0xC00000B7, (217, 218, 219), (425, 426, 427), 435, (97, 220)),
+}
+CLONE_NEWUSER = 0x10000000
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def seccomp_program() -> list[tuple[int, int, int, int]] | None:
+    """The session's filter as classic BPF (code, jt, jf, k), or None on an arch we have no table for."""
+    spec = SECCOMP_ARCHES.get(platform.machine())
+    if spec is None:
+        return None
+    arch, keys, uring, clone3, newuser = spec
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    # assembled with labels: ("jmp", code, k, true_label | None, false_label | None) -> resolved offsets
+    prog: list[tuple[Any, ...]] = [("i", ld, 0, 0, 4), ("j", jeq, arch, None, "eperm"), ("i", ld, 0, 0, 0)]
+    if platform.machine() == "x86_64":
+        prog.append(("j", jge, 0x40000000, "eperm", None))
+    prog += [("j", jeq, nr, "eperm", None) for nr in keys]
+    prog += [("j", jeq, nr, "enosys", None) for nr in (*uring, clone3)]
+    prog += [("j", jeq, nr, "newuser", None) for nr in newuser]
+    prog += [("i", ret, 0, 0, SECCOMP_RET_ALLOW), ("newuser",), ("i", ld, 0, 0, 16),
+             ("j", jset, CLONE_NEWUSER, "eperm", None), ("i", ret, 0, 0, SECCOMP_RET_ALLOW),
+             ("eperm",), ("i", ret, 0, 0, SECCOMP_RET_ERRNO | 1), ("enosys",), ("i", ret, 0, 0, SECCOMP_RET_ERRNO | 38)]
+    labels: dict[str, int] = {}
+    n = 0
+    for item in prog:
+        if len(item) == 1:
+            labels[item[0]] = n
+        else:
+            n += 1
+    out: list[tuple[int, int, int, int]] = []
+    for item in prog:
+        if len(item) == 1:
+            continue
+        here = len(out)
+        if item[0] == "i":
+            out.append((item[1], item[2], item[3], item[4]))
+        else:
+            _, code, k, t, f = item
+            jt = labels[t] - here - 1 if t else 0
+            jf = labels[f] - here - 1 if f else 0
+            out.append((code, jt, jf, k))
+    return out
+
+
+_PROG: tuple[Any, Any] | None = None
+
+
+def _seccomp_fprog() -> Any:
+    global _PROG
+    if _PROG is None:
+        ins = seccomp_program()
+        if ins is None:
+            return None
+        arr = (_SockFilter * len(ins))(*[_SockFilter(*i) for i in ins])
+        _PROG = (arr, _SockFprog(len(ins), ctypes.cast(arr, ctypes.POINTER(_SockFilter))))
+    return _PROG[1]
 
 
 # ---------------------------------------------------------------- frames
@@ -193,10 +270,15 @@ def finish_root(r: str, workdir: str, disk_mb: int, uid: int, seed: str | None) 
         for dirpath, dirnames, filenames in os.walk(ws):
             for n in dirnames + filenames:
                 os.lchown(os.path.join(dirpath, n), uid, uid)
-    home = r + "/home/sandbox"
-    if os.path.isdir(r + "/home"):
+    # the session's user has a name (git, whoami, getpwuid): appended to the root's own copy of the user database
+    # (the host image's is a copy in the root tmpfs, an image's is in the overlay's upper layer)
+    for name, line in (("passwd", f"sandbox:x:{uid}:{uid}:sandbox:{workdir}:/bin/sh\n"),
+                       ("group", f"sandbox:x:{uid}:\n")):
+        path = f"{r}/etc/{name}"
         try:
-            os.makedirs(home, 0o755, exist_ok=True)
+            if os.path.isfile(path) and not os.path.islink(path):
+                with open(path, "a") as f:
+                    f.write(line)
         except OSError:
             pass
 
@@ -241,6 +323,11 @@ def _child(req: dict[str, Any], st: dict[str, Any], stdin_fd: int, out_w: int, e
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
         prctl(PR_SET_NO_NEW_PRIVS, 1)
+        fprog = _seccomp_fprog()
+        if fprog is not None:
+            addr = ctypes.c_ulong(ctypes.addressof(fprog))
+            _check(_libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), addr, ctypes.c_ulong(0),
+                               ctypes.c_ulong(0)), "seccomp")
         cwd = req.get("cwd") or st["workdir"]
         os.chdir(cwd)
         env = dict(st["env"])
@@ -524,6 +611,7 @@ def session_main(parent_fd: int) -> None:
         write_frame(1, {"ok": False, "error": f"starting the session: {e!r}", "kind": "infra"})
         os._exit(2)
     st = {"limits": lim, "uid": start["uid"], "workdir": start["workdir"], "env": start["env"], "seed_fd": seed_fd}
+    _seccomp_fprog()
     write_frame(1, {"ok": True})
     serve(st)
 
@@ -536,6 +624,9 @@ def main() -> None:
     network = "--network" in sys.argv
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (0 if network else CLONE_NEWNET)
     _check(_libc.unshare(flags), "unshare")
+    # the session's processes are re-parented to us when C (their pid 1) dies: we reap them, so that the session's
+    # cgroups are empty when we exit (the host's init may reap late, or never)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     me = os.pidfd_open(os.getpid())
     pid = os.fork()
     if pid == 0:  # pragma: no cover - C
@@ -550,6 +641,12 @@ def main() -> None:
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, lambda *a: os.kill(pid, signal.SIGKILL))
     _, status = os.waitpid(pid, 0)
+    signal.alarm(10)  # bounded: a process stuck in the kernel does not keep us (the owner then kills us)
+    try:
+        while True:  # the kernel SIGKILLed every process of the namespace when C died: reap them all
+            os.waitpid(-1, 0)
+    except ChildProcessError:
+        pass
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 

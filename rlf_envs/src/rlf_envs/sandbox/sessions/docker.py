@@ -23,11 +23,13 @@ import shutil
 import socket
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
 from typing import Any
 
 from rlf_envs.sandbox.sessions import gitdiff, owners
+from rlf_envs.sandbox.sessions.images import inside
 from rlf_envs.sandbox.sessions.types import (
     ExecResult,
     Session,
@@ -96,6 +98,18 @@ class _Cap(io.RawIOBase):
         k = min(len(b), len(self.buf))
         b[:k], self.buf = self.buf[:k], self.buf[k:]
         return k
+
+
+def _discard_when_done(fut: asyncio.Future[Any]) -> None:
+    """A container create we no longer wait for (a deadline, a cancelled create): remove it once it exists."""
+
+    def done(f: asyncio.Future[Any]) -> None:
+        if f.cancelled() or f.exception() is not None:
+            return
+        c = f.result()
+        threading.Thread(target=lambda: c.remove(force=True), daemon=True).start()
+
+    fut.add_done_callback(done)
 
 
 class DockerSession(Session):
@@ -253,7 +267,7 @@ class DockerSession(Session):
         wd = self.spec.workdir
 
         def get() -> str:
-            tmp = tempfile.mkdtemp(prefix="rlf-docker-diff-")
+            tmp = os.path.realpath(tempfile.mkdtemp(prefix="rlf-docker-diff-"))
             try:
                 stream, _ = self._c.get_archive(wd)
                 with tarfile.open(fileobj=io.BufferedReader(_Cap(stream, 1 << 30)), mode="r|") as tf:
@@ -262,6 +276,11 @@ class DockerSession(Session):
                         if name.startswith("..") or name.startswith("/") or not (m.isreg() or m.isdir()
                                                                                   or m.issym()):
                             continue
+                        target = os.path.join(tmp, name)
+                        if not inside(tmp, os.path.dirname(target)):  # never through a link a member made
+                            continue
+                        if os.path.islink(target):
+                            os.unlink(target)
                         m.name = name
                         m.mode = (m.mode & 0o755) | (0o700 if m.isdir() else 0o600)
                         m.uid = m.gid = os.getuid()
@@ -292,7 +311,7 @@ class DockerBackend(SessionBackend):
     name = "docker"
 
     def __init__(self, base_url: str | None = None, max_starting: int = 8, creates_per_s: float = 20.0,
-                 reap_every_s: float = 30.0) -> None:
+                 reap_every_s: float = 30.0, pool_size: int | None = None) -> None:
         try:
             import docker
         except ImportError:
@@ -306,6 +325,12 @@ class DockerBackend(SessionBackend):
             where = base_url or os.environ.get("DOCKER_HOST") or "the default socket"
             raise SessionInfraError(f"no docker engine at {where}: {e} (start dockerd or set DOCKER_HOST)") from None
         self._docker = docker
+        #: warm containers per (image, network, limits, workdir, env): created and started ahead, labelled like any
+        #: session (so the reaper removes them too); a create then only copies the seed in
+        self.pool_size = int(os.environ.get("RLF_DOCKER_SESSION_POOL", 2)) if pool_size is None else pool_size
+        self._pool: dict[tuple[Any, ...], list[Any]] = {}
+        self._filling: set[tuple[Any, ...]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self.max_starting = max_starting
         self.creates_per_s = creates_per_s
         self.reap_every_s = reap_every_s
@@ -366,6 +391,56 @@ class DockerBackend(SessionBackend):
         if self._bucket_t > now:
             await asyncio.sleep(self._bucket_t - now)
 
+    @staticmethod
+    def _key(spec: SessionSpec) -> tuple[Any, ...]:
+        lim = spec.limits
+        return (spec.image, spec.network, lim.memory_mb, lim.pids, spec.workdir, tuple(sorted(spec.env.items())))
+
+    def _fill(self, spec: SessionSpec) -> None:
+        key = self._key(spec)
+        if self.pool_size <= 0 or key in self._filling or self._closed:
+            return
+        self._filling.add(key)
+        bare = SessionSpec(image=spec.image, workdir=spec.workdir, env=spec.env, network=spec.network,
+                           limits=spec.limits)
+
+        async def fill() -> None:
+            try:
+                while len(self._pool.get(key, [])) < self.pool_size and not self._closed:
+                    fut = asyncio.ensure_future(asyncio.to_thread(self._create, bare))
+                    try:
+                        c = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
+                    except BaseException:
+                        _discard_when_done(fut)
+                        raise
+                    if self._closed:
+                        await asyncio.to_thread(c.remove, force=True)
+                        return
+                    self._pool.setdefault(key, []).append(c)
+            except Exception:  # the pool is an optimisation: creates make containers on demand
+                pass
+            finally:
+                self._filling.discard(key)
+
+        t = asyncio.get_running_loop().create_task(fill())
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    def _lease(self, spec: SessionSpec) -> Any:
+        """A warm container for the spec with the seed copied in, or None."""
+        pooled = self._pool.get(self._key(spec))
+        if not pooled:
+            return None
+        c = pooled.pop()
+        try:
+            if spec.seed_dir and not c.put_archive(spec.workdir, _tar_of_dir(spec.seed_dir)):
+                raise SessionInfraError("could not copy the seed into the container")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                c.remove(force=True)
+            raise
+        return c
+
     def _create(self, spec: SessionSpec) -> Any:
         lim = spec.limits
         name = "rlf-" + uuid.uuid4().hex[:16]
@@ -394,6 +469,14 @@ class DockerBackend(SessionBackend):
         if self._reaper is None and self.reap_every_s > 0:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
         async with self._sem:
+            c = None
+            with contextlib.suppress(Exception):  # a dead warm container: make one instead
+                c = await asyncio.wait_for(asyncio.to_thread(self._lease, spec), API_TIMEOUT_S)
+            self._fill(spec)
+            if c is not None:
+                s = DockerSession(self, c, spec)
+                self._sessions.add(s)
+                return s
             await self._throttle()
             fut = asyncio.ensure_future(asyncio.to_thread(self._create, spec))
             try:
@@ -418,6 +501,14 @@ class DockerBackend(SessionBackend):
         self._closed = True
         if self._reaper is not None:
             self._reaper.cancel()
+        # pool fills end after their current create (they see _closed and remove what they made): cancelling one
+        # would leave the container its thread is making
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*list(self._tasks), return_exceptions=True), API_TIMEOUT_S)
         await asyncio.gather(*(s.aclose() for s in list(self._sessions)), return_exceptions=True)
+        warm = [c for cs in self._pool.values() for c in cs]
+        self._pool.clear()
+        await asyncio.gather(*(asyncio.wait_for(asyncio.to_thread(c.remove, force=True), API_TIMEOUT_S)
+                               for c in warm), return_exceptions=True)
         with contextlib.suppress(Exception):
             self.client.close()

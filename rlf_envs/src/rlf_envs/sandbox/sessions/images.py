@@ -73,6 +73,12 @@ def _file_digest(path: str) -> str:
     return h.hexdigest()[:20]
 
 
+def inside(root: str, path: str) -> bool:
+    """Whether `path`, links resolved, is `root` or below it (`root` already resolved)."""
+    p = os.path.realpath(path)
+    return p == root or p.startswith(root.rstrip("/") + "/")
+
+
 def _safe_extract(tf: tarfile.TarFile, dest: str, whiteouts: bool) -> None:
     """Extract a (root filesystem) layer into dest: names stay inside dest and never through a link; device nodes
     are skipped (sessions get their own /dev); OCI whiteouts (`.wh.NAME`, `.wh..wh..opq`) delete from earlier
@@ -84,7 +90,7 @@ def _safe_extract(tf: tarfile.TarFile, dest: str, whiteouts: bool) -> None:
             continue
         parent, base = os.path.split(name)
         pdir = os.path.join(real, parent)
-        if not os.path.realpath(pdir).startswith(real):
+        if not inside(real, pdir):  # never through a link an earlier member made
             continue
         if whiteouts and base == ".wh..wh..opq":
             if os.path.isdir(pdir):
@@ -102,6 +108,8 @@ def _safe_extract(tf: tarfile.TarFile, dest: str, whiteouts: bool) -> None:
         m.name = name
         if m.islnk():
             m.linkname = os.path.normpath(m.linkname.lstrip("/"))
+            if m.linkname.startswith("..") or not inside(real, os.path.join(real, m.linkname)):
+                continue  # a hard link to a file outside the tree (through a symlink member)
         tf.extract(m, real, set_attrs=True, numeric_owner=True, filter="fully_trusted")
 
 

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import random
+import signal
 import struct
 import sys
 import time
@@ -93,9 +94,13 @@ class _Agent:
         if self.dead:
             return
         self.dead = True
-        owners.kill_label(self.label)
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
+        c = self.label.procs[0] if len(self.label.procs) >= 2 else None
+        if c is not None and owners.alive(*c):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(c[0], signal.SIGKILL)  # P reaps the session's processes, then exits (`_finish`)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
         if self.proc.stdin is not None:
             with contextlib.suppress(Exception):
                 self.proc.stdin.close()
@@ -106,8 +111,17 @@ class _Agent:
                 self.label.remove()
 
     async def _finish(self) -> None:
-        with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
-            await asyncio.wait_for(self.proc.wait(), 10)
+        try:
+            await asyncio.wait_for(self.proc.wait(), 15)
+        except TimeoutError:  # P did not end by itself: kill it
+            owners.kill_label(self.label)
+            with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
+                self.proc.kill()
+                await asyncio.wait_for(self.proc.wait(), 5)
+        transport = getattr(self.proc, "_transport", None)  # its pipes, now, on this loop (not at GC, maybe later)
+        if transport is not None:
+            with contextlib.suppress(Exception):
+                transport.close()
         if await asyncio.to_thread(owners.remove_cgroups, self.label.cgroups):
             self.label.remove()  # else: left for the reaper (the label names the busy cgroup)
 
@@ -256,6 +270,7 @@ class LocalSession(Session):
         finally:
             self._agent.kill()
             self._backend._sessions.discard(self)
+            self._backend._uids.discard(self.uid)
             with contextlib.suppress(Exception):
                 await self._agent.wait_dead()
 
@@ -278,6 +293,7 @@ class LocalBackend(SessionBackend):
         self._filling: set[tuple[str, bool]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sessions: set[LocalSession] = set()
+        self._dying: set[_Agent] = set()  # killed outside a session's close: their clean-up is awaited at aclose
         self._uids: set[int] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
@@ -315,6 +331,7 @@ class LocalBackend(SessionBackend):
                     agent = await _spawn(key, self.root_mount, disk_mb)
                     if self._closed:
                         agent.kill()
+                        await agent.wait_dead()
                         return
                     self._pool.setdefault(key, []).append(agent)
             except Exception as e:
@@ -343,40 +360,50 @@ class LocalBackend(SessionBackend):
         root = images.resolve_local(spec.image)
         key = (root, spec.network)
         async with self._sem:
-            pooled = self._pool.get(key)
-            agent = None
-            while pooled:
-                cand = pooled.pop()
-                if cand.proc.returncode is None and not cand.dead:
-                    agent = cand
-                    break
-                cand.kill()
-            if agent is None:
-                await self._throttle()
-                agent = await _spawn(key, self.root_mount, spec.limits.disk_mb)
+            agent = self._lease(key)
             self._fill(key, spec.limits.disk_mb)
-            uid = self._uid()
+            if agent is not None:
+                try:
+                    return await self._start(agent, spec)
+                except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
+                    log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
+            await self._throttle()
+            return await self._start(await _spawn(key, self.root_mount, spec.limits.disk_mb), spec)
+
+    def _lease(self, key: tuple[str, bool]) -> _Agent | None:
+        pooled = self._pool.get(key)
+        while pooled:
+            cand = pooled.pop()
+            if cand.proc.returncode is None and not cand.dead:
+                return cand
+            cand.kill()
+            self._dying.add(cand)
+        return None
+
+    async def _start(self, agent: _Agent, spec: SessionSpec) -> LocalSession:
+        """Give a prepared agent its session: cgroup limits, then the workspace, seed, uid and chroot."""
+        uid = self._uid()
+        try:
             if agent.cgroup is not None:
                 try:
                     agent.cgroup.limit(spec.limits.memory_mb, spec.limits.disk_mb, spec.limits.pids)
                 except OSError as e:
-                    agent.kill()
                     raise SessionInfraError(f"could not set the session's cgroup limits: {e}") from None
             env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": spec.workdir,
                    "USER": "sandbox", "TERM": "dumb", **spec.env}
-            try:
-                reply = await agent.call({"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
-                                          "seed": os.path.abspath(spec.seed_dir) if spec.seed_dir else None,
-                                          "limits": asdict(spec.limits)}, START_TIMEOUT_S)
-            except BaseException:
-                agent.kill()
-                raise
+            reply = await agent.call({"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
+                                      "seed": os.path.abspath(spec.seed_dir) if spec.seed_dir else None,
+                                      "limits": asdict(spec.limits)}, START_TIMEOUT_S)
             if not reply.get("ok"):
-                agent.kill()
                 raise SessionInfraError(f"session start: {reply.get('error')}")
-            s = LocalSession(self, agent, spec, uid)
-            self._sessions.add(s)
-            return s
+        except BaseException:
+            agent.kill()
+            self._dying.add(agent)
+            self._uids.discard(uid)
+            raise
+        s = LocalSession(self, agent, spec, uid)
+        self._sessions.add(s)
+        return s
 
     async def aclose(self) -> None:
         if self._closed:
@@ -384,8 +411,10 @@ class LocalBackend(SessionBackend):
         self._closed = True
         if self._reaper is not None:
             self._reaper.cancel()
-        for t in list(self._tasks):
-            t.cancel()
+        # pool fills end after their current spawn (they see _closed and kill what they made): cancelling one in the
+        # middle of starting a process could lose that process until we exit
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*list(self._tasks), return_exceptions=True), START_TIMEOUT_S)
         for s in list(self._sessions):
             await s.aclose()
         for agents in self._pool.values():
@@ -395,3 +424,6 @@ class LocalBackend(SessionBackend):
             for a in agents:
                 await a.wait_dead()
         self._pool.clear()
+        for a in list(self._dying):
+            await a.wait_dead()
+        self._dying.clear()
