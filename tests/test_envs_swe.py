@@ -434,3 +434,21 @@ def test_gymnasium_check_env_and_sync_vector(tmp_path: Path) -> None:
         check_env(env.unwrapped)
     env.close()
     assert env.unwrapped.tasks[0].meta["swe"]["FAIL_TO_PASS"]
+
+
+def test_pack_is_deterministic_and_shipped_archives_hold_licences(tmp_path: Path) -> None:
+    import tarfile
+
+    from rlf_envs.data.swe import DATA_DIR
+    from rlf_envs.data.swe.generate import PROJECTS, pack
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.py").write_text("x = 1\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    one = pack(tmp_path, ["b.txt", "a/x.py"])
+    os.utime(tmp_path / "b.txt", (1, 1))
+    assert pack(tmp_path, ["a/x.py", "b.txt"]) == one  # order and mtimes do not change the bytes
+    for p in PROJECTS:
+        with tarfile.open(DATA_DIR / "repos" / f"{p.id}.tar.gz") as tf:
+            names = tf.getnames()
+        assert p.license_file in names and not any(n.startswith(("/", "..")) for n in names)
