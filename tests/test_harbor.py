@@ -1,7 +1,8 @@
 """Harbor tasks, loaded unchanged: task.toml (both spellings), Dockerfile replay plans (and refusals by name),
 reward.txt / reward.json, and the shipped test tasks end to end on the local backend (oracle 1.0, untouched 0.0)
 with the locally built Debian root as their base image (a build ARG). The docker backend runs them when an engine
-answers and the Debian root is loaded there as `rlf-debian-test`; it skips with the reason otherwise."""
+answers and holds the Debian test image (`RLF_DOCKER_TEST_IMAGE`, default `rlf-debian-test:12`, which .ci/run
+imports); it skips with the reason otherwise."""
 
 from __future__ import annotations
 
@@ -166,6 +167,9 @@ def test_harbor_through_task_file_and_json_reward(tmp_path: Path) -> None:
         env.close()
 
 
+DOCKER_IMAGE = os.environ.get("RLF_DOCKER_TEST_IMAGE", "rlf-debian-test:12")  # what .ci/run imports (issue 38)
+
+
 def _docker_ready() -> str | None:
     try:
         import docker
@@ -174,10 +178,10 @@ def _docker_ready() -> str | None:
     try:
         c = docker.from_env(timeout=5)
         c.ping()
-        c.images.get("rlf-debian-test")
+        c.images.get(DOCKER_IMAGE)
         c.close()
     except Exception as e:
-        return f"no docker engine with the image rlf-debian-test ({type(e).__name__})"
+        return f"no docker engine with the image {DOCKER_IMAGE} ({type(e).__name__}; DOCKER_HOST, RLF_DOCKER_TEST_IMAGE)"
     try:
         from rlf_envs.sandbox.sessions import open_backend
 
@@ -192,7 +196,7 @@ def test_oracle_scores_one_untouched_zero_docker(name: str, task_id: str) -> Non
     why = _docker_ready()
     if why:
         pytest.skip(why)
-    tasks = load_harbor_dir(TASKS / name, build_args={"BASE_IMAGE": "rlf-debian-test"})
+    tasks = load_harbor_dir(TASKS / name, build_args={"BASE_IMAGE": DOCKER_IMAGE})
     env = gym.make("rlf/SWE-v0", tasks=tasks, backend="docker").unwrapped
     try:
         r, info = _episode(env, task_id, _solve_actions(TASKS / name))
