@@ -181,7 +181,7 @@ def _docker_ready() -> str | None:
         c.images.get(DOCKER_IMAGE)
         c.close()
     except Exception as e:
-        return f"no docker engine with the image {DOCKER_IMAGE} ({type(e).__name__}; DOCKER_HOST, RLF_DOCKER_TEST_IMAGE)"
+        return f"no docker engine with the image {DOCKER_IMAGE} ({type(e).__name__}; see DOCKER_HOST)"
     try:
         from rlf_envs.sandbox.sessions import open_backend
 
