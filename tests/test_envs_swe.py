@@ -452,3 +452,8 @@ def test_pack_is_deterministic_and_shipped_archives_hold_licences(tmp_path: Path
         with tarfile.open(DATA_DIR / "repos" / f"{p.id}.tar.gz") as tf:
             names = tf.getnames()
         assert p.license_file in names and not any(n.startswith(("/", "..")) for n in names)
+
+
+def test_docker_backend_needs_an_image_for_repository_tasks() -> None:
+    with pytest.raises(ValueError, match="docker:<ref>"):
+        gym.make("rlf/SWE-v0", backend="docker")

@@ -380,6 +380,12 @@ class SweVerifier(Verifier):
         return Score(0.0 if v.infra_failed else v.value, info=v.info())
 
 
+def load_tasks_once(tasks: Any) -> list[Task]:
+    from rlf_envs.tasks import load_tasks
+
+    return load_tasks(tasks)
+
+
 class SweEnv(ToolEnv):
     """Repository repair with a shell, file tools and hidden tests.
 
@@ -426,6 +432,11 @@ class SweEnv(ToolEnv):
             if not isinstance(tasks, str) and all(isinstance(t, dict) and "instance_id" in t for t in tasks):
                 kwargs["tasks"] = load_swe_rows(tasks)
         self.backend_name = backend
+        if image is None and backend == "docker" and any(
+                SweTask.from_meta(t).image == "host" and SweTask.from_meta(t).harbor is None
+                for t in load_tasks_once(kwargs["tasks"])):
+            raise ValueError("the docker backend needs image='docker:<ref>' (an image with python3, git and pytest, "
+                             "e.g. the Debian test image loaded into the engine) for tasks that name no image")
         self.image = image if image is not None else default_image()
         self.limits = lim
         self._tools = swe_tools(lim)
