@@ -1,5 +1,5 @@
-"""Gymnasium ids: `rlf/Calculator-v0`, `rlf/Tools-v0`, `rlf/Search-v0`, `rlf/SQL-v0`, `rlf/Code-v0` (env and vector
-entry points), and the ids of every installed env package.
+"""Gymnasium ids: `rlf/Calculator-v0`, `rlf/Tools-v0`, `rlf/Search-v0`, `rlf/SQL-v0`, `rlf/Code-v0`,
+`rlf/SWE-v0` (env and vector entry points), and the ids of every installed env package.
 
 An env package is any distribution that declares an entry point in the group `rlf_envs.envs`; its name is the
 package's id namespace and its value a mapping of env id -> "module:Class" (or a function that registers ids
@@ -31,6 +31,7 @@ ENVS = {
     "rlf/Search-v0": "rlf_envs.envs.search:SearchEnv",
     "rlf/SQL-v0": "rlf_envs.envs.sql:SqlEnv",
     "rlf/Code-v0": "rlf_envs.envs.code:CodeEnv",
+    "rlf/SWE-v0": "rlf_envs.envs.swe.env:SweEnv",
 }
 ENTRY_POINT_GROUP = "rlf_envs.envs"
 #: env id -> the env package (distribution name) that registered it

@@ -54,6 +54,16 @@ def _mask_runs(mask: list[int] | None) -> list[tuple[int, int, int]]:
     return runs
 
 
+def show_arguments(name: str, arguments: dict[str, Any]) -> str:
+    """A call's arguments as a reader wants them: a shell command as `$ command`, other all-string arguments as
+    `key:` blocks with their real line breaks (code edits stay readable), anything else as indented JSON."""
+    if name == "bash" and set(arguments) == {"command"} and isinstance(arguments["command"], str):
+        return "$ " + arguments["command"]
+    if arguments and all(isinstance(v, str) for v in arguments.values()) and any("\n" in v for v in arguments.values()):
+        return "\n".join(f"{k}:\n{v}" if "\n" in v else f"{k}: {v}" for k, v in arguments.items())
+    return json.dumps(arguments, ensure_ascii=False, indent=1)
+
+
 def episode_view(rec: TrajectoryRecord) -> dict[str, Any]:
     """What the page needs of one record: texts (cut to MAX_TEXT), tool calls/results, rewards, and the
     loss mask as runs and per-turn token counts instead of every token id."""
@@ -69,8 +79,7 @@ def episode_view(rec: TrajectoryRecord) -> dict[str, Any]:
         turns.append({
             "action": _cut(t.action), "kind": t.kind, "error": t.error, "observation": _cut(t.observation),
             "reward": t.reward, "tool_seconds": t.tool_seconds,
-            "calls": [{"name": c.name, "arguments": _cut(json.dumps(c.arguments, ensure_ascii=False, indent=1))}
-                      for c in t.tool_calls],
+            "calls": [{"name": c.name, "arguments": _cut(show_arguments(c.name, c.arguments))} for c in t.tool_calls],
             "results": [{"name": r.name, "content": _cut(r.content), "status": r.status, "latency_s": r.latency_s,
                          "truncated": r.truncated, "attempts": r.attempts} for r in t.results],
             "action_tokens": span_info(t.action_span), "observation_tokens": span_info(t.observation_span),

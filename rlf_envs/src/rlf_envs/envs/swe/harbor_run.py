@@ -1,0 +1,184 @@
+"""Harbor tasks on sessions: the session spec (local: Dockerfile replay; docker: the built image), the replay at
+session start, the verifier run (`tests/test.sh` on a fresh session with the episode's workdir diff applied) and
+the oracle (`solution/solve.sh`). See `rlf_envs.tasks.harbor` for the format and what the local backend replays.
+
+Local-backend limitation (until sessions offer a writable root, see the docs): `/tests` and `/logs` cannot be
+created in an image session, so the verifier's files go to `/tmp/.rlf_harbor/tests` and the reward to
+`/tmp/.rlf_harbor/logs/verifier`, with the absolute paths `/tests/` and `/logs/` rewritten in the task's test
+files (text files only) when those directories cannot be made.
+"""
+
+from __future__ import annotations
+
+import functools
+import shlex
+from pathlib import Path
+from typing import Any
+
+from rlf_envs.envs.swe.verify import Verdict, split_patch
+from rlf_envs.sandbox.sessions import SessionLimits, SessionSpec
+from rlf_envs.tasks.harbor import (
+    REWARD_DIR,
+    DockerPlan,
+    HarborError,
+    HarborTask,
+    build_docker_image,
+    load_harbor_task,
+    materialise_seed,
+    parse_dockerfile,
+    parse_reward,
+    plan_dockerfile,
+)
+
+ALT_ROOT = "/tmp/.rlf_harbor"
+
+
+@functools.lru_cache(maxsize=256)
+def _task(path: str) -> HarborTask:
+    return load_harbor_task(path)
+
+
+def _plan(path: str, build_args: tuple[tuple[str, str], ...], base_images: tuple[tuple[str, str], ...],
+          workdir: str | None) -> DockerPlan:
+    return plan_dockerfile(Path(path) / "environment", Path(path) / "environment" / "Dockerfile",
+                           build_args=dict(build_args), base_images=dict(base_images), workdir=workdir)
+
+
+_plan_cached = functools.lru_cache(maxsize=256)(_plan)
+
+
+def harbor_spec(h: dict[str, Any], backend: str, limits: SessionLimits) -> tuple[SessionSpec, list[tuple[Any, ...]]]:
+    """The session spec of a Harbor task and the steps to replay at each session start."""
+    task = _task(h["path"])
+    cfg = task.config
+    ba = tuple(sorted((h.get("build_args") or {}).items()))
+    lim = limits
+    if cfg.memory_mb:
+        lim = SessionLimits(memory_mb=max(cfg.memory_mb, 64), pids=limits.pids, disk_mb=limits.disk_mb,
+                            exec_timeout_s=limits.exec_timeout_s, session_timeout_s=limits.session_timeout_s,
+                            output_bytes=limits.output_bytes)
+    if backend == "docker":
+        image = build_docker_image(task, dict(ba))
+        workdir = cfg.workdir
+        if workdir is None and (Path(task.path) / "environment" / "Dockerfile").is_file():
+            text = (Path(task.path) / "environment" / "Dockerfile").read_text(encoding="utf-8")
+            wds = [i.args.strip() for i in parse_dockerfile(text, task.path) if i.keyword == "WORKDIR"]
+            workdir = wds[-1] if wds else None
+        return SessionSpec(image=image, workdir=workdir or "/app", env={"LANG": "C.UTF-8", **cfg.env},
+                           network=False, limits=lim), []
+    plan = _plan_cached(task.path, ba, tuple(sorted((h.get("base_images") or {}).items())), cfg.workdir)
+    seed = materialise_seed(plan, task.path) if plan.seed else None
+    env = {"LANG": "C.UTF-8", **plan.env, **cfg.env}
+    return SessionSpec(image=plan.base, workdir=plan.workdir, seed_dir=seed, env=env, network=False,
+                       limits=lim), plan.steps
+
+
+async def prepare(session: Any, steps: list[tuple[Any, ...]], timeout_s: float = 600.0) -> None:
+    """Replay the Dockerfile's steps that are not the seed (files outside the workdir, RUN) in `session`."""
+    for st in steps:
+        if st[0] == "file":
+            await session.write_file(st[2], Path(st[1]).read_bytes())
+        else:
+            _, cmd, cwd, env = st
+            r = await session.exec(cmd, cwd=cwd, env=dict(env), timeout_s=timeout_s)  # type: ignore[arg-type]
+            if not r.ok:
+                raise HarborError(f"Dockerfile RUN {cmd[:120]!r} failed in the session (exit {r.exit_code}): "
+                                  f"{(r.stderr or r.stdout).strip()[-300:]}")
+
+
+async def _dirs(session: Any) -> tuple[str, str, bool]:
+    """(tests dir, logs dir, rewritten?) the session can use."""
+    r = await session.exec("mkdir -p /tests /logs/verifier /logs/agent 2>/dev/null && test -w /tests", timeout_s=30)
+    if r.ok:
+        return "/tests", "/logs", False
+    await session.exec(f"mkdir -p {ALT_ROOT}/tests {ALT_ROOT}/logs/verifier {ALT_ROOT}/logs/agent", timeout_s=30)
+    return f"{ALT_ROOT}/tests", f"{ALT_ROOT}/logs", True
+
+
+def _rewrite(text: str, tests: str, logs: str) -> str:
+    return text.replace("/tests/", tests + "/").replace("/logs/", logs + "/").replace(
+        "/tests\n", tests + "\n").replace("/tests ", tests + " ").replace('/tests"', tests + '"')
+
+
+async def _upload(session: Any, src: Path, dest: str, tests: str, logs: str, rewrite: bool) -> None:
+    for f in sorted(src.rglob("*")):
+        if not f.is_file():
+            continue
+        data = f.read_bytes()
+        if rewrite:
+            try:
+                data = _rewrite(data.decode("utf-8"), tests, logs).encode("utf-8")
+            except UnicodeDecodeError:
+                pass
+        mode = 0o755 if f.suffix == ".sh" or (f.stat().st_mode & 0o111) else 0o644
+        await session.write_file(f"{dest}/{f.relative_to(src).as_posix()}", data, mode=mode)
+
+
+def lenient_filter(patch: str) -> tuple[str, int]:
+    """A Harbor episode's patch: every file diff but `.git/` and paths outside the workdir."""
+    kept, dropped = [], 0
+    for old, new, text in split_patch(patch):
+        bad = any(p.startswith("/") or ".." in p.split("/") or p.split("/")[0] == ".git" for p in (old, new))
+        if bad:
+            dropped += 1
+        else:
+            kept.append(text)
+    return "".join(kept), dropped
+
+
+async def run_harbor_verifier(session: Any, h: dict[str, Any], patch: str,
+                              steps: list[tuple[Any, ...]]) -> Verdict:
+    """On a fresh session: replay, apply the episode's patch, upload tests/, run test.sh, read the reward."""
+    task = _task(h["path"])
+    v = Verdict(f2p_total=1)
+    await prepare(session, steps, task.config.build_timeout_s)
+    start = await session.diff()  # what the replayed RUN steps changed in the workdir: undone before the patch
+    text, v.dropped_files = lenient_filter(patch)
+    wd = shlex.quote(session.spec.workdir)
+    for name, body, reverse in (("start.patch", start, True), ("agent.patch", text, False)):
+        if not body.strip():
+            continue
+        await session.write_file(f"/tmp/.rlf_{name}", body)
+        r = await session.exec(f"cd {wd} && git apply --whitespace=nowarn {'-R ' if reverse else ''}"
+                               f"/tmp/.rlf_{name}", timeout_s=120)
+        if not r.ok:
+            if reverse:
+                raise HarborError(f"the Dockerfile's RUN steps are not reproducible: {r.stderr.strip()[:300]}")
+            v.apply_failed, v.error = True, f"the patch does not apply: {r.stderr.strip()[:300]}"
+            return v
+    tests, logs, rewrite = await _dirs(session)
+    await _upload(session, Path(task.path) / "tests", tests, tests, logs, rewrite)
+    env = {**task.config.verifier_env}
+    cmd = f"cd {wd} && bash {tests}/test.sh"
+    r = await session.exec(cmd, env=env or None, timeout_s=task.config.verifier_timeout_s)
+    rdir = REWARD_DIR.replace("/logs", logs, 1)
+    got: list[bytes | None] = []
+    for name in ("reward.txt", "reward.json"):
+        try:
+            got.append(await session.read_file(f"{rdir}/{name}"))
+        except Exception:
+            got.append(None)
+    reward = parse_reward(got[0], got[1])
+    if reward is None:
+        v.error = ("test.sh wrote no reward (/logs/verifier/reward.txt or reward.json)"
+                   + (" and timed out" if r.timed_out else f"; exit {r.exit_code}: {r.stderr.strip()[-300:]}"))
+        return v
+    v.value = max(0.0, min(1.0, reward))
+    v.f2p_passed = int(v.value >= 1.0)
+    return v
+
+
+async def run_solution(session: Any, h: dict[str, Any]) -> Any:
+    """Harbor's oracle: upload solution/ and run solve.sh in the (agent's) session."""
+    task = _task(h["path"])
+    sol = Path(task.path) / "solution"
+    if not (sol / "solve.sh").is_file():
+        raise HarborError(f"{task.path}: no solution/solve.sh")
+    tests, logs, rewrite = await _dirs(session)
+    dest = "/solution" if not rewrite else f"{ALT_ROOT}/solution"
+    await _upload(session, sol, dest, tests, logs, rewrite)
+    return await session.exec(f"cd {shlex.quote(session.spec.workdir)} && bash {dest}/solve.sh",
+                              env=task.config.solution_env or None, timeout_s=task.config.agent_timeout_s)
+
+
+__all__ = ["harbor_spec", "lenient_filter", "prepare", "run_harbor_verifier", "run_solution"]

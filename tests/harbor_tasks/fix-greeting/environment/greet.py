@@ -1,0 +1,3 @@
+import os
+
+print(os.environ.get("GREETING", "hi") + " world")
