@@ -310,7 +310,7 @@ def test_memory_cgroup_bounds_the_whole_session() -> None:
         async with await b.create(SessionSpec(limits=lim)) as s:
             if s._agent.cgroup is None:
                 pytest.skip("no session cgroup on this host (rlimits only)")
-            cg = s._agent.cgroup.dirs
+            cg = s._agent.cgroup
             assert all(os.path.isdir(d) for d in cg)
             # 4 processes of 150 MB each: each under RLIMIT_AS (200 MB), together over the session's cgroup
             r = await s.exec("for i in 1 2 3 4; do python3 -c 'b = bytearray(150 << 20); import time; "
@@ -695,7 +695,7 @@ def test_memory_above_the_session_limit_is_killed_for_the_whole_process_tree() -
                 pytest.skip("no session cgroup on this host (rlimits only)")
             r = await s.exec(["python3", "-c", tree], timeout_s=60)
             assert r.exit_code == 0 and int(r.stdout) >= 1, r  # some of the tree was killed
-            peak = _cgroup_peak(s._agent.cgroup.dirs)
+            peak = _cgroup_peak(s._agent.cgroup)
             limit = (lim.memory_mb + lim.disk_mb + 64) << 20
             if peak is not None:
                 assert peak <= limit, (peak, limit)

@@ -74,14 +74,14 @@ def _seccomp_filter(machine: str | None = None) -> list[tuple[int, int, int, int
     arch = NATIVE_ARCH.get(machine if machine is not None else platform.machine())
     if arch is None:
         return [(ret_k, 0, 0, SECCOMP_RET_ALLOW)]
-    prog: list[tuple[int, int, Any, Any]] = []  # (code, jt label, jf label, k); labels resolved below
+    prog: list[tuple[int, Any, Any, int]] = []  # (code, jt label, jf label, k); labels resolved below
     labels: dict[str, int] = {}
 
     def label(name: str) -> None:
         labels[name] = len(prog)
 
     def jeq(k: int, jt: str | int = 0, jf: str | int = 0) -> None:
-        prog.append((jeq_k, jt, jf, k))  # type: ignore[arg-type]
+        prog.append((jeq_k, jt, jf, k))
 
     prog.append((ld_w_abs, 0, 0, 4))  # seccomp_data.arch
     jeq(arch, 0, "eperm")  # a foreign ABI

@@ -37,12 +37,12 @@ from typing import Any
 
 if not __package__:  # a script of a bare interpreter: the sandbox's stdlib-only modules by their package names
     _here = os.path.dirname(os.path.abspath(__file__))
-    for _name, _path in (("rlf_envs", os.path.dirname(os.path.dirname(_here))),
-                         ("rlf_envs.sandbox", os.path.dirname(_here)), ("rlf_envs.sandbox.sessions", _here)):
-        if _name not in sys.modules:  # bare namespaces: their `__init__` (which imports asyncio etc.) never runs
-            _module = types.ModuleType(_name)
-            _module.__path__ = [_path]
-            sys.modules[_name] = _module
+    for _pkg, _pkg_dir in (("rlf_envs", os.path.dirname(os.path.dirname(_here))),
+                           ("rlf_envs.sandbox", os.path.dirname(_here)), ("rlf_envs.sandbox.sessions", _here)):
+        if _pkg not in sys.modules:  # bare namespaces: their `__init__` (which imports asyncio etc.) never runs
+            _module = types.ModuleType(_pkg)
+            _module.__path__ = [_pkg_dir]
+            sys.modules[_pkg] = _module
 
 from rlf_envs.sandbox._seccomp import _seccomp, _seccomp_prog
 from rlf_envs.sandbox.sessions import gitdiff
