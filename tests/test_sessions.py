@@ -649,6 +649,7 @@ def test_deep_trees_and_mode_000_dirs_do_not_break_close_or_leave_anything(tmp_p
             with pytest.raises(SessionError):  # a read through the mode-000 dir: refused, the session lives on
                 await s.read_file("locked/inner/file")
             assert (await s.exec("echo alive")).stdout == "alive\n"
+            assert isinstance(await s.diff(), str)  # a user's tree, not an infrastructure failure
             await s.aclose()  # never raises
             await s.aclose()
             return s.id, s.uid
