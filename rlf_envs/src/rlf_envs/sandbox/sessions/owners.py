@@ -4,7 +4,8 @@ Every local session is written down (`<label dir>/<id>.json`) with its owner —
 the process that created it — before anything waits on it, and gets the pids (+ start times) of its agent processes
 as soon as they exist. `reap()` removes every session whose owner is gone: it SIGKILLs its agent (pid 1 of the
 session's pid namespace, so the kernel kills every process of the session, and its mount namespace, which holds all
-its mounts, goes with the last of them) and removes the label. Run at backend start-up and on a timer.
+its mounts, goes with the last of them), removes its cgroups (`sandbox._cgroup.remove_cgroups`) and the label. Run at
+backend start-up and on a timer.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import json
 import os
 import signal
 import tempfile
-import time
 import uuid
 from dataclasses import asdict, dataclass, field
+
+from rlf_envs.sandbox._cgroup import remove_cgroups
 
 #: this process's run id (RLF_RUN_ID, else a fresh one): written on every session it owns
 RUN_ID = os.environ.get("RLF_RUN_ID") or uuid.uuid4().hex[:12]
@@ -93,38 +95,6 @@ def kill_label(label: Label) -> None:
                 pass
 
 
-def remove_cgroup(path: str) -> bool:
-    """Kill what is left in a cgroup directory and remove it. False while it is still busy (its processes are
-    still exiting): try again later."""
-    try:
-        with open(os.path.join(path, "cgroup.procs")) as f:
-            for line in f:
-                try:
-                    os.kill(int(line), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-    except OSError:
-        pass
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
-def remove_cgroups(paths: list[str], wait_s: float = 2.0) -> bool:
-    """`remove_cgroup` each, retrying for up to `wait_s` while busy; whether all are gone."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = [p for p in paths if not remove_cgroup(p)]
-        if not left or time.monotonic() >= deadline:
-            return not left
-        paths = left
-        time.sleep(0.02)
-
-
 def labels() -> list[Label]:
     out = []
     d = label_dir()
@@ -148,7 +118,7 @@ def reap(backend: str = "local") -> int:
         if lab.backend != backend or lab.owner_alive():
             continue
         kill_label(lab)
-        if remove_cgroups(lab.cgroups):  # else: still busy, the next reap finishes it
+        if remove_cgroups(lab.cgroups, 2.0, kill=True):  # else: still busy, the next reap finishes it
             lab.remove()
             n += 1
     return n
