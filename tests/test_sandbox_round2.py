@@ -321,7 +321,7 @@ def _pss_of_uid_mb(uid: int) -> float:
 def measure_memory_hog(pool: SandboxPool | bool, memory_mb: int = 256) -> tuple[SandboxResult, float]:
     """Run MEMORY_HOG with `memory_mb`; returns its result and the peak total PSS of its processes (sampled every
     10 ms from outside)."""
-    lim = SandboxLimits(timeout_s=30.0, cpu_s=20, memory_mb=memory_mb, max_processes=16)
+    lim = SandboxLimits(timeout_s=120.0, cpu_s=60, memory_mb=memory_mb, max_processes=16)
     d = _dir_for(pool, lim)
     assert d.uid is not None
 
