@@ -27,6 +27,7 @@ EXTRA_FOR: dict[str, str] = {
     "torch": "search",
     "tqdm": "search",
     "trl": "trl",  # rlf_envs.adapters (one extra per trainer)
+    "docker": "docker",  # the docker session backend (rlf_envs.sandbox.sessions.docker)
 }
 GPU_NOTE = {"faiss": " (for faiss on CUDA 12 the extra search-gpu instead of search)"}
 

@@ -445,7 +445,9 @@ def build_docker_image(h: HarborTask, build_args: Mapping[str, str] | None = Non
     try:
         import docker
     except ImportError:
-        raise HarborError("the docker backend needs the docker SDK: pip install 'rlf-envs[docker]'") from None
+        from rlf_envs.extras import install_hint
+
+        raise HarborError(f"the docker backend needs the docker SDK: {install_hint('docker')}") from None
     ctx = Path(h.path) / "environment"
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(ctx.rglob("*")) if p.is_file())
                             + json.dumps(dict(build_args or {}), sort_keys=True).encode()).hexdigest()[:16]

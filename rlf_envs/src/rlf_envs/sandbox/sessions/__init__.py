@@ -25,7 +25,8 @@ __all__ = ["ExecResult", "Session", "SessionBackend", "SessionClosed", "SessionE
 
 def open_backend(backend: str | SessionBackend = "local", **kwargs: Any) -> SessionBackend:
     """A session backend by name: "local" (`LocalBackend(**kwargs)`) or "docker" (`DockerBackend(**kwargs)`,
-    DOCKER_HOST honoured; needs `pip install rlf-envs[docker]`); a SessionBackend instance is returned as is."""
+    DOCKER_HOST honoured; needs the `docker` extra: `pip install -e './rlf_envs[docker]'`); a SessionBackend
+    instance is returned as is."""
     if isinstance(backend, SessionBackend):
         return backend
     if backend == "local":

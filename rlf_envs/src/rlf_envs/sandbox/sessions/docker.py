@@ -1,5 +1,6 @@
 """The docker backend: one container per session through the Docker Engine API (the `docker` Python SDK,
-`pip install rlf-envs[docker]`; `DOCKER_HOST` honoured, so Podman's compatible socket works too).
+the `docker` extra, `pip install -e './rlf_envs[docker]'`; `DOCKER_HOST` honoured, so Podman's compatible socket
+works too).
 
 A session is a container of `SessionSpec.image` ("docker:<ref>", an image the engine holds) created with its owner
 labels in the same API call (`rlf.session`, `rlf.owner.run`, `rlf.owner.pid`, `rlf.owner.start`, `rlf.owner.host`),
@@ -316,8 +317,9 @@ class DockerBackend(SessionBackend):
         try:
             import docker
         except ImportError:
-            raise SessionInfraError("the docker backend needs the docker SDK: pip install 'rlf-envs[docker]'") \
-                from None
+            from rlf_envs.extras import install_hint
+
+            raise SessionInfraError(f"the docker backend needs the docker SDK: {install_hint('docker')}") from None
         try:
             self.client = docker.DockerClient(base_url=base_url, timeout=API_TIMEOUT_S) if base_url \
                 else docker.from_env(timeout=API_TIMEOUT_S)
