@@ -525,3 +525,48 @@ def test_a_run_cannot_make_namespaces_or_reach_bpf_perf_userfaultfd(pool: Sandbo
     assert (out.pop("thread"), out.pop("subprocess"), out.pop("fork")) == ("ok", "ok", 7), (out, r.stderr)
     assert out.pop("clone3") == errno.ENOSYS
     assert out == dict.fromkeys(out, errno.EPERM) and len(out) == 7, out
+
+
+# ------------------------------------------------------------------ the one seccomp program (runs and sessions)
+
+def _bpf(prog: list[tuple[int, int, int, int]], arch: int, nr: int, arg0: int = 0) -> int:
+    """Evaluate a classic BPF seccomp program on one call (the instructions `_seccomp_filter` emits)."""
+    data = {0: nr & 0xFFFFFFFF, 4: arch, 16: arg0 & 0xFFFFFFFF}
+    a, pc = 0, 0
+    while True:
+        code, jt, jf, k = prog[pc]
+        if code == 0x20:
+            a = data[k]
+        elif code == 0x06:
+            return k
+        elif code in (0x15, 0x35, 0x45):
+            hit = a == k if code == 0x15 else a >= k if code == 0x35 else bool(a & k)
+            pc += jt if hit else jf
+        else:
+            raise AssertionError(f"unexpected instruction {code:#x}")
+        pc += 1
+
+
+def test_the_seccomp_program_refuses_foreign_abis_and_filters_the_native_one() -> None:
+    """The filter every run and every session exec gets: the native arch's rules, and EPERM for every call of a
+    foreign ABI (i386's int 0x80 and x32 on x86_64, arm on aarch64), which a native program never makes."""
+    from rlf_envs.sandbox import _seccomp as sc
+
+    allow, eperm = sc.SECCOMP_RET_ALLOW, sc.SECCOMP_RET_ERRNO | 1
+    enosys, eafnosupport = sc.SECCOMP_RET_ERRNO | 38, sc.SECCOMP_RET_ERRNO | 97
+    x86 = sc._seccomp_filter("x86_64")
+    X, I386 = sc.AUDIT_ARCH_X86_64, sc.AUDIT_ARCH_I386
+    assert _bpf(x86, X, 0) == allow  # read
+    assert _bpf(x86, X, 41, 1) == allow and _bpf(x86, X, 41, 2) == allow and _bpf(x86, X, 53, 10) == allow
+    assert [_bpf(x86, X, 41, fam) for fam in (16, 17, 38, 40)] == [eafnosupport] * 4  # netlink packet alg vsock
+    assert _bpf(x86, X, 53, 40) == eafnosupport
+    assert [_bpf(x86, X, nr) for nr in (248, 250, 272, 308, 321, 298, 323)] == [eperm] * 7
+    assert _bpf(x86, X, 425) == enosys and _bpf(x86, X, 435) == enosys
+    assert _bpf(x86, X, 56, 0x01200011) == allow and _bpf(x86, X, 56, 0x10000000 | 17) == eperm  # fork / NEWUSER
+    assert _bpf(x86, X, 0x40000000 | 41, 40) == eperm and _bpf(x86, X, 0x40000000) == eperm  # x32
+    assert _bpf(x86, I386, 102) == eperm and _bpf(x86, I386, 3) == eperm  # i386: socketcall, and even read
+    arm = sc._seccomp_filter("aarch64")
+    A = sc.AUDIT_ARCH_AARCH64
+    assert _bpf(arm, A, 198, 40) == eafnosupport and _bpf(arm, A, 198, 1) == allow and _bpf(arm, A, 97) == eperm
+    assert _bpf(arm, sc.AUDIT_ARCH_ARM, 3) == eperm
+    assert sc._seccomp_filter("riscv128") == [(0x06, 0, 0, allow)]  # no tables: no filter rather than a wrong one

@@ -5,6 +5,7 @@ skipped with the reason otherwise."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -309,7 +310,7 @@ def test_memory_cgroup_bounds_the_whole_session() -> None:
         async with await b.create(SessionSpec(limits=lim)) as s:
             if s._agent.cgroup is None:
                 pytest.skip("no session cgroup on this host (rlimits only)")
-            cg = s._agent.cgroup.dirs
+            cg = s._agent.cgroup
             assert all(os.path.isdir(d) for d in cg)
             # 4 processes of 150 MB each: each under RLIMIT_AS (200 MB), together over the session's cgroup
             r = await s.exec("for i in 1 2 3 4; do python3 -c 'b = bytearray(150 << 20); import time; "
@@ -541,3 +542,164 @@ def test_sessions_run_on_rlf_runtime_loop(seed: Path) -> None:
 
     out, timed_out, patch = runtime.run(go())
     assert out == "hi\n" and timed_out and "+more" in patch
+
+
+# ------------------------------------------------------------------ the sandbox's filter, cgroup and clean-up
+# (sessions share `sandbox._seccomp`, `sandbox._cgroup` and `sandbox.cleanup` with the stateless sandbox)
+
+def test_session_sockets_only_of_the_families_a_session_needs() -> None:
+    """AF_VSOCK is not isolated by the network namespace (a channel between sessions and to the hypervisor);
+    AF_NETLINK, AF_PACKET, AF_ALG, AF_BLUETOOTH are kernel surface a shell session has no use for."""
+    probe = textwrap.dedent("""
+        import errno, socket
+        out = []
+        for name, fam, typ in (("vsock", 40, socket.SOCK_STREAM), ("netlink", 16, socket.SOCK_RAW),
+                               ("packet", 17, socket.SOCK_RAW), ("alg", 38, socket.SOCK_SEQPACKET),
+                               ("bluetooth", 31, socket.SOCK_STREAM)):
+            try:
+                socket.socket(fam, typ).close()
+                out.append(name + ":open")
+            except OSError as e:
+                out.append(name + ":" + errno.errorcode.get(e.errno, str(e.errno)))
+        try:
+            socket.socketpair(40, socket.SOCK_STREAM)
+            out.append("vsockpair:open")
+        except OSError as e:
+            out.append("vsockpair:" + errno.errorcode.get(e.errno, str(e.errno)))
+        a, b = socket.socketpair()  # what a session needs still works: unix, IP (loopback only here)
+        a.sendall(b"x"); assert b.recv(1) == b"x"
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM); s.close()
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.close()
+        print(" ".join(out))
+    """)
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=FAST)) as s:
+            r = await s.exec(["python3", "-c", probe])
+            assert r.exit_code == 0, r
+            assert r.stdout.split() == ["vsock:EAFNOSUPPORT", "netlink:EAFNOSUPPORT", "packet:EAFNOSUPPORT",
+                                        "alg:EAFNOSUPPORT", "bluetooth:EAFNOSUPPORT", "vsockpair:EAFNOSUPPORT"], r
+
+    run(go)
+
+
+def test_session_refuses_new_namespaces_bpf_perf_and_userfaultfd() -> None:
+    """unshare (any flags), setns, clone with a CLONE_NEW* flag, bpf, perf_event_open, userfaultfd: EPERM from the
+    filter; clone3 ENOSYS (libc falls back to clone); threads and subprocesses still work."""
+    probe = textwrap.dedent("""
+        import ctypes, os, platform, subprocess, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        nr = {"x86_64": dict(unshare=272, setns=308, bpf=321, perf=298, uffd=323, clone=56, clone3=435),
+              "aarch64": dict(unshare=97, setns=268, bpf=280, perf=241, uffd=282, clone=220, clone3=435)}
+        n = nr[platform.machine()]
+        fd = os.open("/proc/self/ns/uts", os.O_RDONLY)
+        out = []
+        for call, args in ((n["unshare"], (0,)), (n["unshare"], (0x00020000,)), (n["setns"], (fd, 0)),
+                           (n["bpf"], (0, 0, 0)), (n["perf"], (0, 0, -1, -1, 0)), (n["uffd"], (0,)),
+                           (n["clone"], (0x20000000 | 17, 0, 0, 0, 0)), (n["clone3"], (0, 0))):
+            r = libc.syscall(call, *args)
+            out.append(f"{r}:{ctypes.get_errno()}")
+        t = threading.Thread(target=lambda: out.append("thread"))
+        t.start(); t.join()
+        out.append(subprocess.run(["sh", "-c", "echo sub"], capture_output=True, text=True).stdout.strip())
+        print(" ".join(out))
+    """)
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=FAST)) as s:
+            r = await s.exec(["python3", "-c", probe])
+            assert r.stdout.split() == ["-1:1"] * 7 + ["-1:38", "thread", "sub"], r
+            r = await s.exec("unshare -n true; echo rc=$?; unshare -m true; echo rc=$?")
+            assert "rc=0" not in r.stdout, r
+
+    run(go)
+
+
+DEEP_AND_LOCKED = textwrap.dedent("""
+    import os
+    home = os.getcwd()
+    for top in (home, "/tmp"):
+        os.chdir(top)
+        os.mkdir("deep")
+        os.chdir("deep")
+        for i in range(3000):  # deeper than PATH_MAX and than Python's recursion limit
+            os.mkdir("d")
+            os.chdir("d")
+        with open("f", "w") as f:
+            f.write("x")
+        os.chdir(top)
+        os.makedirs("locked/inner")
+        for name in ("locked", "locked/inner"):
+            with open(name + "/file", "w") as f:
+                f.write("y" * 1000)
+        os.chmod("locked/inner", 0)
+        os.chmod("locked", 0)
+    print("made")
+""")
+
+
+def test_deep_trees_and_mode_000_dirs_do_not_break_close_or_leave_anything(tmp_path: Path) -> None:
+    os.environ["RLF_SESSIONS_DIR"] = str(tmp_path / "labels")
+    try:
+        async def go(b: LocalBackend) -> tuple[str, int]:
+            s = await b.create(SessionSpec(limits=SessionLimits(exec_timeout_s=60, session_timeout_s=120,
+                                                                 disk_mb=64, memory_mb=512, pids=64)))
+            r = await s.exec(["python3", "-c", DEEP_AND_LOCKED], timeout_s=60)
+            assert r.stdout == "made\n", r
+            with pytest.raises(SessionError):  # a read through the mode-000 dir: refused, the session lives on
+                await s.read_file("locked/inner/file")
+            assert (await s.exec("echo alive")).stdout == "alive\n"
+            assert isinstance(await s.diff(), str)  # a user's tree, not an infrastructure failure
+            await s.aclose()  # never raises
+            await s.aclose()
+            return s.id, s.uid
+
+        sid, uid = run(go)
+        left = [p for p in (tmp_path / "labels").rglob("*")]
+        assert left == [tmp_path / "labels" / ".mnt"] or left == [], left  # no label, nothing mounted or written
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and _procs_of_uid(uid):
+            time.sleep(0.1)
+        assert _procs_of_uid(uid) == []
+    finally:
+        os.environ.pop("RLF_SESSIONS_DIR", None)
+
+
+def _cgroup_peak(dirs: list[str]) -> int | None:
+    for d in dirs:
+        for name in ("memory.peak", "memory.max_usage_in_bytes"):
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(d, name)) as f:
+                return int(f.read())
+    return None
+
+
+def test_memory_above_the_session_limit_is_killed_for_the_whole_process_tree() -> None:
+    """A tree of processes (a shell, forked Python children), none over its own RLIMIT_AS, together far above the
+    session's memory: the kernel kills inside the session's cgroup, and the tree's peak stays under the limit."""
+    lim = SessionLimits(memory_mb=160, disk_mb=16, pids=64, exec_timeout_s=60)
+    tree = textwrap.dedent("""
+        import os, time
+        kids = []
+        for i in range(6):
+            pid = os.fork()
+            if pid == 0:
+                b = b"x" * (100 << 20)  # touched pages: 100 MB resident each, 600 MB in all
+                time.sleep(4)
+                os._exit(0)
+            kids.append(pid)
+        print(sum(os.waitstatus_to_exitcode(os.waitpid(k, 0)[1]) != 0 for k in kids))
+    """)
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=lim)) as s:
+            if s._agent.cgroup is None:
+                pytest.skip("no session cgroup on this host (rlimits only)")
+            r = await s.exec(["python3", "-c", tree], timeout_s=60)
+            assert r.exit_code == 0 and int(r.stdout) >= 1, r  # some of the tree was killed
+            peak = _cgroup_peak(s._agent.cgroup)
+            limit = (lim.memory_mb + lim.disk_mb + 64) << 20
+            if peak is not None:
+                assert peak <= limit, (peak, limit)
+            assert (await s.exec("echo alive")).stdout == "alive\n"  # the session itself survives
+
+    run(go)

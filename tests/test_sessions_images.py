@@ -88,6 +88,33 @@ def test_oci_archive_layers_and_whiteouts_unpack_once(tmp_path: Path, monkeypatc
         images.resolve_local(f"oci-archive:{tmp_path / 'missing.tar'}")
 
 
+def test_a_whiteout_of_a_deep_or_locked_tree_unpacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lower layer's tree 1500 levels deep (deeper than Python's recursion limit) and a directory of mode 000,
+    removed by whiteouts of the next layer: removed by `sandbox.cleanup` (shutil.rmtree raised RecursionError)."""
+    monkeypatch.setenv("RLF_CACHE_DIR", str(tmp_path / "cache"))
+    deep = "/".join(["deep"] + ["d"] * 1500)
+    entries: list[tuple[str, bytes | str | None]] = [(deep[:i], None) for i in range(4, len(deep) + 1, 2)
+                                                     if deep[i - 1] != "/" and (i == len(deep) or deep[i] == "/")]
+    entries += [(deep + "/f", b"x"), ("locked", None), ("locked/f", b"y"), ("keep", b"k")]
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, data in entries:
+            info = tarfile.TarInfo(name)
+            if data is None:
+                info.type, info.mode = tarfile.DIRTYPE, 0 if name == "locked" else 0o755
+                tf.addfile(info)
+            else:
+                assert isinstance(data, bytes)
+                info.size, info.mode = len(data), 0o644
+                tf.addfile(info, io.BytesIO(data))
+    top = _tar([(".wh.deep", b""), (".wh.locked", b""), ("added", b"a")])
+    arch = tmp_path / "img.tar"
+    _oci(arch, [buf.getvalue(), top])
+    root = Path(images.resolve_local(f"oci-archive:{arch}"))
+    assert sorted(os.listdir(root)) == ["added", "keep"]
+    assert not [n for n in os.listdir(tmp_path / "cache" / "images") if n.startswith(".")]  # no half-made copy
+
+
 @needs_root
 @needs_debian
 def test_a_session_in_the_debian_image_runs_git_and_pytest_and_leaves_the_image_untouched(tmp_path: Path) -> None:

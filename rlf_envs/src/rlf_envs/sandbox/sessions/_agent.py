@@ -23,7 +23,6 @@ import contextlib
 import ctypes
 import json
 import os
-import platform
 import resource
 import select
 import shutil
@@ -32,11 +31,21 @@ import stat
 import struct
 import sys
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gitdiff
+if not __package__:  # a script of a bare interpreter: the sandbox's stdlib-only modules by their package names
+    _here = os.path.dirname(os.path.abspath(__file__))
+    for _pkg, _pkg_dir in (("rlf_envs", os.path.dirname(os.path.dirname(_here))),
+                           ("rlf_envs.sandbox", os.path.dirname(_here)), ("rlf_envs.sandbox.sessions", _here)):
+        if _pkg not in sys.modules:  # bare namespaces: their `__init__` (which imports asyncio etc.) never runs
+            _module = types.ModuleType(_pkg)
+            _module.__path__ = [_pkg_dir]
+            sys.modules[_pkg] = _module
+
+from rlf_envs.sandbox._seccomp import _seccomp, _seccomp_prog
+from rlf_envs.sandbox.sessions import gitdiff
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -72,82 +81,6 @@ def bind(src: str, dst: str, writable: bool = False) -> None:
 
 def prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), "prctl")
-
-
-# ---------------------------------------------------------------- seccomp
-#: per native arch: (AUDIT_ARCH, key calls, io_uring calls, clone3, (unshare, clone)); the filter answers EPERM to the
-#: kernel keyring calls (keys outlive processes: a channel between sessions), ENOSYS to io_uring and clone3 (so libc
-#: falls back to clone, whose flags a classic filter can read), EPERM to unshare/clone asking for a new user namespace
-#: (capabilities there would reopen the kernel's mount/namespace surface), and EPERM to every call of a foreign ABI
-#: (i386 int 0x80, x32) which the native rules would not see
-SECCOMP_ARCHES = {
-    "x86_64": (0xC000003E, (248, 249, 250), (425, 426, 427), 435, (272, 56)),
-    "aarch64": (0xC00000B7, (217, 218, 219), (425, 426, 427), 435, (97, 220)),
-}
-CLONE_NEWUSER = 0x10000000
-PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
-SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
-
-
-class _SockFilter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
-
-
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
-
-
-def seccomp_program() -> list[tuple[int, int, int, int]] | None:
-    """The session's filter as classic BPF (code, jt, jf, k), or None on an arch we have no table for."""
-    spec = SECCOMP_ARCHES.get(platform.machine())
-    if spec is None:
-        return None
-    arch, keys, uring, clone3, newuser = spec
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    # assembled with labels: ("jmp", code, k, true_label | None, false_label | None) -> resolved offsets
-    prog: list[tuple[Any, ...]] = [("i", ld, 0, 0, 4), ("j", jeq, arch, None, "eperm"), ("i", ld, 0, 0, 0)]
-    if platform.machine() == "x86_64":
-        prog.append(("j", jge, 0x40000000, "eperm", None))
-    prog += [("j", jeq, nr, "eperm", None) for nr in keys]
-    prog += [("j", jeq, nr, "enosys", None) for nr in (*uring, clone3)]
-    prog += [("j", jeq, nr, "newuser", None) for nr in newuser]
-    prog += [("i", ret, 0, 0, SECCOMP_RET_ALLOW), ("newuser",), ("i", ld, 0, 0, 16),
-             ("j", jset, CLONE_NEWUSER, "eperm", None), ("i", ret, 0, 0, SECCOMP_RET_ALLOW),
-             ("eperm",), ("i", ret, 0, 0, SECCOMP_RET_ERRNO | 1), ("enosys",), ("i", ret, 0, 0, SECCOMP_RET_ERRNO | 38)]
-    labels: dict[str, int] = {}
-    n = 0
-    for item in prog:
-        if len(item) == 1:
-            labels[item[0]] = n
-        else:
-            n += 1
-    out: list[tuple[int, int, int, int]] = []
-    for item in prog:
-        if len(item) == 1:
-            continue
-        here = len(out)
-        if item[0] == "i":
-            out.append((item[1], item[2], item[3], item[4]))
-        else:
-            _, code, k, t, f = item
-            jt = labels[t] - here - 1 if t else 0
-            jf = labels[f] - here - 1 if f else 0
-            out.append((code, jt, jf, k))
-    return out
-
-
-_PROG: tuple[Any, Any] | None = None
-
-
-def _seccomp_fprog() -> Any:
-    global _PROG
-    if _PROG is None:
-        ins = seccomp_program()
-        if ins is None:
-            return None
-        arr = (_SockFilter * len(ins))(*[_SockFilter(*i) for i in ins])
-        _PROG = (arr, _SockFprog(len(ins), ctypes.cast(arr, ctypes.POINTER(_SockFilter))))
-    return _PROG[1]
 
 
 # ---------------------------------------------------------------- frames
@@ -323,11 +256,7 @@ def _child(req: dict[str, Any], st: dict[str, Any], stdin_fd: int, out_w: int, e
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
         prctl(PR_SET_NO_NEW_PRIVS, 1)
-        fprog = _seccomp_fprog()
-        if fprog is not None:
-            addr = ctypes.c_ulong(ctypes.addressof(fprog))
-            _check(_libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), addr, ctypes.c_ulong(0),
-                               ctypes.c_ulong(0)), "seccomp")
+        _seccomp()  # the sandbox's filter (`rlf_envs.sandbox._seccomp`): the last step before the command
         cwd = req.get("cwd") or st["workdir"]
         os.chdir(cwd)
         env = dict(st["env"])
@@ -611,7 +540,7 @@ def session_main(parent_fd: int) -> None:
         write_frame(1, {"ok": False, "error": f"starting the session: {e!r}", "kind": "infra"})
         os._exit(2)
     st = {"limits": lim, "uid": start["uid"], "workdir": start["workdir"], "env": start["env"], "seed_fd": seed_fd}
-    _seccomp_fprog()
+    _seccomp_prog()  # built before the first exec's fork
     write_frame(1, {"ok": True})
     serve(st)
 

@@ -19,7 +19,6 @@ import contextlib
 import io
 import os
 import shlex
-import shutil
 import socket
 import tarfile
 import tempfile
@@ -28,6 +27,7 @@ import time
 import uuid
 from typing import Any
 
+from rlf_envs.sandbox import cleanup
 from rlf_envs.sandbox.sessions import gitdiff, owners
 from rlf_envs.sandbox.sessions.images import inside
 from rlf_envs.sandbox.sessions.types import (
@@ -268,6 +268,7 @@ class DockerSession(Session):
 
         def get() -> str:
             tmp = os.path.realpath(tempfile.mkdtemp(prefix="rlf-docker-diff-"))
+            cleanup.sweep_once(os.path.dirname(tmp))  # what a killed trainer's `discard` below left there
             try:
                 stream, _ = self._c.get_archive(wd)
                 with tarfile.open(fileobj=io.BufferedReader(_Cap(stream, 1 << 30)), mode="r|") as tf:
@@ -287,7 +288,7 @@ class DockerSession(Session):
                         tf.extract(m, tmp, set_attrs=True, numeric_owner=True, filter="fully_trusted")
                 return gitdiff.diff_trees(self.spec.seed_dir, os.path.join(tmp, os.path.basename(wd.rstrip("/"))))
             finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+                cleanup.discard(tmp)  # what the container held: any depth or mode, removed off the call's path
 
         async with self._lock:
             self._check()

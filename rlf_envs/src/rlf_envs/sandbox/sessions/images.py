@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlf_envs.sandbox import cleanup
+
 DEBIAN_PACKAGES = ("python3", "git", "bash", "python3-pytest", "ca-certificates")
 DEBIAN_SUITE = "bookworm"
 DEBIAN_TEST_NAME = "debian-12-test"
@@ -118,7 +120,7 @@ def _rm(path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
     else:
-        shutil.rmtree(path, ignore_errors=True)
+        cleanup.remove_tree(path)  # (a layer's tree: any depth or mode; never raises)
 
 
 def _publish(tmp: str, final: Path) -> str:
@@ -126,7 +128,7 @@ def _publish(tmp: str, final: Path) -> str:
     try:
         os.rename(tmp, final)
     except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+        cleanup.remove_tree(tmp)
         if not final.is_dir():
             raise
     return str(final)
@@ -144,7 +146,7 @@ def unpack_rootfs_tar(path: str) -> str:
             _safe_extract(tf, tmp, whiteouts=False)
         os.chmod(tmp, 0o755)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        cleanup.remove_tree(tmp)
         raise
     return _publish(tmp, final)
 
@@ -185,7 +187,7 @@ def unpack_oci(path: str) -> str:
                     _safe_extract(tf, tmp, whiteouts=True)
             os.chmod(tmp, 0o755)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            cleanup.remove_tree(tmp)
             raise
     return _publish(tmp, final)
 
@@ -229,7 +231,7 @@ def build_debian(mirror: str | None = None, timeout_s: float = 1200) -> str:
             _safe_extract(tf, tmp, whiteouts=False)
         os.chmod(tmp, 0o755)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        cleanup.remove_tree(tmp)
         raise
     _publish(tmp, root)
     print(f"built {root} in {time.monotonic() - t0:.0f} s", file=sys.stderr)

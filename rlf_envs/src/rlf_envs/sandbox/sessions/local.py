@@ -25,8 +25,8 @@ import uuid
 from dataclasses import asdict
 from typing import Any
 
+from rlf_envs.sandbox import _cgroup
 from rlf_envs.sandbox.sessions import images, owners
-from rlf_envs.sandbox.sessions.cgroups import SessionCgroup
 from rlf_envs.sandbox.sessions.types import (
     ExecResult,
     Session,
@@ -35,6 +35,7 @@ from rlf_envs.sandbox.sessions.types import (
     SessionError,
     SessionFileNotFound,
     SessionInfraError,
+    SessionLimits,
     SessionSpec,
 )
 
@@ -49,6 +50,31 @@ START_TIMEOUT_S = 60.0
 MAX_FRAME = 256 << 20
 
 
+_warned_cgroup = False
+
+
+def session_memory_bytes(limits: SessionLimits) -> int:
+    """The session cgroup's memory limit: memory_mb + disk_mb + 64 MB -- the workspace and /tmp are tmpfs, whose pages
+    the kernel charges to the cgroup of the process that wrote them, and the agent itself lives there too."""
+    return (limits.memory_mb + limits.disk_mb + 64) << 20
+
+
+def _session_cgroup(sid: str) -> list[str] | None:
+    """The session's cgroup (`sandbox._cgroup`: memory, and pids where the host has the controller; the pids limit is
+    pids + 8, for the agent and its kill helpers), or None where the host has none for us (said once): memory and
+    processes are then bounded by RLIMIT_AS per process and RLIMIT_NPROC of the session's own uid."""
+    global _warned_cgroup
+    if os.geteuid() != 0 or os.environ.get("RLF_SESSION_CGROUPS", "1") == "0":
+        return None
+    dirs = _cgroup.make_cgroup(_cgroup.SESSION_PREFIX + sid)
+    if isinstance(dirs, list):
+        return dirs
+    if not _warned_cgroup:
+        _warned_cgroup = True
+        log.warning("sessions: %s; memory and pids are bounded by rlimits per process / per uid instead", dirs)
+    return None
+
+
 class _Agent:
     """One spawned agent process (P, and C = pid 1 of its session), talking frames on its stdin/stdout."""
 
@@ -57,7 +83,7 @@ class _Agent:
         self.label = label
         self.key = key
         self.dead = False
-        self.cgroup: SessionCgroup | None = None
+        self.cgroup: list[str] | None = None  # its cgroup's directories (`_session_cgroup`)
         self._cleanup: asyncio.Task[None] | None = None
 
     async def send(self, obj: dict[str, Any]) -> None:
@@ -107,7 +133,7 @@ class _Agent:
         try:
             self._cleanup = asyncio.get_running_loop().create_task(self._finish())
         except RuntimeError:  # no loop (interpreter exit): best effort now, the reaper does the rest
-            if owners.remove_cgroups(self.label.cgroups, wait_s=0.5):
+            if _cgroup.remove_cgroups(self.label.cgroups, 0.5, kill=True):
                 self.label.remove()
 
     async def _finish(self) -> None:
@@ -122,7 +148,7 @@ class _Agent:
         if transport is not None:
             with contextlib.suppress(Exception):
                 transport.close()
-        if await asyncio.to_thread(owners.remove_cgroups, self.label.cgroups):
+        if await asyncio.to_thread(_cgroup.remove_cgroups, self.label.cgroups, 2.0, True):
             self.label.remove()  # else: left for the reaper (the label names the busy cgroup)
 
     async def wait_dead(self) -> None:
@@ -153,13 +179,13 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int) -> _Agent
                                     "namespaces?") from None
         c = int(first["pid"])
         label.procs.insert(0, (c, owners.start_time(c)))
-        cg = SessionCgroup.create(label.id)
+        cg = _session_cgroup(label.id)
         if cg is not None:
-            label.cgroups = cg.dirs
+            label.cgroups = cg
         label.save()  # (before the cgroup holds anything: a reaper always knows what to remove)
         if cg is not None:
             try:
-                cg.add(c)
+                _cgroup.enter_cgroup(cg, c)
                 agent.cgroup = cg
             except OSError as e:
                 log.warning("sessions: could not move the agent into its cgroup (%s): rlimits only", e)
@@ -174,7 +200,7 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int) -> _Agent
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
         owners.kill_label(label)
-        if owners.remove_cgroups(label.cgroups, wait_s=0.5):
+        if _cgroup.remove_cgroups(label.cgroups, 0.5, kill=True):
             label.remove()
         raise
 
@@ -386,7 +412,7 @@ class LocalBackend(SessionBackend):
         try:
             if agent.cgroup is not None:
                 try:
-                    agent.cgroup.limit(spec.limits.memory_mb, spec.limits.disk_mb, spec.limits.pids)
+                    _cgroup.limit_cgroup(agent.cgroup, session_memory_bytes(spec.limits), spec.limits.pids + 8)
                 except OSError as e:
                     raise SessionInfraError(f"could not set the session's cgroup limits: {e}") from None
             env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": spec.workdir,

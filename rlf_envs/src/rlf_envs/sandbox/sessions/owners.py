@@ -13,9 +13,10 @@ import json
 import os
 import signal
 import tempfile
-import time
 import uuid
 from dataclasses import asdict, dataclass, field
+
+from rlf_envs.sandbox._cgroup import remove_cgroups
 
 #: this process's run id (RLF_RUN_ID, else a fresh one): written on every session it owns
 RUN_ID = os.environ.get("RLF_RUN_ID") or uuid.uuid4().hex[:12]
@@ -93,38 +94,6 @@ def kill_label(label: Label) -> None:
                 pass
 
 
-def remove_cgroup(path: str) -> bool:
-    """Kill what is left in a cgroup directory and remove it. False while it is still busy (its processes are
-    still exiting): try again later."""
-    try:
-        with open(os.path.join(path, "cgroup.procs")) as f:
-            for line in f:
-                try:
-                    os.kill(int(line), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-    except OSError:
-        pass
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
-def remove_cgroups(paths: list[str], wait_s: float = 2.0) -> bool:
-    """`remove_cgroup` each, retrying for up to `wait_s` while busy; whether all are gone."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        left = [p for p in paths if not remove_cgroup(p)]
-        if not left or time.monotonic() >= deadline:
-            return not left
-        paths = left
-        time.sleep(0.02)
-
-
 def labels() -> list[Label]:
     out = []
     d = label_dir()
@@ -148,7 +117,7 @@ def reap(backend: str = "local") -> int:
         if lab.backend != backend or lab.owner_alive():
             continue
         kill_label(lab)
-        if remove_cgroups(lab.cgroups):  # else: still busy, the next reap finishes it
+        if remove_cgroups(lab.cgroups, 2.0, kill=True):  # else: still busy, the next reap finishes it
             lab.remove()
             n += 1
     return n
