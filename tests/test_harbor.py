@@ -25,8 +25,11 @@ from rlf_envs.tasks.harbor import (
     parse_task_toml,
     plan_dockerfile,
 )
+from tests import test_envs_swe_docker
 
 pytestmark = pytest.mark.envs
+DOCKER_IMAGE = test_envs_swe_docker.DOCKER_IMAGE
+docker_backend = test_envs_swe_docker.docker_backend  # the fixture: a backend of the test's own, closed after
 TASKS = Path(__file__).parent / "harbor_tasks"
 
 
@@ -167,42 +170,17 @@ def test_harbor_through_task_file_and_json_reward(tmp_path: Path) -> None:
         env.close()
 
 
-DOCKER_IMAGE = os.environ.get("RLF_DOCKER_TEST_IMAGE", "rlf-debian-test:12")  # what .ci/run imports (issue 38)
-
-
-def _docker_ready() -> str | None:
-    try:
-        import docker
-    except ImportError:
-        return "the docker SDK is not installed (pip install 'rlf-envs[docker]')"
-    try:
-        c = docker.from_env(timeout=5)
-        c.ping()
-        c.images.get(DOCKER_IMAGE)
-        c.close()
-    except Exception as e:
-        return f"no docker engine with the image {DOCKER_IMAGE} ({type(e).__name__}; see DOCKER_HOST)"
-    try:
-        from rlf_envs.sandbox.sessions import open_backend
-
-        open_backend("docker")
-    except Exception as e:
-        return f"no docker session backend ({type(e).__name__}: {e})"
-    return None
-
-
-@pytest.mark.parametrize("name,task_id", [("fix-greeting", "fix-greeting")])
-def test_oracle_scores_one_untouched_zero_docker(name: str, task_id: str) -> None:
-    why = _docker_ready()
-    if why:
-        pytest.skip(why)
+@pytest.mark.parametrize("name,task_id", [("fix-greeting", "fix-greeting"),
+                                          ("count-numbers", "rlf-tests/count-numbers")])
+def test_oracle_scores_one_untouched_zero_docker(docker_backend: Any, name: str, task_id: str) -> None:
+    """The image built from the task's Dockerfile by the engine (FROM the Debian test image, a build ARG)."""
     tasks = load_harbor_dir(TASKS / name, build_args={"BASE_IMAGE": DOCKER_IMAGE})
-    env = gym.make("rlf/SWE-v0", tasks=tasks, backend="docker").unwrapped
+    env = gym.make("rlf/SWE-v0", tasks=tasks, backend=docker_backend).unwrapped
     try:
         r, info = _episode(env, task_id, _solve_actions(TASKS / name))
         assert r == 1.0, info["trajectory"].score_info
-        r0, _ = _episode(env, task_id, ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'])
-        assert r0 == 0.0
+        r0, info0 = _episode(env, task_id, ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'])
+        assert r0 == 0.0 and info0["infra_failed"] is False, info0["trajectory"].score_info
     finally:
         env.close()
 

@@ -447,21 +447,46 @@ def build_docker_image(h: HarborTask, build_args: Mapping[str, str] | None = Non
     except ImportError:
         raise HarborError("the docker backend needs the docker SDK: pip install 'rlf-envs[docker]'") from None
     ctx = Path(h.path) / "environment"
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(ctx.rglob("*")) if p.is_file())
-                            + json.dumps(dict(build_args or {}), sort_keys=True).encode()).hexdigest()[:16]
-    tag = f"rlf-harbor-{re.sub(r'[^a-z0-9_.-]+', '-', h.config.name.lower())}:{digest}"
-    client = docker.from_env(timeout=int(h.config.build_timeout_s))
+    sha = hashlib.sha256(json.dumps(dict(build_args or {}), sort_keys=True).encode())
+    for p in sorted(ctx.rglob("*")):
+        if p.is_file():
+            sha.update(p.relative_to(ctx).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    name = re.sub(r"[^a-z0-9_.-]+", "-", h.config.name.lower()).strip("-.") or "task"
+    tag = f"rlf-harbor-{name}:{sha.hexdigest()[:16]}"
+    try:
+        client = docker.from_env(timeout=int(h.config.build_timeout_s))
+    except Exception as e:
+        raise HarborError(f"{h.path}: no docker engine to build the task's image ({e}; see DOCKER_HOST)") from None
     try:
         try:
             client.images.get(tag)
         except docker.errors.ImageNotFound:
-            client.images.build(path=str(ctx), tag=tag, buildargs=dict(build_args or {}), rm=True,
+            client.images.build(path=str(ctx), tag=tag, buildargs=dict(build_args or {}), rm=True, forcerm=True,
                                 timeout=int(h.config.build_timeout_s))
+    except docker.errors.BuildError as e:
+        log = "".join(str(x.get("stream") or x.get("error") or "") for x in (e.build_log or []))[-800:]
+        raise HarborError(f"{h.path}: docker build of environment/Dockerfile failed: {e.msg}\n{log}") from None
+    except docker.errors.APIError as e:
+        raise HarborError(f"{h.path}: docker build of environment/Dockerfile refused: {e} (is its FROM image "
+                          "in the engine? a base image can be named through a build ARG)") from None
     finally:
         client.close()
     return f"docker:{tag}"
 
 
-__all__ = ["DockerPlan", "HarborConfig", "HarborError", "HarborTask", "build_docker_image", "harbor_to_task",
+def docker_image_workdir(ref: str) -> str | None:
+    """The WORKDIR of an engine image (`docker:<tag>` or `<tag>`), None when it sets none."""
+    import docker
+
+    client = docker.from_env(timeout=60)
+    try:
+        wd = (client.images.get(ref.removeprefix("docker:")).attrs.get("Config") or {}).get("WorkingDir")
+    finally:
+        client.close()
+    return wd or None
+
+
+__all__ = ["DockerPlan", "HarborConfig", "HarborError", "HarborTask", "build_docker_image", "docker_image_workdir",
+           "harbor_to_task",
            "load_harbor_dir", "load_harbor_task", "parse_dockerfile", "parse_reward", "parse_task_toml",
            "plan_dockerfile"]

@@ -432,7 +432,8 @@ class SweEnv(ToolEnv):
             if not isinstance(tasks, str) and all(isinstance(t, dict) and "instance_id" in t for t in tasks):
                 kwargs["tasks"] = load_swe_rows(tasks)
         self.backend_name = backend
-        if image is None and backend == "docker" and any(
+        backend_kind = backend if isinstance(backend, str) else getattr(backend, "name", "")
+        if image is None and backend_kind == "docker" and any(
                 SweTask.from_meta(t).image == "host" and SweTask.from_meta(t).harbor is None
                 for t in load_tasks_once(kwargs["tasks"])):
             raise ValueError("the docker backend needs image='docker:<ref>' (an image with python3, git and pytest, "

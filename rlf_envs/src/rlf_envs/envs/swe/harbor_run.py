@@ -23,9 +23,9 @@ from rlf_envs.tasks.harbor import (
     HarborError,
     HarborTask,
     build_docker_image,
+    docker_image_workdir,
     load_harbor_task,
     materialise_seed,
-    parse_dockerfile,
     parse_reward,
     plan_dockerfile,
 )
@@ -47,6 +47,11 @@ def _plan(path: str, build_args: tuple[tuple[str, str], ...], base_images: tuple
 _plan_cached = functools.lru_cache(maxsize=256)(_plan)
 
 
+@functools.lru_cache(maxsize=256)
+def _image_workdir(image: str) -> str | None:
+    return docker_image_workdir(image)
+
+
 def harbor_spec(h: dict[str, Any], backend: str, limits: SessionLimits) -> tuple[SessionSpec, list[tuple[Any, ...]]]:
     """The session spec of a Harbor task and the steps to replay at each session start."""
     task = _task(h["path"])
@@ -59,11 +64,9 @@ def harbor_spec(h: dict[str, Any], backend: str, limits: SessionLimits) -> tuple
                             output_bytes=limits.output_bytes)
     if backend == "docker":
         image = build_docker_image(task, dict(ba))
-        workdir = cfg.workdir
-        if workdir is None and (Path(task.path) / "environment" / "Dockerfile").is_file():
-            text = (Path(task.path) / "environment" / "Dockerfile").read_text(encoding="utf-8")
-            wds = [i.args.strip() for i in parse_dockerfile(text, task.path) if i.keyword == "WORKDIR"]
-            workdir = wds[-1] if wds else None
+        workdir = cfg.workdir or _image_workdir(image)  # the image's own WORKDIR (ARG/ENV expanded by the build)
+        if workdir in (None, "/"):
+            workdir = "/app"  # Harbor's convention
         return SessionSpec(image=image, workdir=workdir or "/app", env={"LANG": "C.UTF-8", **cfg.env},
                            network=False, limits=lim), []
     plan = _plan_cached(task.path, ba, tuple(sorted((h.get("base_images") or {}).items())), cfg.workdir)
