@@ -140,7 +140,8 @@ def _episode(env: Any, task_id: str, actions: list[str]) -> tuple[float, dict[st
 
 
 @pytest.mark.parametrize("name,task_id", [("fix-greeting", "fix-greeting"),
-                                          ("count-numbers", "rlf-tests/count-numbers")])
+                                          ("count-numbers", "rlf-tests/count-numbers"),
+                                          ("sales-report", "sales-report")])
 def test_oracle_scores_one_untouched_zero_local(name: str, task_id: str) -> None:
     _skip_without_sessions()
     tasks = load_harbor_dir(TASKS, build_args={"BASE_IMAGE": str(_image())})
@@ -171,7 +172,8 @@ def test_harbor_through_task_file_and_json_reward(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name,task_id", [("fix-greeting", "fix-greeting"),
-                                          ("count-numbers", "rlf-tests/count-numbers")])
+                                          ("count-numbers", "rlf-tests/count-numbers"),
+                                          ("sales-report", "sales-report")])
 def test_oracle_scores_one_untouched_zero_docker(docker_backend: Any, name: str, task_id: str) -> None:
     """The image built from the task's Dockerfile by the engine (FROM the Debian test image, a build ARG)."""
     tasks = load_harbor_dir(TASKS / name, build_args={"BASE_IMAGE": DOCKER_IMAGE})
