@@ -120,7 +120,7 @@ def test_loader_errors(tmp_path: Path) -> None:
     with pytest.raises(HarborError, match="tests/test.sh"):
         load_harbor_task(d)
     tasks = load_harbor_dir(TASKS)
-    assert sorted(t.id for t in tasks) == ["fix-greeting", "rlf-tests/count-numbers"]
+    assert sorted(t.id for t in tasks) == ["fix-greeting", "rlf-tests/count-numbers", "sales-report"]
 
 
 def _solve_actions(task_dir: Path) -> list[str]:
