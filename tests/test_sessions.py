@@ -703,3 +703,44 @@ def test_memory_above_the_session_limit_is_killed_for_the_whole_process_tree() -
             assert (await s.exec("echo alive")).stdout == "alive\n"  # the session itself survives
 
     run(go)
+
+
+def test_what_a_shell_session_needs_still_works_under_the_filter() -> None:
+    """pip from a local directory, git, threads, multiprocessing, asyncio (a socketpair) and getaddrinfo (netlink
+    refused: glibc falls back) under the sandbox's filter, in the host image."""
+    script = textwrap.dedent("""\
+        set -e
+        mkdir -p pkg/mypkg && echo 'X = 1' > pkg/mypkg/__init__.py
+        printf '[project]\\nname = "mypkg"\\nversion = "0.1"\\n' > pkg/pyproject.toml
+        printf '[build-system]\\nrequires = ["setuptools"]\\n' >> pkg/pyproject.toml
+        printf 'build-backend = "setuptools.build_meta"\\n' >> pkg/pyproject.toml
+        if python3 -m pip --version > /dev/null 2>&1 && python3 -c 'import setuptools' 2> /dev/null; then
+            python3 -m pip install -q --no-index --no-build-isolation --target site ./pkg
+            PYTHONPATH=site python3 -c 'import mypkg; print("pip", mypkg.X)'
+        else
+            echo "pip n/a"  # (a host without pip or setuptools for /usr/bin/python3)
+        fi
+        git init -q r && cd r && git -c user.email=a@b -c user.name=n commit -q --allow-empty -m x && cd ..
+        echo "git $(git -C r rev-list --count HEAD)"
+        python3 -c '
+        import asyncio, concurrent.futures as cf, multiprocessing as mp, socket
+        async def f():
+            return 1
+        print("asyncio", asyncio.run(f()))
+        with cf.ThreadPoolExecutor(4) as ex:
+            print("threads", sum(ex.map(abs, [1, 2])))
+        with mp.Pool(2) as p:
+            print("mp", sum(p.map(abs, [1, -2])))
+        print("resolve", socket.getaddrinfo("127.0.0.1", 80)[0][4][0])
+        '
+    """)
+    lim = SessionLimits(exec_timeout_s=120, session_timeout_s=240, memory_mb=1024, disk_mb=128, pids=128)
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=lim)) as s:
+            r = await s.exec(script, timeout_s=120)
+            assert r.exit_code == 0, r
+            assert r.stdout.split("\n")[0] in ("pip 1", "pip n/a"), r
+            assert r.stdout.split("\n")[1:6] == ["git 1", "asyncio 1", "threads 3", "mp 3", "resolve 127.0.0.1"], r
+
+    run(go)

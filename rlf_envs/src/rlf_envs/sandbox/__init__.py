@@ -28,12 +28,14 @@ Process tree and why
   - as root: the worker runs as an unprivileged uid unique to the run (so it cannot signal, trace or read
     the environment of our processes or write our files, and `RLIMIT_NPROC` bounds its process count,
     which root ignores); `PR_SET_NO_NEW_PRIVS` stops setuid binaries from regaining root;
-  - as root: every process of the run in one memory cgroup limited to `memory_mb` in all (`memory_cgroup`), and
+  - as root: every process of the run in one memory cgroup limited to `memory_mb` in all (`memory_cgroup`; `_cgroup`
+    is the one cgroup helper, sessions' too), and
     the work dir a tmpfs of `disk_mb` of its own (`disk_quota`, `quota.py`);
   - always: a seccomp filter -- no kernel keyrings (add_key/request_key/keyctl fail: keys outlive processes and
     are readable across uids), sockets of AF_UNIX/AF_INET/AF_INET6 only (AF_VSOCK is not isolated by the network
-    namespace), no io_uring --, no capabilities (a worker forked in a user namespace drops them), a minimal
-    explicit environment, the work dir as cwd/HOME/TMPDIR, rlimits on address space,
+    namespace), no io_uring, no new namespaces, bpf, perf_event_open or userfaultfd, no foreign ABI (`_seccomp`: the
+    one filter of the sandbox, every session exec gets it too) --, no capabilities (a worker forked in a user
+    namespace drops them), a minimal explicit environment, the work dir as cwd/HOME/TMPDIR, rlimits on address space,
     CPU time, file size, open files and core dumps, capped stdout/stderr, a wall-clock deadline, and a
     whole-tree kill at the end (pid namespace, or the subreaper walk plus every process of the run's uid).
 

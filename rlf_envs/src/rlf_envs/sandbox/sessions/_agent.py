@@ -1,5 +1,8 @@
 """The in-session agent of the local backend (stdlib only; run as `python -I -S _agent.py`, never imported by the
-trainer). Trusted: it holds root inside the session's namespaces; what it runs does not.
+trainer). Trusted: it holds root inside the session's namespaces; what it runs does not. Run as a script, it makes
+`rlf_envs`, `rlf_envs.sandbox` and `rlf_envs.sandbox.sessions` bare namespaces (as `sandbox/_supervisor.py` does: their
+`__init__` never runs) and loads the sandbox's stdlib-only modules by their package names: the Linux ABI (`_base`),
+the one seccomp filter of the sandbox (`_seccomp`: every exec gets exactly a stateless run's filter) and `gitdiff`.
 
 Process tree of one session::
 
@@ -8,7 +11,8 @@ Process tree of one session::
                                          binds of the host's system dirs, or an overlay over an image root), the
                                          workspace (a size-limited tmpfs holding a copy of the seed), chroots, then
                                          serves requests one at a time; each exec is a fork that drops to the
-                                         session's uid (rlimits, no_new_privs, no capabilities) and execs the command
+                                         session's uid (rlimits, no_new_privs, no capabilities, the sandbox's
+                                         seccomp filter) and execs the command
 
 Frames: 4-byte big-endian length + JSON, on the agent's stdin (requests) and stdout (replies). The first frame P
 writes is {"pid": <C's host pid>} so the owner label can name it before anything waits on C. Every process of the
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
 import json
 import os
 import resource
@@ -44,18 +47,34 @@ if not __package__:  # a script of a bare interpreter: the sandbox's stdlib-only
             _module.__path__ = [_pkg_dir]
             sys.modules[_pkg] = _module
 
-from rlf_envs.sandbox._seccomp import _seccomp, _seccomp_prog
+from rlf_envs.sandbox._base import (  # the sandbox's Linux ABI
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    CLONE_NEWUTS,
+    MS_BIND,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+    MS_REMOUNT,
+    PR_SET_CHILD_SUBREAPER,
+    PR_SET_NO_NEW_PRIVS,
+    PR_SET_PDEATHSIG,
+    SYSTEM_DIRS,
+    _check,
+    _libc,
+    _set_name,
+)
+from rlf_envs.sandbox._base import _mount as mount
+from rlf_envs.sandbox._base import _prctl as prctl
+from rlf_envs.sandbox._seccomp import _seccomp, _seccomp_prog  # the sandbox's one filter
 from rlf_envs.sandbox.sessions import gitdiff
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-
-CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = (0x00020000, 0x04000000, 0x08000000,
-                                                                       0x20000000, 0x40000000)
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
-    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 38, 15, 36
-SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
+#: a session's /etc holds more of the host's than a run's (a shell, git, TLS, locales); and /dev/tty
 ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf", "hosts",
                "os-release", "alternatives", "ssl", "ca-certificates", "profile", "profile.d", "bash.bashrc",
                "inputrc", "mime.types", "protocols", "services", "debian_version", "timezone", "environment")
@@ -63,24 +82,9 @@ DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 MAX_FILE = 64 << 20
 
 
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-
-
-def mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc.mount(src.encode() if src else None, target.encode(), fstype.encode() if fstype else None, flags,
-                       data.encode() if data else None), f"mount {target}")
-
-
 def bind(src: str, dst: str, writable: bool = False) -> None:
     mount(src, dst, None, MS_BIND | MS_REC)
     mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | (0 if writable else MS_RDONLY))
-
-
-def prctl(option: int, arg: int) -> None:
-    _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), "prctl")
 
 
 # ---------------------------------------------------------------- frames
@@ -508,7 +512,7 @@ def session_main(parent_fd: int) -> None:
     if select.select([parent_fd], [], [], 0)[0]:  # P died before we asked to die with it
         os._exit(1)
     os.close(parent_fd)
-    _libc.prctl(PR_SET_NAME, b"rlf-session", 0, 0, 0)
+    _set_name(b"rlf-session")
     signal.signal(signal.SIGALRM, lambda *a: os._exit(3))
     prep = read_frame(0)
     if prep is None:

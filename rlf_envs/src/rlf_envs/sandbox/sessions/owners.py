@@ -4,7 +4,8 @@ Every local session is written down (`<label dir>/<id>.json`) with its owner —
 the process that created it — before anything waits on it, and gets the pids (+ start times) of its agent processes
 as soon as they exist. `reap()` removes every session whose owner is gone: it SIGKILLs its agent (pid 1 of the
 session's pid namespace, so the kernel kills every process of the session, and its mount namespace, which holds all
-its mounts, goes with the last of them) and removes the label. Run at backend start-up and on a timer.
+its mounts, goes with the last of them), removes its cgroups (`sandbox._cgroup.remove_cgroups`) and the label. Run at
+backend start-up and on a timer.
 """
 
 from __future__ import annotations
