@@ -199,3 +199,62 @@ def test_swe_bench_style_jsonl_loads(tmp_path: Path) -> None:
     [t] = load_swe_jsonl(p)
     assert t.id == "org__repo-1" and t.meta["swe"]["workdir"] == "/testbed"
     assert t.meta["swe"]["FAIL_TO_PASS"] == ["t.py::a"]
+
+
+def _write_task(d: Path, dockerfile: str, test_sh: str, files: dict[str, str] | None = None) -> Path:
+    (d / "environment").mkdir(parents=True)
+    (d / "tests").mkdir()
+    (d / "instruction.md").write_text("Do the thing.\n")
+    (d / "task.toml").write_text('version = "1.0"\n\n[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 60.0\n'
+                                 '\n[environment]\nbuild_timeout_sec = 60.0\nmemory = "1G"\n')
+    (d / "environment" / "Dockerfile").write_text(dockerfile)
+    for name, text in (files or {}).items():
+        (d / "environment" / name).write_text(text)
+    (d / "tests" / "test.sh").write_text(test_sh)
+    return d
+
+
+def test_local_replay_writes_outside_the_workdir_like_docker(tmp_path: Path) -> None:
+    """COPY to /usr/local/bin (the source's mode kept), --chmod, RUN writing /opt: the session's root is writable."""
+    _skip_without_sessions()
+    d = _write_task(tmp_path / "outside", "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nWORKDIR /app\n"
+                    "COPY tool.sh /usr/local/bin/tool\nCOPY --chmod=700 note.txt /opt/note.txt\n"
+                    "RUN mkdir -p /opt/data && echo 7 > /opt/data/n && tool > /app/from-run.txt\n",
+                    "#!/bin/bash\nmkdir -p /logs/verifier\n"
+                    "[ \"$(cat /opt/data/n)\" = 7 ] && [ \"$(stat -c %a /opt/note.txt)\" = 700 ] && "
+                    "[ -f /app/answer.txt ] && echo 1 > /logs/verifier/reward.txt || echo 0 > "
+                    "/logs/verifier/reward.txt\n",
+                    {"tool.sh": "#!/bin/sh\necho from-tool\n", "note.txt": "n\n"})
+    tool = d / "environment" / "tool.sh"
+    tool.chmod(0o755)
+    tasks = load_harbor_dir(d, build_args={"BASE_IMAGE": str(_image())})
+    env = gym.make("rlf/SWE-v0", tasks=tasks).unwrapped
+    try:
+        env.reset(options={"task_id": tasks[0].id})
+        obs, *_ = env.step('<tool_call>{"name": "bash", "arguments": {"command": "cat from-run.txt; tool; '
+                           'touch answer.txt"}}</tool_call>')
+        assert "from-tool\nfrom-tool" in obs, obs
+        _, r, term, _, info = env.step('<tool_call>{"name": "submit", "arguments": {}}</tool_call>')
+        assert term and r == 1.0 and info["infra_failed"] is False, info["trajectory"].score_info
+        r0, _ = _episode(env, tasks[0].id, ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'])
+        assert r0 == 0.0
+    finally:
+        env.close()
+
+
+def test_local_run_step_needing_the_network_fails_naming_the_step(tmp_path: Path) -> None:
+    _skip_without_sessions()
+    d = _write_task(tmp_path / "net", "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nWORKDIR /app\n"
+                    "RUN python3 -c \"import urllib.request; urllib.request.urlopen('http://deb.debian.org', "
+                    "timeout=5)\"\n", "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    tasks = load_harbor_dir(d, build_args={"BASE_IMAGE": str(_image())})
+    env = gym.make("rlf/SWE-v0", tasks=tasks).unwrapped
+    try:
+        env.reset(options={"task_id": tasks[0].id})
+        obs, *_ = env.step('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>')
+        assert "infrastructure failure" in obs and "Dockerfile RUN" in obs and "urlopen" in obs, obs
+        assert "offline" in obs
+        _, r, term, _, info = env.step('<tool_call>{"name": "submit", "arguments": {}}</tool_call>')
+        assert term and r == 0.0 and info["infra_failed"] is True
+    finally:
+        env.close()

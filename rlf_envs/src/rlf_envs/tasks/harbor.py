@@ -277,6 +277,11 @@ def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str,
             bad = [o for o in opts if not o.startswith(("--chown", "--chmod", "--link"))]
             if bad:
                 raise HarborError(f"{where}: COPY option {bad[0]} is not supported by the local backend")
+            chmod = [o.split("=", 1)[1] for o in opts if o.startswith("--chmod=")]
+            try:
+                mode = int(chmod[-1], 8) & 0o7777 if chmod else None
+            except ValueError:
+                raise HarborError(f"{where}: COPY --chmod takes an octal mode (e.g. --chmod=755)") from None
             paths = [w for w in words if not w.startswith("--")]
             if len(paths) < 2:
                 raise HarborError(f"{where}: COPY needs a source and a destination")
@@ -300,7 +305,7 @@ def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str,
                         if not as_dir and len(matches) > 1:
                             raise HarborError(f"{where}: several sources need a destination ending in '/'")
             for host, target in copies:
-                steps.append(("file", str(host), target))
+                steps.append(("file", str(host), target, mode))  # mode None: the source file's (as docker does)
             copies.clear()
         elif ins.keyword == "RUN":
             cmd = ins.args
