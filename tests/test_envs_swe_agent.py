@@ -12,17 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from agent_support import ScriptedEngine
 
-pytest.importorskip("torch")
-
-from agent_support import ScriptedEngine  # noqa: E402
-
-from rlf_envs.envs.swe.env import SweVerifier  # noqa: E402
-from rlf_envs.envs.swe.tasks import load_swe_rows  # noqa: E402
-from rlf_envs.formats import Qwen3Format  # noqa: E402
-from rlf_envs.formats.chat import ChatCodec  # noqa: E402
-from rlf_envs.records import sample_records  # noqa: E402
-from tests.test_envs_swe import _skip_without_sessions, tiny_row  # noqa: E402
+from rlf_envs.envs.swe.env import SweVerifier
+from rlf_envs.envs.swe.tasks import load_swe_rows
+from rlf_envs.formats import Qwen3Format
+from rlf_envs.formats.chat import ChatCodec
+from rlf_envs.records import sample_records
+from tests.test_envs_swe import _skip_without_sessions, tiny_row
 
 pytestmark = pytest.mark.train
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,5 +82,11 @@ def test_trainer_runs_swe_v0_through_the_agent_endpoint(tmp_path: Path) -> None:
         "eval.num_tasks=1", "eval.sampled=false", "seed=3"])
     summary = Trainer(cfg).run()
     assert summary["evals"]
-    records = [json.loads(line) for p in sorted((tmp_path / "run").rglob("*.jsonl")) for line in p.open()]
-    assert records, "the run wrote no records"
+    run = tmp_path / "run"
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    train = [m for m in metrics if "agent_errors" in m]
+    assert len(train) == 2  # two updates, each from agent episodes
+    # an infrastructure failure makes the example agent raise (an error, not a reward): none here
+    assert all(m["agent_errors"] == 0 and m["agent_timeouts"] == 0 for m in train), train
+    records = [json.loads(line) for p in sorted((run / "trajectories").glob("*.jsonl")) for line in p.open()]
+    assert records and all("swe" in r["task"]["meta"] for r in records)
