@@ -81,14 +81,20 @@ def test_dockerfile_plan_replays_and_refuses_by_name(tmp_path: Path) -> None:
     assert next(s for s in plan2.steps if s[0] == "run")[3]["COUNT"] == "9"
     with pytest.raises(HarborError, match="no root filesystem for image 'debian:bookworm-slim'"):
         plan_dockerfile(TASKS / "fix-greeting" / "environment", TASKS / "fix-greeting" / "environment" / "Dockerfile")
-    for line, word in [("USER nobody", "USER"), ("ADD x.tar /", "ADD"), ("VOLUME /x", "VOLUME"),
-                       ("SHELL [\"/bin/sh\"]", "SHELL"), ("COPY --from=build /a /b", "--from"),
+    for line, word in [("USER nobody", "USER"), ("ADD x.tar /", "ADD of an archive"),
+                       ("ADD https://example.com/a.txt /a", "ADD of a URL"), ("SHELL [\"/bin/sh\"]", "SHELL"),
+                       ("COPY --from=build /a /b", "--from"),
                        (f"FROM {root}", "multi-stage"), ("RUN --mount=type=cache,target=/x true", "RUN options")]:
         df = tmp_path / "Dockerfile"
         df.write_text(f"FROM {root}\nWORKDIR /app\n{line}\n")
         with pytest.raises(HarborError, match=word) as e:
             plan_dockerfile(tmp_path, df)
         assert ":3:" in str(e.value)
+    (tmp_path / "a.txt").write_text("a\n")
+    df.write_text(f"FROM {root}\nUSER root\nWORKDIR /app\nVOLUME /data\nADD a.txt /opt/a.txt\nADD a.txt ./\n")
+    plan3 = plan_dockerfile(tmp_path, df)  # USER root and VOLUME change nothing; ADD of a local file is COPY
+    assert plan3.seed == {str((tmp_path / "a.txt").resolve()): "a.txt"}
+    assert [s[2] for s in plan3.steps if s[0] == "file"] == ["/opt/a.txt"]
     df.write_text(f"FROM {root}\nRUN true\n")
     with pytest.raises(HarborError, match="WORKDIR"):
         plan_dockerfile(tmp_path, df)

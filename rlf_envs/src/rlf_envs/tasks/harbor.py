@@ -43,8 +43,9 @@ from typing import Any
 
 from rlf_envs.types import Task
 
-IGNORED = frozenset({"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER"})
-REPLAYED = frozenset({"FROM", "ARG", "ENV", "WORKDIR", "COPY", "RUN"})
+IGNORED = frozenset({"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER", "VOLUME"})
+REPLAYED = frozenset({"FROM", "ARG", "ENV", "WORKDIR", "COPY", "ADD", "RUN", "USER"})
+ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 REWARD_DIR = "/logs/verifier"
 
 
@@ -269,14 +270,26 @@ def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str,
             p = substitute(ins.args.strip(), values)
             cwd = str(PurePosixPath(cwd) / p) if not p.startswith("/") else p
             steps.append(("run", f"mkdir -p {shlex.quote(cwd)}", "/", dict(env)))
-        elif ins.keyword == "COPY":
+        elif ins.keyword == "USER":
+            if substitute(ins.args.strip(), values) not in ("root", "0", "root:root", "0:0"):
+                raise HarborError(f"{where}: the local backend runs every step as the session's user: only "
+                                  "`USER root` is replayed (as a no-op); run this task on the docker backend")
+        elif ins.keyword in ("COPY", "ADD"):
             words = [substitute(w, values) for w in _words(ins.args, where)]
+            if ins.keyword == "ADD":  # a local file or directory: as COPY; URLs and archives (auto-extracted) not
+                srcs = [w for w in words if not w.startswith("--")][:-1]
+                if any("://" in w or w.startswith("git@") for w in srcs):
+                    raise HarborError(f"{where}: ADD of a URL downloads; the local backend is offline (use the "
+                                      "docker backend, or put the file in the build context)")
+                if any(w.lower().endswith(ARCHIVES) for w in srcs):
+                    raise HarborError(f"{where}: ADD of an archive (auto-extracted) is not replayed by the local "
+                                      "backend; COPY it and RUN tar, or use the docker backend")
             opts = [w for w in words if w.startswith("--")]
             if any(o.startswith("--from") for o in opts):
                 raise HarborError(f"{where}: COPY --from (multi-stage) is not replayed by the local backend")
             bad = [o for o in opts if not o.startswith(("--chown", "--chmod", "--link"))]
             if bad:
-                raise HarborError(f"{where}: COPY option {bad[0]} is not supported by the local backend")
+                raise HarborError(f"{where}: {ins.keyword} option {bad[0]} is not supported by the local backend")
             chmod = [o.split("=", 1)[1] for o in opts if o.startswith("--chmod=")]
             try:
                 mode = int(chmod[-1], 8) & 0o7777 if chmod else None
