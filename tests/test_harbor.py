@@ -225,12 +225,13 @@ def test_local_replay_writes_outside_the_workdir_like_docker(tmp_path: Path) -> 
     _skip_without_sessions()
     d = _write_task(tmp_path / "outside", "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nWORKDIR /app\n"
                     "COPY tool.sh /usr/local/bin/tool\nCOPY --chmod=700 note.txt /opt/note.txt\n"
+                    "COPY --chmod=755 run.sh ./\n"
                     "RUN mkdir -p /opt/data && echo 7 > /opt/data/n && tool > /app/from-run.txt\n",
                     "#!/bin/bash\nmkdir -p /logs/verifier\n"
                     "[ \"$(cat /opt/data/n)\" = 7 ] && [ \"$(stat -c %a /opt/note.txt)\" = 700 ] && "
                     "[ -f /app/answer.txt ] && echo 1 > /logs/verifier/reward.txt || echo 0 > "
                     "/logs/verifier/reward.txt\n",
-                    {"tool.sh": "#!/bin/sh\necho from-tool\n", "note.txt": "n\n"})
+                    {"tool.sh": "#!/bin/sh\necho from-tool\n", "note.txt": "n\n", "run.sh": "#!/bin/sh\necho ran\n"})
     tool = d / "environment" / "tool.sh"
     tool.chmod(0o755)
     tasks = load_harbor_dir(d, build_args={"BASE_IMAGE": str(_image())})
@@ -238,8 +239,8 @@ def test_local_replay_writes_outside_the_workdir_like_docker(tmp_path: Path) -> 
     try:
         env.reset(options={"task_id": tasks[0].id})
         obs, *_ = env.step('<tool_call>{"name": "bash", "arguments": {"command": "cat from-run.txt; tool; '
-                           'touch answer.txt"}}</tool_call>')
-        assert "from-tool\nfrom-tool" in obs, obs
+                           './run.sh; touch answer.txt"}}</tool_call>')
+        assert "from-tool\nfrom-tool\nran" in obs, obs
         _, r, term, _, info = env.step('<tool_call>{"name": "submit", "arguments": {}}</tool_call>')
         assert term and r == 1.0 and info["infra_failed"] is False, info["trajectory"].score_info
         r0, _ = _episode(env, tasks[0].id, ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'])

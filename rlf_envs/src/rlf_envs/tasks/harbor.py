@@ -228,6 +228,7 @@ class DockerPlan:
     env: dict[str, str]
     seed: dict[str, str] = field(default_factory=dict)
     steps: list[tuple[Any, ...]] = field(default_factory=list)
+    seed_modes: dict[str, int] = field(default_factory=dict)  # `COPY --chmod` of seed files (by relative path)
 
 
 def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str, str] | None = None,
@@ -337,7 +338,10 @@ def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str,
     wd = PurePosixPath(final)
     for st in steps:
         if st[0] == "file" and PurePosixPath(st[2]).is_relative_to(wd):
-            plan.seed[st[1]] = str(PurePosixPath(st[2]).relative_to(wd))
+            rel = str(PurePosixPath(st[2]).relative_to(wd))
+            plan.seed[st[1]] = rel
+            if st[3] is not None:
+                plan.seed_modes[rel] = st[3]
         elif st[0] == "run" and st[1] == f"mkdir -p {shlex.quote(final)}":
             continue
         else:
@@ -362,7 +366,8 @@ def materialise_seed(plan: DockerPlan, key: str) -> str:
     """The seed directory (files COPY'd under the workdir) in rlf's cache, built once per plan."""
     from rlf_envs.envs.swe.tasks import cache_dir
 
-    digest = hashlib.sha256(key.encode() + json.dumps(sorted(plan.seed.items())).encode()
+    digest = hashlib.sha256(key.encode() + json.dumps([sorted(plan.seed.items()), sorted(plan.seed_modes.items())]
+                                                      ).encode()
                             + b"".join(Path(h).read_bytes() for h in sorted(plan.seed))).hexdigest()[:16]
     out = cache_dir() / "harbor" / f"seed-{digest}"
     if not out.is_dir():
@@ -372,6 +377,8 @@ def materialise_seed(plan: DockerPlan, key: str) -> str:
         for host, rel in plan.seed.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(host, tmp / rel)
+            if rel in plan.seed_modes:
+                os.chmod(tmp / rel, plan.seed_modes[rel])
         try:
             os.replace(tmp, out)
         except OSError:
