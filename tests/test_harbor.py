@@ -220,31 +220,65 @@ def _write_task(d: Path, dockerfile: str, test_sh: str, files: dict[str, str] | 
     return d
 
 
-def test_local_replay_writes_outside_the_workdir_like_docker(tmp_path: Path) -> None:
-    """COPY to /usr/local/bin (the source's mode kept), --chmod, RUN writing /opt: the session's root is writable."""
-    _skip_without_sessions()
+def _outside_task(tmp_path: Path, base: str, chmod: bool = True) -> list[Any]:
+    """COPY to /usr/local/bin (the source's mode kept), COPY --chmod (BuildKit's: not in the classic builder that the
+    docker SDK drives), RUN writing /opt and the workdir."""
+    note, run, mode = ("--chmod=700 ", "--chmod=755 ", "700") if chmod else ("", "", "644")
     d = _write_task(tmp_path / "outside", "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nWORKDIR /app\n"
-                    "COPY tool.sh /usr/local/bin/tool\nCOPY --chmod=700 note.txt /opt/note.txt\n"
-                    "COPY --chmod=755 run.sh ./\n"
+                    f"COPY tool.sh /usr/local/bin/tool\nCOPY {note}note.txt /opt/note.txt\nCOPY {run}run.sh ./\n"
                     "RUN mkdir -p /opt/data && echo 7 > /opt/data/n && tool > /app/from-run.txt\n",
                     "#!/bin/bash\nmkdir -p /logs/verifier\n"
-                    "[ \"$(cat /opt/data/n)\" = 7 ] && [ \"$(stat -c %a /opt/note.txt)\" = 700 ] && "
+                    f"[ \"$(cat /opt/data/n)\" = 7 ] && [ \"$(stat -c %a /opt/note.txt)\" = {mode} ] && "
                     "[ -f /app/answer.txt ] && echo 1 > /logs/verifier/reward.txt || echo 0 > "
                     "/logs/verifier/reward.txt\n",
                     {"tool.sh": "#!/bin/sh\necho from-tool\n", "note.txt": "n\n", "run.sh": "#!/bin/sh\necho ran\n"})
-    tool = d / "environment" / "tool.sh"
-    tool.chmod(0o755)
-    tasks = load_harbor_dir(d, build_args={"BASE_IMAGE": str(_image())})
+    (d / "environment" / "tool.sh").chmod(0o755)
+    if not chmod:
+        (d / "environment" / "run.sh").chmod(0o755)
+    return load_harbor_dir(d, build_args={"BASE_IMAGE": base})
+
+
+def _check_outside(env: Any, task_id: str) -> None:
+    env.reset(options={"task_id": task_id})
+    obs, *_ = env.step('<tool_call>{"name": "bash", "arguments": {"command": "cat from-run.txt; tool; '
+                       './run.sh; touch answer.txt"}}</tool_call>')
+    assert "from-tool\nfrom-tool\nran" in obs, obs
+    _, r, term, _, info = env.step('<tool_call>{"name": "submit", "arguments": {}}</tool_call>')
+    assert term and r == 1.0 and info["infra_failed"] is False, info["trajectory"].score_info
+    r0, _ = _episode(env, task_id, ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'])
+    assert r0 == 0.0
+
+
+def test_local_replay_writes_outside_the_workdir_like_docker(tmp_path: Path) -> None:
+    _skip_without_sessions()
+    tasks = _outside_task(tmp_path, str(_image()))
     env = gym.make("rlf/SWE-v0", tasks=tasks).unwrapped
     try:
+        _check_outside(env, tasks[0].id)
+    finally:
+        env.close()
+
+
+def test_docker_build_of_the_same_task_scores_the_same(docker_backend: Any, tmp_path: Path) -> None:
+    tasks = _outside_task(tmp_path, DOCKER_IMAGE, chmod=False)
+    env = gym.make("rlf/SWE-v0", tasks=tasks, backend=docker_backend).unwrapped
+    try:
+        _check_outside(env, tasks[0].id)
+    finally:
+        env.close()
+
+
+def test_docker_build_failure_is_an_infrastructure_failure(docker_backend: Any, tmp_path: Path) -> None:
+    d = _write_task(tmp_path / "broken", "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nWORKDIR /app\n"
+                    "RUN echo step-output && exit 3\n", "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    tasks = load_harbor_dir(d, build_args={"BASE_IMAGE": DOCKER_IMAGE})
+    env = gym.make("rlf/SWE-v0", tasks=tasks, backend=docker_backend).unwrapped
+    try:
         env.reset(options={"task_id": tasks[0].id})
-        obs, *_ = env.step('<tool_call>{"name": "bash", "arguments": {"command": "cat from-run.txt; tool; '
-                           './run.sh; touch answer.txt"}}</tool_call>')
-        assert "from-tool\nfrom-tool\nran" in obs, obs
+        obs, *_ = env.step('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>')
+        assert "infrastructure failure" in obs and "docker build" in obs and "step-output" in obs, obs
         _, r, term, _, info = env.step('<tool_call>{"name": "submit", "arguments": {}}</tool_call>')
-        assert term and r == 1.0 and info["infra_failed"] is False, info["trajectory"].score_info
-        r0, _ = _episode(env, tasks[0].id, ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'])
-        assert r0 == 0.0
+        assert term and r == 0.0 and info["infra_failed"] is True
     finally:
         env.close()
 
