@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_support import ScriptedEngine
 
 from rlf_envs.envs.swe.env import SweVerifier
 from rlf_envs.envs.swe.tasks import load_swe_rows
@@ -37,6 +36,9 @@ def fix_then_submit(context: str) -> str:
 
 def test_example_agent_repairs_and_records_show_the_command(tmp_path: Path) -> None:
     _skip_without_sessions()
+    pytest.importorskip("torch")
+    from agent_support import ScriptedEngine
+
     from rlf_train.agent import AgentRunner, load_agent
     from rlf_train.endpoint.engine import EngineFront
     from rlf_train.endpoint.sessions import SessionLimits
@@ -70,6 +72,7 @@ def test_example_agent_repairs_and_records_show_the_command(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_trainer_runs_swe_v0_through_the_agent_endpoint(tmp_path: Path) -> None:
     _skip_without_sessions()
+    pytest.importorskip("torch")
     from rlf_train.config import load_config
     from rlf_train.trainer import Trainer
 
