@@ -25,8 +25,11 @@ from rlf_envs.tasks.harbor import (
     parse_task_toml,
     plan_dockerfile,
 )
+from tests import test_envs_swe_docker
 
 pytestmark = pytest.mark.envs
+DOCKER_IMAGE = test_envs_swe_docker.DOCKER_IMAGE
+docker_backend = test_envs_swe_docker.docker_backend  # the fixture: a backend of the test's own, closed after
 TASKS = Path(__file__).parent / "harbor_tasks"
 
 
@@ -78,14 +81,20 @@ def test_dockerfile_plan_replays_and_refuses_by_name(tmp_path: Path) -> None:
     assert next(s for s in plan2.steps if s[0] == "run")[3]["COUNT"] == "9"
     with pytest.raises(HarborError, match="no root filesystem for image 'debian:bookworm-slim'"):
         plan_dockerfile(TASKS / "fix-greeting" / "environment", TASKS / "fix-greeting" / "environment" / "Dockerfile")
-    for line, word in [("USER nobody", "USER"), ("ADD x.tar /", "ADD"), ("VOLUME /x", "VOLUME"),
-                       ("SHELL [\"/bin/sh\"]", "SHELL"), ("COPY --from=build /a /b", "--from"),
+    for line, word in [("USER nobody", "USER"), ("ADD x.tar /", "ADD of an archive"),
+                       ("ADD https://example.com/a.txt /a", "ADD of a URL"), ("SHELL [\"/bin/sh\"]", "SHELL"),
+                       ("COPY --from=build /a /b", "--from"),
                        (f"FROM {root}", "multi-stage"), ("RUN --mount=type=cache,target=/x true", "RUN options")]:
         df = tmp_path / "Dockerfile"
         df.write_text(f"FROM {root}\nWORKDIR /app\n{line}\n")
         with pytest.raises(HarborError, match=word) as e:
             plan_dockerfile(tmp_path, df)
         assert ":3:" in str(e.value)
+    (tmp_path / "a.txt").write_text("a\n")
+    df.write_text(f"FROM {root}\nUSER root\nWORKDIR /app\nVOLUME /data\nADD a.txt /opt/a.txt\nADD a.txt ./\n")
+    plan3 = plan_dockerfile(tmp_path, df)  # USER root and VOLUME change nothing; ADD of a local file is COPY
+    assert plan3.seed == {str((tmp_path / "a.txt").resolve()): "a.txt"}
+    assert [s[2] for s in plan3.steps if s[0] == "file"] == ["/opt/a.txt"]
     df.write_text(f"FROM {root}\nRUN true\n")
     with pytest.raises(HarborError, match="WORKDIR"):
         plan_dockerfile(tmp_path, df)
@@ -117,7 +126,7 @@ def test_loader_errors(tmp_path: Path) -> None:
     with pytest.raises(HarborError, match="tests/test.sh"):
         load_harbor_task(d)
     tasks = load_harbor_dir(TASKS)
-    assert sorted(t.id for t in tasks) == ["fix-greeting", "rlf-tests/count-numbers"]
+    assert sorted(t.id for t in tasks) == ["fix-greeting", "rlf-tests/count-numbers", "sales-report"]
 
 
 def _solve_actions(task_dir: Path) -> list[str]:
@@ -137,7 +146,8 @@ def _episode(env: Any, task_id: str, actions: list[str]) -> tuple[float, dict[st
 
 
 @pytest.mark.parametrize("name,task_id", [("fix-greeting", "fix-greeting"),
-                                          ("count-numbers", "rlf-tests/count-numbers")])
+                                          ("count-numbers", "rlf-tests/count-numbers"),
+                                          ("sales-report", "sales-report")])
 def test_oracle_scores_one_untouched_zero_local(name: str, task_id: str) -> None:
     _skip_without_sessions()
     tasks = load_harbor_dir(TASKS, build_args={"BASE_IMAGE": str(_image())})
@@ -167,42 +177,18 @@ def test_harbor_through_task_file_and_json_reward(tmp_path: Path) -> None:
         env.close()
 
 
-DOCKER_IMAGE = os.environ.get("RLF_DOCKER_TEST_IMAGE", "rlf-debian-test:12")  # what .ci/run imports (issue 38)
-
-
-def _docker_ready() -> str | None:
-    try:
-        import docker
-    except ImportError:
-        return "the docker SDK is not installed (pip install 'rlf-envs[docker]')"
-    try:
-        c = docker.from_env(timeout=5)
-        c.ping()
-        c.images.get(DOCKER_IMAGE)
-        c.close()
-    except Exception as e:
-        return f"no docker engine with the image {DOCKER_IMAGE} ({type(e).__name__}; see DOCKER_HOST)"
-    try:
-        from rlf_envs.sandbox.sessions import open_backend
-
-        open_backend("docker")
-    except Exception as e:
-        return f"no docker session backend ({type(e).__name__}: {e})"
-    return None
-
-
-@pytest.mark.parametrize("name,task_id", [("fix-greeting", "fix-greeting")])
-def test_oracle_scores_one_untouched_zero_docker(name: str, task_id: str) -> None:
-    why = _docker_ready()
-    if why:
-        pytest.skip(why)
+@pytest.mark.parametrize("name,task_id", [("fix-greeting", "fix-greeting"),
+                                          ("count-numbers", "rlf-tests/count-numbers"),
+                                          ("sales-report", "sales-report")])
+def test_oracle_scores_one_untouched_zero_docker(docker_backend: Any, name: str, task_id: str) -> None:
+    """The image built from the task's Dockerfile by the engine (FROM the Debian test image, a build ARG)."""
     tasks = load_harbor_dir(TASKS / name, build_args={"BASE_IMAGE": DOCKER_IMAGE})
-    env = gym.make("rlf/SWE-v0", tasks=tasks, backend="docker").unwrapped
+    env = gym.make("rlf/SWE-v0", tasks=tasks, backend=docker_backend).unwrapped
     try:
         r, info = _episode(env, task_id, _solve_actions(TASKS / name))
         assert r == 1.0, info["trajectory"].score_info
-        r0, _ = _episode(env, task_id, ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'])
-        assert r0 == 0.0
+        r0, info0 = _episode(env, task_id, ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'])
+        assert r0 == 0.0 and info0["infra_failed"] is False, info0["trajectory"].score_info
     finally:
         env.close()
 
@@ -219,3 +205,97 @@ def test_swe_bench_style_jsonl_loads(tmp_path: Path) -> None:
     [t] = load_swe_jsonl(p)
     assert t.id == "org__repo-1" and t.meta["swe"]["workdir"] == "/testbed"
     assert t.meta["swe"]["FAIL_TO_PASS"] == ["t.py::a"]
+
+
+def _write_task(d: Path, dockerfile: str, test_sh: str, files: dict[str, str] | None = None) -> Path:
+    (d / "environment").mkdir(parents=True)
+    (d / "tests").mkdir()
+    (d / "instruction.md").write_text("Do the thing.\n")
+    (d / "task.toml").write_text('version = "1.0"\n\n[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 60.0\n'
+                                 '\n[environment]\nbuild_timeout_sec = 60.0\nmemory = "1G"\n')
+    (d / "environment" / "Dockerfile").write_text(dockerfile)
+    for name, text in (files or {}).items():
+        (d / "environment" / name).write_text(text)
+    (d / "tests" / "test.sh").write_text(test_sh)
+    return d
+
+
+def _outside_task(tmp_path: Path, base: str, chmod: bool = True) -> list[Any]:
+    """COPY to /usr/local/bin (the source's mode kept), COPY --chmod (BuildKit's: not in the classic builder that the
+    docker SDK drives), RUN writing /opt and the workdir."""
+    note, run, mode = ("--chmod=700 ", "--chmod=755 ", "700") if chmod else ("", "", "644")
+    d = _write_task(tmp_path / "outside", "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nWORKDIR /app\n"
+                    f"COPY tool.sh /usr/local/bin/tool\nCOPY {note}note.txt /opt/note.txt\nCOPY {run}run.sh ./\n"
+                    "RUN mkdir -p /opt/data && echo 7 > /opt/data/n && tool > /app/from-run.txt\n",
+                    "#!/bin/bash\nmkdir -p /logs/verifier\n"
+                    f"[ \"$(cat /opt/data/n)\" = 7 ] && [ \"$(stat -c %a /opt/note.txt)\" = {mode} ] && "
+                    "[ -f /app/answer.txt ] && echo 1 > /logs/verifier/reward.txt || echo 0 > "
+                    "/logs/verifier/reward.txt\n",
+                    {"tool.sh": "#!/bin/sh\necho from-tool\n", "note.txt": "n\n", "run.sh": "#!/bin/sh\necho ran\n"})
+    (d / "environment" / "tool.sh").chmod(0o755)
+    if not chmod:
+        (d / "environment" / "run.sh").chmod(0o755)
+    return load_harbor_dir(d, build_args={"BASE_IMAGE": base})
+
+
+def _check_outside(env: Any, task_id: str) -> None:
+    env.reset(options={"task_id": task_id})
+    obs, *_ = env.step('<tool_call>{"name": "bash", "arguments": {"command": "cat from-run.txt; tool; '
+                       './run.sh; touch answer.txt"}}</tool_call>')
+    assert "from-tool\nfrom-tool\nran" in obs, obs
+    _, r, term, _, info = env.step('<tool_call>{"name": "submit", "arguments": {}}</tool_call>')
+    assert term and r == 1.0 and info["infra_failed"] is False, info["trajectory"].score_info
+    r0, _ = _episode(env, task_id, ['<tool_call>{"name": "submit", "arguments": {}}</tool_call>'])
+    assert r0 == 0.0
+
+
+def test_local_replay_writes_outside_the_workdir_like_docker(tmp_path: Path) -> None:
+    _skip_without_sessions()
+    tasks = _outside_task(tmp_path, str(_image()))
+    env = gym.make("rlf/SWE-v0", tasks=tasks).unwrapped
+    try:
+        _check_outside(env, tasks[0].id)
+    finally:
+        env.close()
+
+
+def test_docker_build_of_the_same_task_scores_the_same(docker_backend: Any, tmp_path: Path) -> None:
+    tasks = _outside_task(tmp_path, DOCKER_IMAGE, chmod=False)
+    env = gym.make("rlf/SWE-v0", tasks=tasks, backend=docker_backend).unwrapped
+    try:
+        _check_outside(env, tasks[0].id)
+    finally:
+        env.close()
+
+
+def test_docker_build_failure_is_an_infrastructure_failure(docker_backend: Any, tmp_path: Path) -> None:
+    d = _write_task(tmp_path / "broken", "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nWORKDIR /app\n"
+                    "RUN echo step-output && exit 3\n", "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    tasks = load_harbor_dir(d, build_args={"BASE_IMAGE": DOCKER_IMAGE})
+    env = gym.make("rlf/SWE-v0", tasks=tasks, backend=docker_backend).unwrapped
+    try:
+        env.reset(options={"task_id": tasks[0].id})
+        obs, *_ = env.step('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>')
+        assert "infrastructure failure" in obs and "docker build" in obs and "step-output" in obs, obs
+        _, r, term, _, info = env.step('<tool_call>{"name": "submit", "arguments": {}}</tool_call>')
+        assert term and r == 0.0 and info["infra_failed"] is True
+    finally:
+        env.close()
+
+
+def test_local_run_step_needing_the_network_fails_naming_the_step(tmp_path: Path) -> None:
+    _skip_without_sessions()
+    d = _write_task(tmp_path / "net", "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\nWORKDIR /app\n"
+                    "RUN python3 -c \"import urllib.request; urllib.request.urlopen('http://deb.debian.org', "
+                    "timeout=5)\"\n", "#!/bin/bash\necho 1 > /logs/verifier/reward.txt\n")
+    tasks = load_harbor_dir(d, build_args={"BASE_IMAGE": str(_image())})
+    env = gym.make("rlf/SWE-v0", tasks=tasks).unwrapped
+    try:
+        env.reset(options={"task_id": tasks[0].id})
+        obs, *_ = env.step('<tool_call>{"name": "bash", "arguments": {"command": "ls"}}</tool_call>')
+        assert "infrastructure failure" in obs and "Dockerfile RUN" in obs and "urlopen" in obs, obs
+        assert "offline" in obs
+        _, r, term, _, info = env.step('<tool_call>{"name": "submit", "arguments": {}}</tool_call>')
+        assert term and r == 0.0 and info["infra_failed"] is True
+    finally:
+        env.close()

@@ -43,8 +43,9 @@ from typing import Any
 
 from rlf_envs.types import Task
 
-IGNORED = frozenset({"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER"})
-REPLAYED = frozenset({"FROM", "ARG", "ENV", "WORKDIR", "COPY", "RUN"})
+IGNORED = frozenset({"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER", "VOLUME"})
+REPLAYED = frozenset({"FROM", "ARG", "ENV", "WORKDIR", "COPY", "ADD", "RUN", "USER"})
+ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 REWARD_DIR = "/logs/verifier"
 
 
@@ -227,6 +228,7 @@ class DockerPlan:
     env: dict[str, str]
     seed: dict[str, str] = field(default_factory=dict)
     steps: list[tuple[Any, ...]] = field(default_factory=list)
+    seed_modes: dict[str, int] = field(default_factory=dict)  # `COPY --chmod` of seed files (by relative path)
 
 
 def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str, str] | None = None,
@@ -269,14 +271,31 @@ def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str,
             p = substitute(ins.args.strip(), values)
             cwd = str(PurePosixPath(cwd) / p) if not p.startswith("/") else p
             steps.append(("run", f"mkdir -p {shlex.quote(cwd)}", "/", dict(env)))
-        elif ins.keyword == "COPY":
+        elif ins.keyword == "USER":
+            if substitute(ins.args.strip(), values) not in ("root", "0", "root:root", "0:0"):
+                raise HarborError(f"{where}: the local backend runs every step as the session's user: only "
+                                  "`USER root` is replayed (as a no-op); run this task on the docker backend")
+        elif ins.keyword in ("COPY", "ADD"):
             words = [substitute(w, values) for w in _words(ins.args, where)]
+            if ins.keyword == "ADD":  # a local file or directory: as COPY; URLs and archives (auto-extracted) not
+                srcs = [w for w in words if not w.startswith("--")][:-1]
+                if any("://" in w or w.startswith("git@") for w in srcs):
+                    raise HarborError(f"{where}: ADD of a URL downloads; the local backend is offline (use the "
+                                      "docker backend, or put the file in the build context)")
+                if any(w.lower().endswith(ARCHIVES) for w in srcs):
+                    raise HarborError(f"{where}: ADD of an archive (auto-extracted) is not replayed by the local "
+                                      "backend; COPY it and RUN tar, or use the docker backend")
             opts = [w for w in words if w.startswith("--")]
             if any(o.startswith("--from") for o in opts):
                 raise HarborError(f"{where}: COPY --from (multi-stage) is not replayed by the local backend")
             bad = [o for o in opts if not o.startswith(("--chown", "--chmod", "--link"))]
             if bad:
-                raise HarborError(f"{where}: COPY option {bad[0]} is not supported by the local backend")
+                raise HarborError(f"{where}: {ins.keyword} option {bad[0]} is not supported by the local backend")
+            chmod = [o.split("=", 1)[1] for o in opts if o.startswith("--chmod=")]
+            try:
+                mode = int(chmod[-1], 8) & 0o7777 if chmod else None
+            except ValueError:
+                raise HarborError(f"{where}: COPY --chmod takes an octal mode (e.g. --chmod=755)") from None
             paths = [w for w in words if not w.startswith("--")]
             if len(paths) < 2:
                 raise HarborError(f"{where}: COPY needs a source and a destination")
@@ -300,7 +319,7 @@ def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str,
                         if not as_dir and len(matches) > 1:
                             raise HarborError(f"{where}: several sources need a destination ending in '/'")
             for host, target in copies:
-                steps.append(("file", str(host), target))
+                steps.append(("file", str(host), target, mode))  # mode None: the source file's (as docker does)
             copies.clear()
         elif ins.keyword == "RUN":
             cmd = ins.args
@@ -319,7 +338,10 @@ def plan_dockerfile(context: Path, dockerfile: Path, *, build_args: Mapping[str,
     wd = PurePosixPath(final)
     for st in steps:
         if st[0] == "file" and PurePosixPath(st[2]).is_relative_to(wd):
-            plan.seed[st[1]] = str(PurePosixPath(st[2]).relative_to(wd))
+            rel = str(PurePosixPath(st[2]).relative_to(wd))
+            plan.seed[st[1]] = rel
+            if st[3] is not None:
+                plan.seed_modes[rel] = st[3]
         elif st[0] == "run" and st[1] == f"mkdir -p {shlex.quote(final)}":
             continue
         else:
@@ -344,7 +366,8 @@ def materialise_seed(plan: DockerPlan, key: str) -> str:
     """The seed directory (files COPY'd under the workdir) in rlf's cache, built once per plan."""
     from rlf_envs.envs.swe.tasks import cache_dir
 
-    digest = hashlib.sha256(key.encode() + json.dumps(sorted(plan.seed.items())).encode()
+    digest = hashlib.sha256(key.encode() + json.dumps([sorted(plan.seed.items()), sorted(plan.seed_modes.items())]
+                                                      ).encode()
                             + b"".join(Path(h).read_bytes() for h in sorted(plan.seed))).hexdigest()[:16]
     out = cache_dir() / "harbor" / f"seed-{digest}"
     if not out.is_dir():
@@ -354,6 +377,8 @@ def materialise_seed(plan: DockerPlan, key: str) -> str:
         for host, rel in plan.seed.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(host, tmp / rel)
+            if rel in plan.seed_modes:
+                os.chmod(tmp / rel, plan.seed_modes[rel])
         try:
             os.replace(tmp, out)
         except OSError:
@@ -449,21 +474,46 @@ def build_docker_image(h: HarborTask, build_args: Mapping[str, str] | None = Non
 
         raise HarborError(f"the docker backend needs the docker SDK: {install_hint('docker')}") from None
     ctx = Path(h.path) / "environment"
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(ctx.rglob("*")) if p.is_file())
-                            + json.dumps(dict(build_args or {}), sort_keys=True).encode()).hexdigest()[:16]
-    tag = f"rlf-harbor-{re.sub(r'[^a-z0-9_.-]+', '-', h.config.name.lower())}:{digest}"
-    client = docker.from_env(timeout=int(h.config.build_timeout_s))
+    sha = hashlib.sha256(json.dumps(dict(build_args or {}), sort_keys=True).encode())
+    for p in sorted(ctx.rglob("*")):
+        if p.is_file():
+            sha.update(p.relative_to(ctx).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    name = re.sub(r"[^a-z0-9_.-]+", "-", h.config.name.lower()).strip("-.") or "task"
+    tag = f"rlf-harbor-{name}:{sha.hexdigest()[:16]}"
+    try:
+        client = docker.from_env(timeout=int(h.config.build_timeout_s))
+    except Exception as e:
+        raise HarborError(f"{h.path}: no docker engine to build the task's image ({e}; see DOCKER_HOST)") from None
     try:
         try:
             client.images.get(tag)
         except docker.errors.ImageNotFound:
-            client.images.build(path=str(ctx), tag=tag, buildargs=dict(build_args or {}), rm=True,
+            client.images.build(path=str(ctx), tag=tag, buildargs=dict(build_args or {}), rm=True, forcerm=True,
                                 timeout=int(h.config.build_timeout_s))
+    except docker.errors.BuildError as e:
+        log = "".join(str(x.get("stream") or x.get("error") or "") for x in (e.build_log or []))[-800:]
+        raise HarborError(f"{h.path}: docker build of environment/Dockerfile failed: {e.msg}\n{log}") from None
+    except docker.errors.APIError as e:
+        raise HarborError(f"{h.path}: docker build of environment/Dockerfile refused: {e} (is its FROM image "
+                          "in the engine? a base image can be named through a build ARG)") from None
     finally:
         client.close()
     return f"docker:{tag}"
 
 
-__all__ = ["DockerPlan", "HarborConfig", "HarborError", "HarborTask", "build_docker_image", "harbor_to_task",
+def docker_image_workdir(ref: str) -> str | None:
+    """The WORKDIR of an engine image (`docker:<tag>` or `<tag>`), None when it sets none."""
+    import docker
+
+    client = docker.from_env(timeout=60)
+    try:
+        wd = (client.images.get(ref.removeprefix("docker:")).attrs.get("Config") or {}).get("WorkingDir")
+    finally:
+        client.close()
+    return wd or None
+
+
+__all__ = ["DockerPlan", "HarborConfig", "HarborError", "HarborTask", "build_docker_image", "docker_image_workdir",
+           "harbor_to_task",
            "load_harbor_dir", "load_harbor_task", "parse_dockerfile", "parse_reward", "parse_task_toml",
            "plan_dockerfile"]

@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--split", default="test")
     ap.add_argument("--limit", type=int, default=0)
     args = ap.parse_args(argv)
-    env = gym.make("rlf/SWE-v0", split=args.split).unwrapped
-    rewards = []
+    env: Any = gym.make("rlf/SWE-v0", split=args.split).unwrapped
+    rewards: list[float] = []
     try:
         for i, task in enumerate(env.tasks[: args.limit or None]):
             env.reset(options={"task_index": i})
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
                 _, r, term, trunc, info = env.step(a)
                 if term or trunc:
                     break
-            rewards.append(r)
+            rewards.append(float(r))
             print(f"{task.id}: {r}", flush=True)
     finally:
         env.close()

@@ -38,6 +38,7 @@ from rlf_envs.sandbox.sessions import (
     SessionSpec,
     open_backend,
 )
+from rlf_envs.tasks.harbor import HarborError
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
 from rlf_envs.types import Action, ActionKind, Score, Task, ToolCall, Trajectory
 
@@ -107,6 +108,21 @@ def session_spec(t: SweTask, image: str | None, limits: SweLimits,
                        env={"LANG": "C.UTF-8", "PYTHONPATH": f"{t.workdir}/{t.pythonpath}".rstrip("/."),
                             "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp"},
                        network=False, limits=limits.session()), []
+
+
+class _NoBackend(SessionBackend):
+    """The backend of a workspace whose environment could not be made (its infra_error says why)."""
+
+    name = "none"
+
+    async def create(self, spec: SessionSpec) -> Session:
+        raise SessionInfraError("no session backend")
+
+    def reap(self) -> int:
+        return 0
+
+    async def aclose(self) -> None:
+        return None
 
 
 class Workspace:
@@ -355,10 +371,10 @@ class SweVerifier(Verifier):
 
     async def verdict(self, patch: str, task: Task) -> Verdict:
         t = SweTask.from_meta(task)
-        spec, steps = session_spec(t, self.image, self.limits, self.backend)
-        backend = shared_backend(self.backend)
         session = None
         try:
+            spec, steps = session_spec(t, self.image, self.limits, self.backend)
+            backend = shared_backend(self.backend)
             session = await backend.create(spec)
             if t.harbor is not None:
                 from rlf_envs.envs.swe.harbor_run import run_harbor_verifier
@@ -366,9 +382,9 @@ class SweVerifier(Verifier):
                 return await run_harbor_verifier(session, t.harbor, patch, steps)
             return await run_hidden_tests(session, t, patch, partial_credit=self.partial_credit,
                                           timeout_s=self.limits.test_timeout_s)
-        except SessionInfraError as e:
+        except (SessionInfraError, HarborError) as e:  # HarborError: the task's image could not be built/replayed
             return Verdict(f2p_total=len(t.FAIL_TO_PASS), p2p_total=len(t.PASS_TO_PASS), infra_failed=True,
-                           error=f"{type(e).__name__}: {str(e)[:300]}")
+                           error=f"{type(e).__name__}: {str(e)[:500]}")
         finally:
             if session is not None:
                 await session.aclose()
@@ -432,7 +448,8 @@ class SweEnv(ToolEnv):
             if not isinstance(tasks, str) and all(isinstance(t, dict) and "instance_id" in t for t in tasks):
                 kwargs["tasks"] = load_swe_rows(tasks)
         self.backend_name = backend
-        if image is None and backend == "docker" and any(
+        backend_kind = backend if isinstance(backend, str) else getattr(backend, "name", "")
+        if image is None and backend_kind == "docker" and any(
                 SweTask.from_meta(t).image == "host" and SweTask.from_meta(t).harbor is None
                 for t in load_tasks_once(kwargs["tasks"])):
             raise ValueError("the docker backend needs image='docker:<ref>' (an image with python3, git and pytest, "
@@ -467,8 +484,12 @@ class SweEnv(ToolEnv):
     def _workspace(self) -> Workspace:
         if self._ws is None:
             t = SweTask.from_meta(self.trajectory.task)
-            spec, steps = session_spec(t, self.image, self.limits, self.backend_name)
-            self._ws = Workspace(shared_backend(self.backend_name), spec, steps)
+            try:
+                spec, steps = session_spec(t, self.image, self.limits, self.backend_name)
+                self._ws = Workspace(shared_backend(self.backend_name), spec, steps)
+            except (SessionInfraError, HarborError) as e:  # the image could not be built / no engine: not scored
+                self._ws = Workspace(_NoBackend(), SessionSpec(), [])
+                self._ws.infra_error = f"the task's environment could not be made: {str(e)[:500]}"
         return self._ws
 
     def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:

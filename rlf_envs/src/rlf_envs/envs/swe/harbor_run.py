@@ -1,11 +1,7 @@
-"""Harbor tasks on sessions: the session spec (local: Dockerfile replay; docker: the built image), the replay at
-session start, the verifier run (`tests/test.sh` on a fresh session with the episode's workdir diff applied) and
-the oracle (`solution/solve.sh`). See `rlf_envs.tasks.harbor` for the format and what the local backend replays.
-
-Local-backend limitation (until sessions offer a writable root, see the docs): `/tests` and `/logs` cannot be
-created in an image session, so the verifier's files go to `/tmp/.rlf_harbor/tests` and the reward to
-`/tmp/.rlf_harbor/logs/verifier`, with the absolute paths `/tests/` and `/logs/` rewritten in the task's test
-files (text files only) when those directories cannot be made.
+"""Harbor tasks on sessions: the session spec (local: Dockerfile replay in an image session with a writable root;
+docker: the built image), the replay at session start, the verifier run (`tests/test.sh` from `/tests` on a fresh
+session with the episode's workdir diff applied, the reward read from `/logs/verifier/`) and the oracle
+(`solution/solve.sh` from `/solution`). See `rlf_envs.tasks.harbor` for the format and what the local backend replays.
 """
 
 from __future__ import annotations
@@ -23,14 +19,12 @@ from rlf_envs.tasks.harbor import (
     HarborError,
     HarborTask,
     build_docker_image,
+    docker_image_workdir,
     load_harbor_task,
     materialise_seed,
-    parse_dockerfile,
     parse_reward,
     plan_dockerfile,
 )
-
-ALT_ROOT = "/tmp/.rlf_harbor"
 
 
 @functools.lru_cache(maxsize=256)
@@ -47,6 +41,11 @@ def _plan(path: str, build_args: tuple[tuple[str, str], ...], base_images: tuple
 _plan_cached = functools.lru_cache(maxsize=256)(_plan)
 
 
+@functools.lru_cache(maxsize=256)
+def _image_workdir(image: str) -> str | None:
+    return docker_image_workdir(image)
+
+
 def harbor_spec(h: dict[str, Any], backend: str, limits: SessionLimits) -> tuple[SessionSpec, list[tuple[Any, ...]]]:
     """The session spec of a Harbor task and the steps to replay at each session start."""
     task = _task(h["path"])
@@ -59,59 +58,49 @@ def harbor_spec(h: dict[str, Any], backend: str, limits: SessionLimits) -> tuple
                             output_bytes=limits.output_bytes)
     if backend == "docker":
         image = build_docker_image(task, dict(ba))
-        workdir = cfg.workdir
-        if workdir is None and (Path(task.path) / "environment" / "Dockerfile").is_file():
-            text = (Path(task.path) / "environment" / "Dockerfile").read_text(encoding="utf-8")
-            wds = [i.args.strip() for i in parse_dockerfile(text, task.path) if i.keyword == "WORKDIR"]
-            workdir = wds[-1] if wds else None
+        workdir = cfg.workdir or _image_workdir(image)  # the image's own WORKDIR (ARG/ENV expanded by the build)
+        if workdir in (None, "/"):
+            workdir = "/app"  # Harbor's convention
         return SessionSpec(image=image, workdir=workdir or "/app", env={"LANG": "C.UTF-8", **cfg.env},
                            network=False, limits=lim), []
     plan = _plan_cached(task.path, ba, tuple(sorted((h.get("base_images") or {}).items())), cfg.workdir)
     seed = materialise_seed(plan, task.path) if plan.seed else None
     env = {"LANG": "C.UTF-8", **plan.env, **cfg.env}
     return SessionSpec(image=plan.base, workdir=plan.workdir, seed_dir=seed, env=env, network=False,
-                       limits=lim), plan.steps
+                       limits=lim, writable_root=plan.base != "host"), plan.steps
 
 
 async def prepare(session: Any, steps: list[tuple[Any, ...]], timeout_s: float = 600.0) -> None:
     """Replay the Dockerfile's steps that are not the seed (files outside the workdir, RUN) in `session`."""
     for st in steps:
         if st[0] == "file":
-            await session.write_file(st[2], Path(st[1]).read_bytes())
+            mode = st[3] if len(st) > 3 and st[3] is not None else (Path(st[1]).stat().st_mode & 0o777)
+            await session.write_file(st[2], Path(st[1]).read_bytes(), mode=mode)
         else:
             _, cmd, cwd, env = st
             r = await session.exec(cmd, cwd=cwd, env=dict(env), timeout_s=timeout_s)  # type: ignore[arg-type]
             if not r.ok:
-                raise HarborError(f"Dockerfile RUN {cmd[:120]!r} failed in the session (exit {r.exit_code}): "
+                why = "timed out" if r.timed_out else f"exit {r.exit_code}"
+                raise HarborError(f"Dockerfile RUN {cmd[:160]!r} failed in the session ({why}; sessions are "
+                                  "offline and run steps as an unprivileged user: a step that downloads or "
+                                  "rewrites the image's own files needs the docker backend): "
                                   f"{(r.stderr or r.stdout).strip()[-300:]}")
 
 
-async def _dirs(session: Any) -> tuple[str, str, bool]:
-    """(tests dir, logs dir, rewritten?) the session can use."""
-    r = await session.exec("mkdir -p /tests /logs/verifier /logs/agent 2>/dev/null && test -w /tests", timeout_s=30)
-    if r.ok:
-        return "/tests", "/logs", False
-    await session.exec(f"mkdir -p {ALT_ROOT}/tests {ALT_ROOT}/logs/verifier {ALT_ROOT}/logs/agent", timeout_s=30)
-    return f"{ALT_ROOT}/tests", f"{ALT_ROOT}/logs", True
+async def _dirs(session: Any) -> None:
+    """Harbor's fixed paths: /tests (the verifier's files), /logs/verifier (its reward), /logs/agent."""
+    r = await session.exec("mkdir -p /tests /logs/verifier /logs/agent /solution", timeout_s=30)
+    if not r.ok:
+        raise HarborError(f"could not create /tests and /logs in the session (a Harbor task needs a writable root: "
+                          f"SessionSpec(writable_root=True)): {r.stderr.strip()[:300]}")
 
 
-def _rewrite(text: str, tests: str, logs: str) -> str:
-    return text.replace("/tests/", tests + "/").replace("/logs/", logs + "/").replace(
-        "/tests\n", tests + "\n").replace("/tests ", tests + " ").replace('/tests"', tests + '"')
-
-
-async def _upload(session: Any, src: Path, dest: str, tests: str, logs: str, rewrite: bool) -> None:
+async def _upload(session: Any, src: Path, dest: str) -> None:
     for f in sorted(src.rglob("*")):
         if not f.is_file():
             continue
-        data = f.read_bytes()
-        if rewrite:
-            try:
-                data = _rewrite(data.decode("utf-8"), tests, logs).encode("utf-8")
-            except UnicodeDecodeError:
-                pass
         mode = 0o755 if f.suffix == ".sh" or (f.stat().st_mode & 0o111) else 0o644
-        await session.write_file(f"{dest}/{f.relative_to(src).as_posix()}", data, mode=mode)
+        await session.write_file(f"{dest}/{f.relative_to(src).as_posix()}", f.read_bytes(), mode=mode)
 
 
 def lenient_filter(patch: str) -> tuple[str, int]:
@@ -146,12 +135,12 @@ async def run_harbor_verifier(session: Any, h: dict[str, Any], patch: str,
                 raise HarborError(f"the Dockerfile's RUN steps are not reproducible: {r.stderr.strip()[:300]}")
             v.apply_failed, v.error = True, f"the patch does not apply: {r.stderr.strip()[:300]}"
             return v
-    tests, logs, rewrite = await _dirs(session)
-    await _upload(session, Path(task.path) / "tests", tests, tests, logs, rewrite)
+    await _dirs(session)
+    await _upload(session, Path(task.path) / "tests", "/tests")
     env = {**task.config.verifier_env}
-    cmd = f"cd {wd} && bash {tests}/test.sh"
-    r = await session.exec(cmd, env=env or None, timeout_s=task.config.verifier_timeout_s)
-    rdir = REWARD_DIR.replace("/logs", logs, 1)
+    r = await session.exec(f"cd {wd} && bash /tests/test.sh", env=env or None,
+                           timeout_s=task.config.verifier_timeout_s)
+    rdir = REWARD_DIR
     got: list[bytes | None] = []
     for name in ("reward.txt", "reward.json"):
         try:
@@ -174,10 +163,9 @@ async def run_solution(session: Any, h: dict[str, Any]) -> Any:
     sol = Path(task.path) / "solution"
     if not (sol / "solve.sh").is_file():
         raise HarborError(f"{task.path}: no solution/solve.sh")
-    tests, logs, rewrite = await _dirs(session)
-    dest = "/solution" if not rewrite else f"{ALT_ROOT}/solution"
-    await _upload(session, sol, dest, tests, logs, rewrite)
-    return await session.exec(f"cd {shlex.quote(session.spec.workdir)} && bash {dest}/solve.sh",
+    await _dirs(session)
+    await _upload(session, sol, "/solution")
+    return await session.exec(f"cd {shlex.quote(session.spec.workdir)} && bash /solution/solve.sh",
                               env=task.config.solution_env or None, timeout_s=task.config.agent_timeout_s)
 
 

@@ -187,6 +187,16 @@ def build_root(r: str, image: str, disk_mb: int) -> str:
     return how
 
 
+def open_root(r: str) -> None:
+    """`SessionSpec.writable_root`: every directory of the session's overlay sticky and world-writable (a metadata
+    copy-up into the session's own tmpfs upper layer; the image is untouched). The session user can then add
+    entries anywhere, but (sticky) not rename or remove the image's own, and the image's files keep their modes."""
+    for dirpath, _dirs, _files in os.walk(r):
+        st = os.lstat(dirpath)
+        if stat.S_ISDIR(st.st_mode):
+            os.chmod(dirpath, stat.S_IMODE(st.st_mode) | 0o1777)
+
+
 def finish_root(r: str, workdir: str, disk_mb: int, uid: int, seed: str | None) -> None:
     """The per-session part: /proc, /dev, /tmp, the workspace (a tmpfs of disk_mb holding a copy of the seed)."""
     for d in ("/proc", "/tmp", "/dev"):
@@ -534,9 +544,17 @@ def session_main(parent_fd: int) -> None:
         seed_fd = None
         if start.get("seed"):
             seed_fd = os.open(start["seed"], os.O_RDONLY | os.O_DIRECTORY)
+        if start.get("writable_root"):
+            if not how.startswith("overlay"):
+                raise OSError(f"writable_root needs overlayfs for the session's root ({how})")
+            open_root(r)
         finish_root(r, start["workdir"], lim["disk_mb"], start["uid"], start.get("seed"))
         _libc.sethostname(b"sandbox", 7)
         os.chroot(r)
+        if start.get("writable_root"):
+            # the root agent imports nothing from a root the session user can add files to
+            sys.path[:] = []
+            sys.path_importer_cache.clear()
         os.chdir(start["workdir"])
         if lim.get("session_timeout_s"):
             signal.alarm(int(lim["session_timeout_s"]) + 5)

@@ -113,6 +113,17 @@ def _discard_when_done(fut: asyncio.Future[Any]) -> None:
     fut.add_done_callback(done)
 
 
+async def _remove(c: Any) -> None:
+    """Force-remove a container off the loop; at interpreter exit (atexit closers run after the executors shut
+    down, so `to_thread` refuses) inline, so a backend closed at exit still leaves no container behind."""
+    try:
+        await asyncio.wait_for(asyncio.to_thread(c.remove, force=True), API_TIMEOUT_S)
+    except RuntimeError as e:  # "cannot schedule new futures after [interpreter] shutdown"
+        if "shutdown" not in str(e):
+            raise
+        c.remove(force=True)
+
+
 class DockerSession(Session):
     def __init__(self, backend: DockerBackend, container: Any, spec: SessionSpec) -> None:
         self.id = container.name
@@ -306,7 +317,7 @@ class DockerSession(Session):
         self._timer.cancel()
         self._b._sessions.discard(self)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.to_thread(self._c.remove, force=True), API_TIMEOUT_S)
+            await _remove(self._c)
 
 
 class DockerBackend(SessionBackend):
@@ -417,7 +428,7 @@ class DockerBackend(SessionBackend):
                         _discard_when_done(fut)
                         raise
                     if self._closed:
-                        await asyncio.to_thread(c.remove, force=True)
+                        await _remove(c)
                         return
                     self._pool.setdefault(key, []).append(c)
             except Exception:  # the pool is an optimisation: creates make containers on demand
@@ -511,7 +522,6 @@ class DockerBackend(SessionBackend):
         await asyncio.gather(*(s.aclose() for s in list(self._sessions)), return_exceptions=True)
         warm = [c for cs in self._pool.values() for c in cs]
         self._pool.clear()
-        await asyncio.gather(*(asyncio.wait_for(asyncio.to_thread(c.remove, force=True), API_TIMEOUT_S)
-                               for c in warm), return_exceptions=True)
+        await asyncio.gather(*(_remove(c) for c in warm), return_exceptions=True)
         with contextlib.suppress(Exception):
             self.client.close()

@@ -419,7 +419,8 @@ class LocalBackend(SessionBackend):
                    "USER": "sandbox", "TERM": "dumb", **spec.env}
             reply = await agent.call({"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
                                       "seed": os.path.abspath(spec.seed_dir) if spec.seed_dir else None,
-                                      "limits": asdict(spec.limits)}, START_TIMEOUT_S)
+                                      "limits": asdict(spec.limits), "writable_root": spec.writable_root},
+                                     START_TIMEOUT_S)
             if not reply.get("ok"):
                 raise SessionInfraError(f"session start: {reply.get('error')}")
         except BaseException:

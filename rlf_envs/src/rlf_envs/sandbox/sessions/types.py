@@ -73,6 +73,11 @@ class SessionSpec:
     env: dict[str, str] = field(default_factory=lambda: {"LANG": "C.UTF-8"})
     network: bool = False
     limits: SessionLimits = field(default_factory=SessionLimits)
+    #: image sessions: the session user may create files and directories anywhere in the root (/logs, /tests,
+    #: /usr/local/bin...), as a Dockerfile's RUN steps and Harbor's verifiers expect. Local backend: every
+    #: directory of the overlay becomes sticky and world-writable in the session's own upper layer (new entries,
+    #: not the image's files; nothing reaches the image or another session). Docker: the container's root already is.
+    writable_root: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.image, str) or not self.image:
@@ -81,6 +86,9 @@ class SessionSpec:
         if not self.workdir.startswith("/") or posixpath.normpath(self.workdir) in ("/", "//") \
                 or ".." in self.workdir.split("/"):
             raise ValueError(f"SessionSpec.workdir must be an absolute path other than '/', got {self.workdir!r}")
+        if self.writable_root and self.image == "host":
+            raise ValueError("SessionSpec.writable_root needs an image (a root directory, 'oci-archive:PATH' or "
+                             "'docker:REF'): the host's system directories stay read-only")
         if self.seed_dir is not None and not os.path.isdir(self.seed_dir):
             raise ValueError(f"SessionSpec.seed_dir {self.seed_dir!r} is not a directory")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):

@@ -1,0 +1,3 @@
+#!/bin/bash
+# Shows the first lines of the sales file.
+head -n "${1:-5}" /app/sales.csv
