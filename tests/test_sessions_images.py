@@ -161,3 +161,17 @@ def test_the_debian_root_as_a_rootfs_tarball_runs_a_session(tmp_path: Path, monk
             await b.aclose()
 
     assert asyncio.run(go()) == "42\n"
+
+
+def test_the_image_cli_runs_on_a_bare_interpreter(tmp_path: Path) -> None:
+    """.ci/run builds and finds the test image with the machine's own python, which has no rlf_envs and none of its
+    dependencies: the CLI must work there (stdlib only), not die importing the package."""
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "RLF_CACHE_DIR": str(tmp_path / "cache")}
+    # -S: no site-packages (so no rlf_envs, no pydantic), -I: no PYTHONPATH, run from a directory that is not the repo
+    proc = subprocess.run([sys.executable, "-I", "-S", images.__file__, "path"], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "not built" in proc.stderr, (proc.returncode, proc.stderr)

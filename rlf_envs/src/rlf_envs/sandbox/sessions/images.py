@@ -31,7 +31,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlf_envs.sandbox import cleanup
+try:
+    from rlf_envs.sandbox import cleanup
+except ImportError:  # run as a script by a bare interpreter (.ci/run builds the test image so): the stdlib-only module
+    import importlib.util
+
+    _here = Path(__file__).resolve().parents[1]
+    _spec = importlib.util.spec_from_file_location("rlf_sandbox_cleanup", _here / "cleanup.py")
+    assert _spec is not None and _spec.loader is not None
+    cleanup = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(cleanup)
 
 DEBIAN_PACKAGES = ("python3", "git", "bash", "python3-pytest", "ca-certificates")
 DEBIAN_SUITE = "bookworm"
