@@ -163,11 +163,13 @@ class _Agent:
                 await self._cleanup
 
 
-async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int) -> _Agent:
+async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int, made: set[str] | None = None) -> _Agent:
     """Start an agent for (image root, network) and have it build the image's root; labelled before any wait."""
     image, network = key
     label = owners.Label.new("loc-" + uuid.uuid4().hex[:16])
     label.save()
+    if made is not None:  # the backend's record of every label it made (`LocalBackend.aclose` sweeps what is left)
+        made.add(label.id)
     proc = None
     try:
         args = [sys.executable, "-I", "-S", AGENT] + (["--network"] if network else [])
@@ -326,6 +328,7 @@ class LocalBackend(SessionBackend):
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sessions: set[LocalSession] = set()
         self._dying: set[_Agent] = set()  # killed outside a session's close: their clean-up is awaited at aclose
+        self._made: set[str] = set()  # ids of the labels this backend made
         self._uids: set[int] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
@@ -341,6 +344,8 @@ class LocalBackend(SessionBackend):
             await asyncio.sleep(self.reap_every_s)
             with contextlib.suppress(Exception):
                 self.reap()
+                live = {lab.id for lab in owners.labels()}
+                self._made &= live  # keep only ids whose label is still there (the set stays as small as what is open)
 
     async def _throttle(self) -> None:
         """A token bucket of `creates_per_s` (burst: max_starting)."""
@@ -360,7 +365,7 @@ class LocalBackend(SessionBackend):
         async def fill() -> None:
             try:
                 while len(self._pool.get(key, [])) < self.pool_size and not self._closed:
-                    agent = await _spawn(key, self.root_mount, disk_mb)
+                    agent = await _spawn(key, self.root_mount, disk_mb, self._made)
                     if self._closed:
                         agent.kill()
                         await agent.wait_dead()
@@ -400,7 +405,7 @@ class LocalBackend(SessionBackend):
                 except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
                     log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
             await self._throttle()
-            return await self._start(await _spawn(key, self.root_mount, spec.limits.disk_mb), spec)
+            return await self._start(await _spawn(key, self.root_mount, spec.limits.disk_mb, self._made), spec)
 
     def _lease(self, key: tuple[str, bool]) -> _Agent | None:
         pooled = self._pool.get(key)
@@ -460,3 +465,15 @@ class LocalBackend(SessionBackend):
         for a in list(self._dying):
             await a.wait_dead()
         self._dying.clear()
+        # every session and agent of this backend is closed now: a label of ours still there (an agent whose start
+        # failed, a clean-up cut short on a loaded host) names only what is left to kill and remove, bounded
+        made, self._made = self._made, set()
+        await asyncio.to_thread(_sweep_labels, made)
+
+
+def _sweep_labels(ids: set[str]) -> None:
+    for lab in owners.labels():
+        if lab.id in ids:
+            owners.kill_label(lab)
+            if _cgroup.remove_cgroups(lab.cgroups, CGROUP_GONE_S, kill=True):
+                lab.remove()
