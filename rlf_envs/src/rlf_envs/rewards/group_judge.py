@@ -243,14 +243,20 @@ def parse_group_scores(content: str, ids: Sequence[str], score_max: float = 1.0)
 
 
 def score_schema(ids: Sequence[str], score_max: float) -> dict[str, Any]:
-    """The JSON schema of a verdict for these candidate ids (for response_format json_schema)."""
+    """The JSON schema of a verdict for these candidate ids (for response_format json_schema): entry k is the
+    candidate ids[k] (`prefixItems`, one `const` id each), so a server that enforces the schema cannot repeat or
+    skip an id. (An array of `enum` ids alone admits duplicates: vLLM's structured outputs produced c2 three times
+    in four entries under it.) `items` (any id of the enum) only serves servers that ignore `prefixItems`."""
+    def entry(id_schema: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "object",
+                "properties": {"id": id_schema, "score": {"type": "number", "minimum": 0, "maximum": score_max}},
+                "required": ["id", "score"], "additionalProperties": False}
+
     return {
         "type": "object",
-        "properties": {"scores": {"type": "array", "minItems": len(ids), "maxItems": len(ids), "items": {
-            "type": "object",
-            "properties": {"id": {"type": "string", "enum": list(ids)},
-                           "score": {"type": "number", "minimum": 0, "maximum": score_max}},
-            "required": ["id", "score"], "additionalProperties": False}}},
+        "properties": {"scores": {"type": "array", "minItems": len(ids), "maxItems": len(ids),
+                                  "prefixItems": [entry({"type": "string", "const": i}) for i in ids],
+                                  "items": entry({"type": "string", "enum": list(ids)})}},
         "required": ["scores"],
         "additionalProperties": False,
     }
