@@ -32,6 +32,7 @@ from rlf_envs.sandbox import cleanup
 from rlf_envs.sandbox.sessions import gitdiff, owners
 from rlf_envs.sandbox.sessions.images import inside
 from rlf_envs.sandbox.sessions.types import (
+    CreateRate,
     ExecResult,
     Session,
     SessionBackend,
@@ -349,7 +350,7 @@ class DockerBackend(SessionBackend):
         self.creates_per_s = creates_per_s
         self.reap_every_s = reap_every_s
         self._sem: asyncio.Semaphore | None = None
-        self._bucket_t = 0.0
+        self._rate = CreateRate(creates_per_s, max_starting)
         self._sessions: set[DockerSession] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
@@ -395,15 +396,6 @@ class DockerBackend(SessionBackend):
             await asyncio.sleep(self.reap_every_s)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.reap)
-
-    async def _throttle(self) -> None:
-        if self.creates_per_s <= 0:
-            return
-        now = time.monotonic()
-        step = 1.0 / self.creates_per_s
-        self._bucket_t = max(self._bucket_t, now - self.max_starting * step) + step
-        if self._bucket_t > now:
-            await asyncio.sleep(self._bucket_t - now)
 
     @staticmethod
     def _key(spec: SessionSpec) -> tuple[Any, ...]:
@@ -491,7 +483,7 @@ class DockerBackend(SessionBackend):
                 s = DockerSession(self, c, spec)
                 self._sessions.add(s)
                 return s
-            await self._throttle()
+            await self._rate.wait()
             fut = asyncio.ensure_future(asyncio.to_thread(self._create, spec))
             try:
                 c = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)

@@ -28,6 +28,7 @@ from typing import Any
 from rlf_envs.sandbox import _cgroup
 from rlf_envs.sandbox.sessions import images, owners
 from rlf_envs.sandbox.sessions.types import (
+    CreateRate,
     ExecResult,
     Session,
     SessionBackend,
@@ -322,7 +323,7 @@ class LocalBackend(SessionBackend):
         self.creates_per_s = creates_per_s
         self.reap_every_s = reap_every_s
         self._sem: asyncio.Semaphore | None = None
-        self._bucket_t = 0.0
+        self._rate = CreateRate(creates_per_s, max_starting)
         self._pool: dict[tuple[str, bool], list[_Agent]] = {}
         self._filling: set[tuple[str, bool]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -346,16 +347,6 @@ class LocalBackend(SessionBackend):
                 self.reap()
                 live = {lab.id for lab in owners.labels()}
                 self._made &= live  # keep only ids whose label is still there (the set stays as small as what is open)
-
-    async def _throttle(self) -> None:
-        """A token bucket of `creates_per_s` (burst: max_starting)."""
-        if self.creates_per_s <= 0:
-            return
-        now = time.monotonic()
-        step = 1.0 / self.creates_per_s
-        self._bucket_t = max(self._bucket_t, now - self.max_starting * step) + step
-        if self._bucket_t > now:
-            await asyncio.sleep(self._bucket_t - now)
 
     def _fill(self, key: tuple[str, bool], disk_mb: int) -> None:
         if self.pool_size <= 0 or key in self._filling or self._closed:
@@ -404,7 +395,7 @@ class LocalBackend(SessionBackend):
                     return await self._start(agent, spec)
                 except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
                     log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
-            await self._throttle()
+            await self._rate.wait()
             return await self._start(await _spawn(key, self.root_mount, spec.limits.disk_mb, self._made), spec)
 
     def _lease(self, key: tuple[str, bool]) -> _Agent | None:

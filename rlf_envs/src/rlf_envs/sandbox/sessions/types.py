@@ -10,8 +10,10 @@ episode into an infrastructure failure instead of a reward.
 from __future__ import annotations
 
 import abc
+import asyncio
 import os
 import posixpath
+import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -151,6 +153,25 @@ class Session(abc.ABC):
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.aclose()
+
+
+class CreateRate:
+    """The backends' create rate limit: a token bucket of `per_s` creates a second with a burst of `burst`
+    (`per_s` <= 0: no limit). `wait` returns when the next create may start."""
+
+    def __init__(self, per_s: float, burst: int) -> None:
+        self.per_s = per_s
+        self.burst = burst
+        self._t = 0.0
+
+    async def wait(self) -> None:
+        if self.per_s <= 0:
+            return
+        now = time.monotonic()
+        step = 1.0 / self.per_s
+        self._t = max(self._t, now - self.burst * step) + step
+        if self._t > now:
+            await asyncio.sleep(self._t - now)
 
 
 class SessionBackend(abc.ABC):
