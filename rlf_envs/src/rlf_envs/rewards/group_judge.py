@@ -46,7 +46,7 @@ from rlf_envs.rewards.config import (
     parse_verifier_config,
     register_verifier,
 )
-from rlf_envs.rewards.judge import JudgeFailure, JudgeStats, _counting_transport
+from rlf_envs.rewards.judge import EndpointConfig, JudgeFailure, JudgeStats, _counting_transport
 from rlf_envs.types import Score, Task, ToolSpec, Trajectory
 
 log = logging.getLogger(__name__)
@@ -69,15 +69,12 @@ _FORMAT_REFUSAL = re.compile(r"response_format|json_schema|json_object|schema|gu
 
 
 @register_verifier
-class GroupJudgeConfig(VerifierConfig):
+class GroupJudgeConfig(EndpointConfig):
     """A listwise model judge of whole GRPO groups on an OpenAI-compatible endpoint (`rlf-envs[judge]`).
     Used as the trainer's `group_reward`, with `score_groups`, or `build_group_verifier`; not as an env's
     per-trajectory verifier. `fallback` is the neutral value every member of a skipped group gets."""
 
     type: Literal["group_judge"] = "group_judge"
-    base_url: str = Field(description="e.g. http://127.0.0.1:8000/v1 (POSTs to <base_url>/chat/completions)")
-    model: str = Field(min_length=1)
-    api_key_env: str | None = Field(None, description="NAME of the environment variable holding the API key")
     rubric: str | None = Field(None, description="what a good attempt is, in your words (shown to the judge)")
     system_prompt: str = Field(DEFAULT_SYSTEM, description="{score_max} is filled in")
     include_reference: bool = Field(False, description="show the task's ground truth to the judge as a reference")
@@ -113,20 +110,6 @@ class GroupJudgeConfig(VerifierConfig):
     audit_fraction: float = Field(0.1, gt=0.0, le=1.0)
     audit_window: int = Field(40, ge=4, description="audited groups compared (first half vs second half)")
     audit_margin: float = Field(0.05, ge=0.0, description="the rise / fall that triggers the warning")
-
-    @field_validator("base_url")
-    @classmethod
-    def _url(cls, v: str) -> str:
-        if not re.match(r"https?://[^/\s]+", v):
-            raise ValueError("must be an http(s) URL such as http://127.0.0.1:8000/v1")
-        return v.rstrip("/")
-
-    @field_validator("api_key_env")
-    @classmethod
-    def _env_name(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", v):
-            raise ValueError("must be the NAME of an environment variable holding the key (e.g. OPENAI_API_KEY)")
-        return v
 
     @field_validator("system_prompt")
     @classmethod

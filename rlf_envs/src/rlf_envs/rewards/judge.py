@@ -47,31 +47,13 @@ _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 _JSON_OBJ = re.compile(r"\{[^{}]*\}")
 
 
-@register_verifier
-class JudgeConfig(VerifierConfig):
-    """A model judge on an OpenAI-compatible endpoint. The API key is read from the environment
-    variable named by `api_key_env` (never put keys in config)."""
+class EndpointConfig(VerifierConfig):
+    """The OpenAI-compatible endpoint a model judge calls (the per-trajectory `judge` and the `group_judge`). The API
+    key is read from the environment variable named by `api_key_env` (never put keys in config)."""
 
-    type: Literal["judge"] = "judge"
     base_url: str = Field(description="e.g. http://127.0.0.1:8000/v1 (POSTs to <base_url>/chat/completions)")
     model: str = Field(min_length=1)
-    api_key_env: str | None = None
-    system_prompt: str | None = DEFAULT_SYSTEM
-    prompt_template: str = DEFAULT_TEMPLATE
-    score_min: float = 0.0
-    score_max: float = 1.0
-    temperature: float = Field(0.0, ge=0)
-    max_tokens: int = Field(256, ge=1)
-    extra_body: dict[str, Any] = Field(default_factory=dict, description="merged into the request JSON")
-    timeout_s: float = Field(30.0, gt=0, description="deadline per HTTP attempt")
-    max_retries: int = Field(2, ge=0, le=10, description="retries by the openai client (5xx, 429, timeouts)")
-    backoff_s: float = Field(
-        0.5, ge=0, description="deprecated, unused: the openai client backs off itself (0.5 s doubling, max 8 s)"
-    )
-    max_concurrency: int = Field(16, ge=1)
-    cache_size: int = Field(10_000, ge=0)
-    retry_on_parse_error: bool = False
-    max_response_bytes: int = Field(1_000_000, ge=1024)
+    api_key_env: str | None = Field(None, description="NAME of the environment variable holding the API key")
 
     @field_validator("base_url")
     @classmethod
@@ -88,6 +70,30 @@ class JudgeConfig(VerifierConfig):
                 "must be the NAME of an environment variable holding the key (e.g. OPENAI_API_KEY), not the key"
             )
         return v
+
+
+@register_verifier
+class JudgeConfig(EndpointConfig):
+    """A model judge on an OpenAI-compatible endpoint. The API key is read from the environment
+    variable named by `api_key_env` (never put keys in config)."""
+
+    type: Literal["judge"] = "judge"
+    system_prompt: str | None = DEFAULT_SYSTEM
+    prompt_template: str = DEFAULT_TEMPLATE
+    score_min: float = 0.0
+    score_max: float = 1.0
+    temperature: float = Field(0.0, ge=0)
+    max_tokens: int = Field(256, ge=1)
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="merged into the request JSON")
+    timeout_s: float = Field(30.0, gt=0, description="deadline per HTTP attempt")
+    max_retries: int = Field(2, ge=0, le=10, description="retries by the openai client (5xx, 429, timeouts)")
+    backoff_s: float = Field(
+        0.5, ge=0, description="deprecated, unused: the openai client backs off itself (0.5 s doubling, max 8 s)"
+    )
+    max_concurrency: int = Field(16, ge=1)
+    cache_size: int = Field(10_000, ge=0)
+    retry_on_parse_error: bool = False
+    max_response_bytes: int = Field(1_000_000, ge=1024)
 
     @field_validator("prompt_template")
     @classmethod
