@@ -12,15 +12,19 @@ from rlf_envs.sandbox.sessions.types import (
     Session,
     SessionBackend,
     SessionClosed,
+    SessionDiffTooLarge,
     SessionError,
+    SessionExpired,
     SessionFileNotFound,
     SessionInfraError,
+    SessionLimitExceeded,
     SessionLimits,
     SessionSpec,
 )
 
-__all__ = ["ExecResult", "Session", "SessionBackend", "SessionClosed", "SessionError", "SessionFileNotFound",
-           "SessionInfraError", "SessionLimits", "SessionSpec", "open_backend"]
+__all__ = ["ExecResult", "Session", "SessionBackend", "SessionClosed", "SessionDiffTooLarge", "SessionError",
+           "SessionExpired", "SessionFileNotFound", "SessionInfraError", "SessionLimitExceeded", "SessionLimits",
+           "SessionSpec", "open_backend"]
 
 
 def open_backend(backend: str | SessionBackend = "local", **kwargs: Any) -> SessionBackend:

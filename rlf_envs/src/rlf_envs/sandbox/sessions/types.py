@@ -36,6 +36,27 @@ class SessionClosed(SessionError):
     """The session was closed (or expired) before this call."""
 
 
+class SessionExpired(SessionClosed):
+    """The session ran past its wall clock (`SessionLimits.session_timeout_s`): the episode's own failure (the policy
+    took too long), never an infrastructure failure."""
+
+
+class SessionLimitExceeded(SessionError):
+    """What the session's own processes did exhausted one of its limits (memory, disk, pids, output) so that the call
+    could not complete, or the session died of it: the episode's failure, not the host's. `limit` names which."""
+
+    def __init__(self, message: str, limit: str = "resources") -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class SessionDiffTooLarge(SessionLimitExceeded):
+    """`diff(max_bytes=...)`: the workspace's patch is larger than the caller accepts (the policy's failure)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "diff_bytes")
+
+
 @dataclass(frozen=True)
 class SessionLimits:
     """Per-session limits. `memory_mb`: a memory cgroup per session where the host offers one (cgroup v2, or v1's
@@ -50,9 +71,11 @@ class SessionLimits:
     exec_timeout_s: float = 60.0
     session_timeout_s: float = 1800.0
     output_bytes: int = 65536
+    #: the largest patch `diff()` returns (larger: SessionDiffTooLarge, the policy's failure)
+    diff_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
-        for name in ("memory_mb", "pids", "disk_mb", "output_bytes"):
+        for name in ("memory_mb", "pids", "disk_mb", "output_bytes", "diff_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"SessionLimits.{name} must be a positive int, got {v!r}")
@@ -137,8 +160,10 @@ class Session(abc.ABC):
         """Create or replace a file (parent directories made), owned by the session's user."""
 
     @abc.abstractmethod
-    async def diff(self) -> str:
-        """A git-format patch (`git apply` takes it) of the workdir against its start (the seed), `.git` excluded."""
+    async def diff(self, max_bytes: int | None = None) -> str:
+        """A git-format patch (`git apply` takes it) of the workdir against its start (the seed), `.git` excluded.
+        Larger than `max_bytes` (default `SessionLimits.diff_bytes`): SessionDiffTooLarge, before the patch is
+        built in full or sent."""
 
     @abc.abstractmethod
     async def aclose(self) -> None:
