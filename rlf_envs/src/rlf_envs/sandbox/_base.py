@@ -95,3 +95,40 @@ class Guards:
 
     def no(self, name: str, why: str) -> None:
         self.missing[name] = why
+
+
+# ------------------------------------------------------------------ a session's root (`sessions/_agent.py`)
+#: pivot_root(2) and openat2(2) by number (glibc wraps neither everywhere); openat2 is the same on every arch
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(os.uname().machine)
+SYS_OPENAT2 = 437 if os.uname().machine in ("x86_64", "aarch64") else None
+RESOLVE_NO_XDEV, RESOLVE_NO_MAGICLINKS, RESOLVE_NO_SYMLINKS, RESOLVE_BENEATH, RESOLVE_IN_ROOT = 1, 2, 4, 8, 16
+_libc.syscall.restype = ctypes.c_long
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def _pivot_root(new_root: str, put_old: str) -> None:
+    """pivot_root(2); OSError (ENOSYS where this arch's number is unknown) when it fails."""
+    if SYS_PIVOT_ROOT is None:
+        raise OSError(38, "pivot_root: no syscall number for this architecture")
+    _check(int(_libc.syscall(ctypes.c_long(SYS_PIVOT_ROOT), os.fsencode(new_root), os.fsencode(put_old))),
+           "pivot_root")
+
+
+def _umount2(target: str, flags: int) -> None:
+    _check(_libc.umount2(os.fsencode(target), flags), f"umount2 {target}")
+
+
+def _openat2(dirfd: int, path: str, flags: int, mode: int, resolve: int) -> int:
+    """openat2(2) (Linux >= 5.6): a new descriptor, or OSError (ENOSYS where the kernel or arch has none)."""
+    if SYS_OPENAT2 is None:
+        raise OSError(38, "openat2: no syscall number for this architecture")
+    how = _OpenHow(flags, mode, resolve)
+    fd = int(_libc.syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dirfd), os.fsencode(path), ctypes.byref(how),
+                           ctypes.c_size_t(ctypes.sizeof(how))))
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e), path)
+    return fd

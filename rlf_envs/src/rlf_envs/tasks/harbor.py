@@ -370,6 +370,10 @@ def materialise_seed(plan: DockerPlan, key: str) -> str:
                                                       ).encode()
                             + b"".join(Path(h).read_bytes() for h in sorted(plan.seed))).hexdigest()[:16]
     out = cache_dir() / "harbor" / f"seed-{digest}"
+    # the seeds' folder is 0700 (made so, or tightened): no session uid can read or traverse what rlf caches there
+    out.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if out.parent.lstat().st_uid == os.geteuid() and out.parent.stat().st_mode & 0o777 != 0o700:
+        os.chmod(out.parent, 0o700)
     if not out.is_dir():
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)

@@ -222,6 +222,15 @@ def _extract(archive: Path, dest: Path) -> None:
         tf.extractall(dest, filter="data")
 
 
+def _private_dir(d: Path) -> None:
+    """`d` (made if missing) 0700: the seed copies under it are neither readable nor traversable by a session's uid
+    (the local backend's agent, root, copies and binds them before the session's root is entered)."""
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = d.lstat()
+    if st.st_uid == os.geteuid() and st.st_mode & 0o777 != 0o700:
+        os.chmod(d, 0o700)
+
+
 def repo_for(t: SweTask) -> Path | None:
     """The host directory holding the task's starting repository (base + bug_patch), built once in rlf's cache
     dir; None when the repository lives in the task's image."""
@@ -240,8 +249,8 @@ def repo_for(t: SweTask) -> Path | None:
         key = f"archive:{hashlib.sha256(archive.read_bytes()).hexdigest()}"
         base = cache_dir() / "swe" / f"base-{key[8:24]}"
         with _LOCK:
+            _private_dir(base.parent)
             if not base.is_dir():
-                base.parent.mkdir(parents=True, exist_ok=True)
                 tmp = Path(tempfile.mkdtemp(dir=base.parent))
                 _extract(archive, tmp)
                 try:
@@ -253,8 +262,8 @@ def repo_for(t: SweTask) -> Path | None:
     digest = hashlib.sha256(f"{key}\0{t.bug_patch}".encode()).hexdigest()[:16]
     out = cache_dir() / "swe" / f"task-{digest}"
     with _LOCK:
+        _private_dir(out.parent)
         if not out.is_dir():
-            out.parent.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(dir=out.parent))
             try:
                 shutil.copytree(base, tmp / "repo", symlinks=True)

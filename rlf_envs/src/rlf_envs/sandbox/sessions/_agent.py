@@ -8,24 +8,37 @@ Process tree of one session::
 
     trainer ──stdin/stdout frames──▶ P (host pid ns: unshares mount/pid/ipc/uts[/net], forks C, waits for it)
                                       └─ C = pid 1 of the session's pid namespace: builds the root (tmpfs + read-only
-                                         binds of the host's system dirs, or an overlay over an image root), the
-                                         workspace (a size-limited tmpfs holding a copy of the seed), chroots, then
-                                         serves requests one at a time; each exec is a fork that drops to the
-                                         session's uid (rlimits, no_new_privs, no capabilities, the sandbox's
+                                         binds of the host's system dirs, or an overlay over an image root) and the
+                                         session's one scratch tmpfs (disk_mb: the overlay's upper layer, the
+                                         workspace with a copy of the seed, /tmp, /var/tmp, /dev/shm), binds the seed
+                                         read-only under /.rlf (0700), switches to the root (pivot_root, the old root
+                                         detached), then serves requests one at a time; each exec is a fork that drops
+                                         to the session's uid (rlimits, no_new_privs, no capabilities, the sandbox's
                                          seccomp filter) and execs the command
 
-Frames: 4-byte big-endian length + JSON, on the agent's stdin (requests) and stdout (replies). The first frame P
-writes is {"pid": <C's host pid>} so the owner label can name it before anything waits on C. Every process of the
-session dies with C (pid 1), C asks for SIGKILL when P dies and P when the trainer dies (PR_SET_PDEATHSIG); the
-owner reaper covers what that misses. All mounts live in the session's mount namespace only, so they go with it.
+What is confined, and how (docs/security.md, "Local backend confinement"): after set-up no process of the session (C
+included) holds a descriptor, cwd or root outside the session's root, and the host's filesystem is not in the
+session's mount namespace at all; file requests are resolved in the root with the session user's rights (openat2
+RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS, else a walk refusing every symlink), and /proc is no file of the session;
+what a request's content causes is the caller's error ("user"), what the session's own limits cause is "limit",
+only our own failures are "infra". P and C are exempt from the OOM killer (oom_score_adj -1000, where the host grants
+CAP_SYS_RESOURCE), every exec starts at 1000 (the OOM killer's first choice, in the session's cgroup and the host's).
+
+Frames: a 4-byte big-endian length + a JSON header, then, where the header says "blob": n, n raw bytes (a file's
+data, an exec's stdin or output, a patch: never base64 nor JSON-escaped), on the agent's stdin (requests) and stdout
+(replies). The first frame P writes is {"pid": <C's host pid>} so the owner label can name it before anything waits
+on C. Every process of the session dies with C (pid 1), C asks for SIGKILL when P dies and P when the trainer dies
+(PR_SET_PDEATHSIG); the owner reaper covers what that misses. All mounts live in the session's mount namespace only,
+so they go with it.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
+import errno
 import json
 import os
+import posixpath
 import resource
 import select
 import shutil
@@ -53,6 +66,7 @@ from rlf_envs.sandbox._base import (  # the sandbox's Linux ABI
     CLONE_NEWNS,
     CLONE_NEWPID,
     CLONE_NEWUTS,
+    MNT_DETACH,
     MS_BIND,
     MS_NODEV,
     MS_NOEXEC,
@@ -64,10 +78,15 @@ from rlf_envs.sandbox._base import (  # the sandbox's Linux ABI
     PR_SET_CHILD_SUBREAPER,
     PR_SET_NO_NEW_PRIVS,
     PR_SET_PDEATHSIG,
+    RESOLVE_IN_ROOT,
+    RESOLVE_NO_MAGICLINKS,
     SYSTEM_DIRS,
     _check,
     _libc,
+    _openat2,
+    _pivot_root,
     _set_name,
+    _umount2,
 )
 from rlf_envs.sandbox._base import _mount as mount
 from rlf_envs.sandbox._base import _prctl as prctl
@@ -80,11 +99,48 @@ ETC_ENTRIES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd
                "inputrc", "mime.types", "protocols", "services", "debian_version", "timezone", "environment")
 DEV_NODES = ("null", "zero", "full", "random", "urandom", "tty")
 MAX_FILE = 64 << 20
+#: where the pristine seed is bound (read-only) inside the session's root, for the diff: under a directory only root
+#: may enter, so the session's user cannot reach it (the agent reads it with root's rights)
+SEED_DIR = "/.rlf"
+SEED = SEED_DIR + "/seed"
+PATH_MAX = 4096
+#: SysV IPC of the session's ipc namespace: a shared memory segment outlives its processes (no OOM kill frees it, and
+#: it is charged to the session's cgroup), so it is bounded (8 MiB in all), as are message queues
+IPC_LIMITS = (("shmmax", str(8 << 20)), ("shmall", str((8 << 20) // 4096)), ("shmmni", "64"), ("msgmni", "16"))
 
 
-def bind(src: str, dst: str, writable: bool = False) -> None:
+def scratch_inodes(disk_mb: int) -> int:
+    """Inodes of the session's scratch tmpfs: 64 per MB, at least 8192 and at most 32768. Each costs about 1 KB of
+    kernel memory that no OOM kill frees (charged to the session's cgroup), so they are bounded like the data."""
+    return min(32768, max(8192, disk_mb * 64))
+
+
+def bind(src: str, dst: str, writable: bool = False, flags: int = 0) -> None:
     mount(src, dst, None, MS_BIND | MS_REC)
-    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | (0 if writable else MS_RDONLY))
+    mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_NOSUID | flags | (0 if writable else MS_RDONLY))
+
+
+class UserError(Exception):
+    """The request's content is at fault (a bad path, type or mode): the caller's error (reply kind "user")."""
+
+
+class LimitError(Exception):
+    """The session's own limits stopped the request (its processes hold all its pids or memory, a diff too large or
+    too slow): the policy's failure (reply kind "limit", naming which)."""
+
+    def __init__(self, message: str, limit: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class _DiffTooSlow(LimitError):
+    pass
+
+
+def _show(v: Any) -> str:
+    """A request's value in an error message, bounded (a 100 MB path does not make a 600 MB reply)."""
+    r = repr(v)
+    return r if len(r) <= 200 else r[:200] + "..."
 
 
 # ---------------------------------------------------------------- frames
@@ -96,24 +152,56 @@ def read_frame(fd: int) -> dict[str, Any] | None:
     body = _read_exact(fd, n)
     if body is None:
         return None
-    return json.loads(body)
+    frame: dict[str, Any] = json.loads(body)
+    return frame
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
     buf = bytearray()
     while len(buf) < n:
-        b = os.read(fd, n - len(buf))
+        b = os.read(fd, min(n - len(buf), 1 << 20))
         if not b:
             return None
         buf += b
     return bytes(buf)
 
 
-def write_frame(fd: int, obj: dict[str, Any]) -> None:
+class Blob:
+    """The raw bytes that follow a request's header ("blob": n): read by the op as a stream, the rest drained after
+    it whatever it did, so the next header is always where it should be."""
+
+    def __init__(self, fd: int, n: int) -> None:
+        self.fd = fd
+        self.left = n
+
+    def read(self, n: int = 1 << 20) -> bytes:
+        if self.left <= 0:
+            return b""
+        b = os.read(self.fd, min(n, self.left))
+        if not b:
+            raise EOFError("the trainer closed the agent's stdin")
+        self.left -= len(b)
+        return b
+
+    def drain(self) -> None:
+        while self.left > 0:
+            self.read()
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_frame(fd: int, obj: dict[str, Any], blob: list[bytes] | None = None) -> None:
+    """A reply: the JSON header, then the raw bytes of `blob` (their total length in the header's "blob")."""
+    if blob:
+        obj = dict(obj, blob=sum(len(b) for b in blob))
     body = json.dumps(obj).encode()
-    data = struct.pack(">I", len(body)) + body
-    while data:
-        data = data[os.write(fd, data):]
+    _write_all(fd, struct.pack(">I", len(body)) + body)
+    for b in blob or ():
+        _write_all(fd, b)
 
 
 # ---------------------------------------------------------------- the root
@@ -149,13 +237,19 @@ def _devices(r: str) -> None:
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
                          ("stderr", "/proc/self/fd/2"), ("ptmx", "pts/ptmx")):
         os.symlink(target, f"{r}/dev/{name}")
-    os.mkdir(r + "/dev/shm", 0o1777)
-    os.chmod(r + "/dev/shm", 0o1777)
+    os.mkdir(r + "/dev/shm", 0o755)  # (a mount point: the scratch tmpfs's shm is bound there)
 
 
-def build_root(r: str, image: str, disk_mb: int) -> str:
-    """Mount the session's root at `r` (an empty directory) in our mount namespace. Returns how (for the guards)."""
+def build_root(base: str, image: str, disk_mb: int) -> str:
+    """In our mount namespace, on `base` (an empty directory): a small root-only tmpfs holding the session's scratch
+    tmpfs at base/s (disk_mb: every writable place of the session lies in it) and its root at base/root. Returns
+    how the root is made (for the guards)."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", base, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,nr_inodes=16,mode=0700")
+    s, r = base + "/s", base + "/root"
+    os.mkdir(s, 0o700)
+    os.mkdir(r, 0o755)
+    mount("tmpfs", s, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,nr_inodes={scratch_inodes(disk_mb)},mode=0700")
     if image == "host":
         mount("tmpfs", r, "tmpfs", MS_NOSUID, "size=4m,nr_inodes=8192,mode=0755")
         for d in SYSTEM_DIRS:
@@ -168,55 +262,66 @@ def build_root(r: str, image: str, disk_mb: int) -> str:
         _copy_etc("/etc", r + "/etc")
         for d in ("/root", "/home", "/var", "/var/tmp", "/run"):
             os.makedirs(r + d, mode=0o755, exist_ok=True)
-        how = "host system dirs read-only"
-    else:
-        # an overlay over the image root: writes go to a tmpfs upper layer (bounded), the image stays untouched; the
-        # session's root is then r/merged
-        scratch = r + "/.scratch"
-        mount("tmpfs", r, "tmpfs", MS_NOSUID, f"size={disk_mb}m,mode=0755")
-        os.makedirs(scratch + "/upper", 0o755)
-        os.makedirs(scratch + "/work", 0o755)
-        os.makedirs(r + "/merged", 0o755)
-        try:
-            mount("overlay", r + "/merged", "overlay", MS_NOSUID,
-                  f"lowerdir={image},upperdir={scratch}/upper,workdir={scratch}/work")
-            how = "overlay over the image (tmpfs upper layer)"
-        except OSError:
-            bind(image, r + "/merged")
-            how = "image bound read-only (overlayfs unavailable)"
-    return how
+        return "host system dirs read-only"
+    # an overlay over the image root: writes go to its upper layer in the scratch tmpfs (bounded with the rest of
+    # what the session writes), the image stays untouched
+    os.mkdir(s + "/upper", 0o755)
+    os.mkdir(s + "/work", 0o700)
+    try:
+        mount("overlay", r, "overlay", MS_NOSUID, f"lowerdir={image},upperdir={s}/upper,workdir={s}/work")
+        return "overlay over the image (upper layer in the session's scratch tmpfs)"
+    except OSError:
+        bind(image, r)
+        return "image bound read-only (overlayfs unavailable)"
+
+
+def size_scratch(s: str, disk_mb: int) -> None:
+    """The scratch tmpfs gets its session's size (a warm agent made it before its session was known)."""
+    mount(None, s, None, MS_REMOUNT | MS_NOSUID | MS_NODEV, f"size={disk_mb}m,nr_inodes={scratch_inodes(disk_mb)}")
 
 
 def open_root(r: str) -> None:
     """`SessionSpec.writable_root`: every directory of the session's overlay sticky and world-writable (a metadata
-    copy-up into the session's own tmpfs upper layer; the image is untouched). The session user can then add
-    entries anywhere, but (sticky) not rename or remove the image's own, and the image's files keep their modes."""
+    copy-up into the session's own upper layer; the image is untouched). The session user can then add entries
+    anywhere, but (sticky) not rename or remove the image's own, and the image's files keep their modes."""
     for dirpath, _dirs, _files in os.walk(r):
         st = os.lstat(dirpath)
         if stat.S_ISDIR(st.st_mode):
             os.chmod(dirpath, stat.S_IMODE(st.st_mode) | 0o1777)
 
 
-def finish_root(r: str, workdir: str, disk_mb: int, uid: int, seed: str | None) -> None:
-    """The per-session part: /proc, /dev, /tmp, the workspace (a tmpfs of disk_mb holding a copy of the seed)."""
+def finish_root(r: str, s: str, workdir: str, uid: int, seed: str | None) -> None:
+    """The per-session part: /proc, /dev, and the scratch tmpfs's directories bound as the workspace (a copy of the
+    seed, the session user's), /tmp, /var/tmp and /dev/shm; the seed itself bound read-only at SEED (for the diff)."""
     for d in ("/proc", "/tmp", "/dev"):
         os.makedirs(r + d, mode=0o755, exist_ok=True)
     _devices(r)
     mount("proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    tmp_mb = max(16, min(disk_mb, 1024))
-    mount("tmpfs", r + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_mb}m,mode=1777")
-    for d in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(r + d) and not os.path.islink(r + d):
-            mount("tmpfs", r + d, "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmp_mb}m,mode=1777")
+    for name, mode in (("tmp", 0o1777), ("vartmp", 0o1777), ("shm", 0o1777), ("ws", 0o755)):
+        os.mkdir(f"{s}/{name}", mode)
+        os.chmod(f"{s}/{name}", mode)
+    os.chown(s + "/ws", uid, uid)
+    bind(s + "/tmp", r + "/tmp", True, MS_NODEV)
+    if os.path.isdir(r + "/var/tmp") and not os.path.islink(r + "/var/tmp"):
+        bind(s + "/vartmp", r + "/var/tmp", True, MS_NODEV)
+    bind(s + "/shm", r + "/dev/shm", True, MS_NODEV)
     ws = r + workdir
     os.makedirs(ws, mode=0o755, exist_ok=True)
-    mount("tmpfs", ws, "tmpfs", MS_NOSUID | MS_NODEV, f"size={disk_mb}m,mode=0755,uid={uid},gid={uid}")
+    bind(s + "/ws", ws, True, MS_NODEV)
     if seed:
         shutil.copytree(seed, ws, symlinks=True, dirs_exist_ok=True)
         os.chmod(ws, 0o755)
         for dirpath, dirnames, filenames in os.walk(ws):
             for n in dirnames + filenames:
                 os.lchown(os.path.join(dirpath, n), uid, uid)
+        os.makedirs(r + SEED_DIR, mode=0o700, exist_ok=True)
+        st = os.lstat(r + SEED_DIR)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.EEXIST, f"the image holds {SEED_DIR}, which the agent needs")
+        os.chown(r + SEED_DIR, 0, 0)
+        os.chmod(r + SEED_DIR, 0o700)
+        os.makedirs(r + SEED, mode=0o700, exist_ok=True)
+        bind(seed, r + SEED, False, MS_NODEV | MS_NOEXEC)
     # the session's user has a name (git, whoami, getpwuid): appended to the root's own copy of the user database
     # (the host image's is a copy in the root tmpfs, an image's is in the overlay's upper layer)
     for name, line in (("passwd", f"sandbox:x:{uid}:{uid}:sandbox:{workdir}:/bin/sh\n"),
@@ -228,6 +333,40 @@ def finish_root(r: str, workdir: str, disk_mb: int, uid: int, seed: str | None) 
                     f.write(line)
         except OSError:
             pass
+
+
+def _ipc_limits() -> None:
+    """Bound SysV IPC in the session's ipc namespace (IPC_LIMITS; best effort: a kernel may not offer them)."""
+    for name, value in IPC_LIMITS:
+        with contextlib.suppress(OSError):
+            fd = os.open(f"/proc/sys/kernel/{name}", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
+
+
+def switch_root(r: str) -> str:
+    """Make `r` our root: pivot_root and the old root detached, so nothing of the host's tree stays in the session's
+    mount namespace; chroot where pivot_root fails (said in what this returns). Leaves the cwd at the new root."""
+    os.chdir(r)
+    try:
+        _pivot_root(".", ".")  # the old root is now stacked on "/": detach it (pivot_root(2)'s own recipe)
+        _umount2(".", MNT_DETACH)
+        how = "pivot_root (the host's tree detached from the session's mount namespace)"
+    except OSError as e:
+        os.chroot(".")
+        how = f"chroot (pivot_root failed: {e.strerror or e})"
+    os.chdir("/")
+    return how
+
+
+def _set_oom_score_adj(value: int) -> None:
+    fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, str(value).encode())
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- exec
@@ -256,9 +395,12 @@ def _child(req: dict[str, Any], st: dict[str, Any], stdin_fd: int, out_w: int, e
         os.dup2(err_w, 2)
         os.closerange(3, 65536)
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        for s in (signal.SIGALRM, signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+        for s in (signal.SIGALRM, signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGPROF):
             signal.signal(s, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        # what the session runs is the OOM killer's first choice (the agent is exempt, or at 0 where the host denies
+        # us CAP_SYS_RESOURCE; with it this also becomes the floor the session's code cannot go below)
+        _set_oom_score_adj(1000)
         lim = st["limits"]
         mem = lim["memory_mb"] << 20
         for res, v in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_NPROC, lim["pids"]),
@@ -328,19 +470,55 @@ def _kill_new(before: set[int]) -> dict[int, int]:
     return reaped
 
 
-def do_exec(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
+def _exec_request(req: dict[str, Any]) -> float:
+    """Check an exec request's fields (UserError naming the first bad one); returns its timeout."""
+    if "shell" in req:
+        if not isinstance(req["shell"], str):
+            raise UserError(f"exec: shell must be a str, got {type(req['shell']).__name__}")
+    else:
+        argv = req.get("argv")
+        if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+            raise UserError(f"exec: argv must be a non-empty list of str, got {_show(argv)}")
+    timeout = req.get("timeout")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < 1e9:
+        raise UserError(f"exec: timeout must be a positive number of seconds, got {_show(timeout)}")
+    cwd = req.get("cwd")
+    if cwd is not None:
+        _check_path(cwd, "exec: cwd")
+    env = req.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise UserError("exec: env must map str to str")
+    return float(timeout)
+
+
+def do_exec(req: dict[str, Any], st: dict[str, Any], blob: Blob) -> tuple[dict[str, Any], list[bytes]]:
     cap = int(st["limits"]["output_bytes"])
-    timeout = float(req["timeout"])
-    stdin = base64.b64decode(req.get("stdin") or "")
+    timeout = _exec_request(req)
     _reap_orphans()
     before = _session_pids()
-    memfd = os.memfd_create("stdin", 0)
-    os.write(memfd, stdin)
+    memfd = os.memfd_create("stdin", os.MFD_CLOEXEC)
+    try:
+        while blob.left:
+            _write_all(memfd, blob.read())
+    except OSError as e:
+        os.close(memfd)
+        if e.errno in (errno.ENOMEM, errno.ENOSPC):
+            raise LimitError("exec: the session's memory is full (its stdin does not fit)", "memory") from None
+        raise
     os.lseek(memfd, 0, 0)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     t0 = time.monotonic()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        for fd in (memfd, out_r, out_w, err_r, err_w):
+            os.close(fd)
+        if e.errno == errno.EAGAIN:
+            raise LimitError("exec: the session's processes hold all its pids", "pids") from None
+        if e.errno == errno.ENOMEM:
+            raise LimitError("exec: the session's memory is full", "memory") from None
+        raise
     if pid == 0:  # pragma: no cover - the child
         _child(req, st, memfd, out_w, err_w)
     os.close(memfd)
@@ -404,15 +582,15 @@ def do_exec(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
         code = os.WEXITSTATUS(status)
     else:
         code = 128 + os.WTERMSIG(status)
-    return {"ok": True, "exit_code": code, "stdout": base64.b64encode(bytes(bufs[out_r])).decode(),
-            "stderr": base64.b64encode(bytes(bufs[err_r])).decode(), "timed_out": timed_out,
-            "truncated": truncated, "duration_s": time.monotonic() - t0}
+    out, err = bytes(bufs[out_r]), bytes(bufs[err_r])
+    return ({"ok": True, "exit_code": code, "stdout": len(out), "timed_out": timed_out, "truncated": truncated,
+             "duration_s": time.monotonic() - t0}, [out, err])
 
 
 # ---------------------------------------------------------------- files
 class _As:
     """Effective uid/gid of the session's user for a file operation (so it cannot be tricked into root's rights and
-    what it creates belongs to the session's user)."""
+    what it creates belongs to the session's user; the agent holds no supplementary groups)."""
 
     def __init__(self, uid: int) -> None:
         self.uid = uid
@@ -426,49 +604,176 @@ class _As:
         os.setegid(0)
 
 
-def _path(st: dict[str, Any], p: str) -> str:
-    return p if p.startswith("/") else os.path.join(st["workdir"], p)
+def _check_path(p: Any, what: str = "path") -> str:
+    """A path of a request: a str, not empty, without NUL, encodable, shorter than PATH_MAX (UserError else)."""
+    if not isinstance(p, str):
+        raise UserError(f"{what} must be a str, got {type(p).__name__}")
+    if not p:
+        raise UserError(f"{what} is empty")
+    if "\0" in p:
+        raise UserError(f"{what} {_show(p)} holds a NUL byte")
+    try:
+        n = len(p.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        raise UserError(f"{what} {_show(p)} is not encodable (a lone surrogate)") from None
+    if n >= PATH_MAX:
+        raise UserError(f"{what} is {n} bytes long (at most {PATH_MAX - 1})")
+    return p
 
 
-def do_read(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
-    with _As(st["uid"]):
-        fd = os.open(_path(st, req["path"]), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+def _components(st: dict[str, Any], p: str) -> list[str]:
+    """The components of a request's path in the session's root: relative paths start at the workdir, `..` is
+    resolved lexically and stops at the root."""
+    full = p if p.startswith("/") else st["workdir"] + "/" + p
+    return [c for c in posixpath.normpath("/" + full).split("/") if c]
+
+
+#: whether openat2 works here (probed on first use; ENOSYS or a seccomp EPERM: the walk instead)
+_OPENAT2: bool | None = None
+
+
+def _probe_openat2() -> bool:
+    global _OPENAT2
+    if _OPENAT2 is None:
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return {"ok": False, "error": f"{req['path']}: not a regular file", "kind": "user"}
-            chunks, n = [], 0
+            os.close(_openat2(-100, "/", os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS))
+            _OPENAT2 = True
+        except OSError:
+            _OPENAT2 = False
+    return _OPENAT2
+
+
+def open_in_root(root_fd: int, path: str, flags: int, mode: int = 0, *, openat2: bool | None = None) -> int:
+    """Open `path` as a path of the root `root_fd` (relative paths too): `..` stops at the root, and magic links
+    (/proc/*/fd/*, /proc/*/root, /proc/*/cwd, /proc/*/exe) are refused (ELOOP). With openat2 (Linux >= 5.6; the
+    default where it works) symlinks resolve inside the root (RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS); without it
+    (`openat2=False`) the path is walked a component at a time with O_NOFOLLOW and every symlink is refused (ELOOP)."""
+    comps = [c for c in posixpath.normpath("/" + path).split("/") if c]
+    use = _probe_openat2() if openat2 is None else openat2
+    if use:
+        return _openat2(root_fd, "/" + "/".join(comps), flags | os.O_CLOEXEC, mode,
+                        RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+    fd = os.dup(root_fd)
+    try:
+        for c in comps[:-1]:
+            nfd = os.open(c, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+            kind = stat.S_IFMT(os.fstat(fd).st_mode)
+            if kind == stat.S_IFLNK:
+                raise OSError(errno.ELOOP, "a symbolic link (refused where the kernel has no openat2)", c)
+            if kind != stat.S_IFDIR:
+                raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), c)
+        return os.open(comps[-1] if comps else ".", flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs(root_fd: int, comps: list[str]) -> None:
+    """Make the missing directories of `comps` (with the caller's rights: the session user's), never through a link
+    that appears on the way."""
+    i = len(comps)
+    fd = -1
+    while i > 0:
+        try:
+            fd = open_in_root(root_fd, "/" + "/".join(comps[:i]), os.O_PATH | os.O_DIRECTORY)
+            break
+        except FileNotFoundError:
+            i -= 1
+    if fd < 0:
+        fd = os.dup(root_fd)
+    try:
+        for c in comps[i:]:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(c, 0o755, dir_fd=fd)
+            nfd = os.open(c, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+            if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), c)
+    finally:
+        os.close(fd)
+
+
+def _regular(fd: int, st: dict[str, Any], shown: Any) -> None:
+    """Refuse what is not a regular file of the session: /proc's files (the agent's own process among them), FIFOs,
+    devices, directories."""
+    s = os.fstat(fd)
+    if s.st_dev == st["proc_dev"]:
+        raise UserError(f"{_show(shown)}: /proc holds no file of the session")
+    if not stat.S_ISREG(s.st_mode):
+        raise UserError(f"{_show(shown)}: not a regular file")
+
+
+def _root_fd() -> int:
+    return os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def do_read(req: dict[str, Any], st: dict[str, Any], blob: Blob) -> tuple[dict[str, Any], list[bytes]]:
+    path = _check_path(req.get("path"))
+    comps = _components(st, path)
+    chunks: list[bytes] = []
+    with _As(st["uid"]):
+        root = _root_fd()
+        try:
+            fd = open_in_root(root, "/" + "/".join(comps), os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+        finally:
+            os.close(root)
+        try:
+            _regular(fd, st, path)
+            n = 0
             while True:
                 b = os.read(fd, 1 << 20)
                 if not b:
                     break
                 n += len(b)
                 if n > MAX_FILE:
-                    return {"ok": False, "error": f"{req['path']}: larger than {MAX_FILE} bytes", "kind": "user"}
+                    raise UserError(f"{_show(path)}: larger than {MAX_FILE} bytes")
                 chunks.append(b)
         finally:
             os.close(fd)
-    return {"ok": True, "data": base64.b64encode(b"".join(chunks)).decode()}
+    return {"ok": True}, chunks
 
 
-def do_write(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
-    data = base64.b64decode(req["data"])
-    path = _path(st, req["path"])
+def do_write(req: dict[str, Any], st: dict[str, Any], blob: Blob) -> tuple[dict[str, Any], list[bytes]]:
+    path = _check_path(req.get("path"))
+    mode = req.get("mode", 0o644)
+    if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o7777:
+        raise UserError(f"write: mode must be an int from 0 to 0o7777, got {_show(mode)}")
+    comps = _components(st, path)
+    if not comps:
+        raise UserError(f"{_show(path)}: a directory")
     with _As(st["uid"]):
-        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_CLOEXEC, req.get("mode", 0o644))
+        root = _root_fd()
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return {"ok": False, "error": f"{req['path']}: not a regular file", "kind": "user"}
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            _makedirs(root, comps[:-1])
+            fd = open_in_root(root, "/" + "/".join(comps), os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY,
+                              mode)
+        finally:
+            os.close(root)
+        try:
+            _regular(fd, st, path)  # before anything is truncated or written
+            os.ftruncate(fd, 0)
+            while blob.left:
+                _write_all(fd, blob.read())
         finally:
             os.close(fd)
-    return {"ok": True}
+    return {"ok": True}, []
 
 
-def do_diff(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
-    seed = f"/proc/self/fd/{st['seed_fd']}" if st.get("seed_fd") is not None else None
+_diff_armed = [False]
+
+
+def _diff_cpu_spent(*a: Any) -> None:
+    if _diff_armed[0]:
+        _diff_armed[0] = False
+        raise _DiffTooSlow("the workspace's diff ran out of CPU time (too much changed data to diff)", "diff_bytes")
+
+
+def do_diff(req: dict[str, Any], st: dict[str, Any], blob: Blob) -> tuple[dict[str, Any], list[bytes]]:
+    max_bytes = req.get("max_bytes", 64 << 20)
+    if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
+        raise UserError(f"diff: max_bytes must be a positive int, got {_show(max_bytes)}")
     uid = st["uid"]
 
     @contextlib.contextmanager
@@ -481,19 +786,28 @@ def do_diff(req: dict[str, Any], st: dict[str, Any]) -> dict[str, Any]:
             os.setegid(uid)
             os.seteuid(uid)
 
-    try:
-        # the workspace is read with the session user's rights (a link swapped in mid-walk reaches nothing more
-        # than the session's own code could read); the seed, trusted, with ours
-        with _As(uid):
-            patch = gitdiff.diff_trees(seed, st["workdir"], max_bytes=int(req.get("max_bytes", 256 << 20)),
-                                       old_access=as_root)
-    except gitdiff.DiffTooLarge as e:
-        return {"ok": False, "error": str(e), "kind": "user"}
-    return {"ok": True, "patch": patch}
+    # the workspace is read with the session user's rights, only what lies on its own filesystem (a link swapped in
+    # mid-walk reaches nothing more than the session's own code could read); the seed, trusted, with ours. The CPU
+    # it may take is bounded (a timer: the trainer's deadline for the call is that plus a grace), so pathological
+    # files make the diff the policy's failure, not a lost agent
+    with _As(uid):
+        _diff_armed[0] = True
+        signal.setitimer(signal.ITIMER_PROF, float(st["limits"]["exec_timeout_s"]))
+        try:
+            patch = gitdiff.diff_trees(st["seed"], st["workdir"], max_bytes=max(256 << 20, max_bytes),
+                                       max_patch_bytes=max_bytes, old_access=as_root, one_filesystem=True)
+        except gitdiff.DiffTooLarge as e:
+            raise LimitError(str(e), "diff_bytes") from None
+        finally:
+            _diff_armed[0] = False
+            signal.setitimer(signal.ITIMER_PROF, 0)
+    return {"ok": True}, [patch.encode("utf-8", "surrogateescape")]
 
 
 # ---------------------------------------------------------------- main
 def serve(st: dict[str, Any]) -> None:
+    """Answer requests one at a time. A reply's kind says whose failure an error is: "user" (the request's content:
+    a bad path, type or mode, a missing file -- the caller's), "limit" (the session's own limits), "infra" (ours)."""
     ops = {"exec": do_exec, "read": do_read, "write": do_write, "diff": do_diff}
     while True:
         req = read_frame(0)
@@ -502,18 +816,38 @@ def serve(st: dict[str, Any]) -> None:
             if req is not None:
                 write_frame(1, {"ok": True})
             os._exit(0)
-        op = ops.get(req.get("op", ""))
-        if op is None:
-            write_frame(1, {"ok": False, "error": f"unknown op {req.get('op')!r}", "kind": "infra"})
-            continue
+        n = req.get("blob", 0)
+        blob = Blob(0, n if isinstance(n, int) and n > 0 else 0)
+        name = req.get("op")
+        out: list[bytes] = []
         try:
-            reply = op(req, st)
+            op = ops.get(name) if isinstance(name, str) else None
+            if op is None:
+                raise UserError(f"unknown op {_show(name)}")
+            reply, out = op(req, st, blob)
+            blob.drain()
+        except EOFError:
+            _kill_all_but_me()
+            os._exit(0)
+        except UserError as e:
+            reply = {"ok": False, "error": f"{name}: {e}", "kind": "user"}
+        except LimitError as e:
+            reply = {"ok": False, "error": f"{name}: {e}", "kind": "limit", "limit": e.limit}
+        except MemoryError:
+            reply = {"ok": False, "error": f"{name}: the session's memory is full", "kind": "limit",
+                     "limit": "memory"}
         except OSError as e:
-            reply = {"ok": False, "error": f"{req.get('op')}: {e.strerror or e}", "kind": "user",
-                     "errno": e.errno}
+            reply = {"ok": False, "error": f"{name}: {e.strerror or e}", "kind": "user", "errno": e.errno}
+        except (ValueError, TypeError, UnicodeError, KeyError, OverflowError) as e:  # from the request's content
+            reply = {"ok": False, "error": f"{name}: {_show(e)}", "kind": "user"}
         except Exception as e:
-            reply = {"ok": False, "error": f"{req.get('op')}: {e!r}", "kind": "infra"}
-        write_frame(1, reply)
+            reply = {"ok": False, "error": f"{name}: {_show(e)}", "kind": "infra"}
+        try:
+            blob.drain()
+        except EOFError:
+            _kill_all_but_me()
+            os._exit(0)
+        write_frame(1, reply, out)
 
 
 def session_main(parent_fd: int) -> None:
@@ -524,14 +858,14 @@ def session_main(parent_fd: int) -> None:
     os.close(parent_fd)
     _set_name(b"rlf-session")
     signal.signal(signal.SIGALRM, lambda *a: os._exit(3))
+    signal.signal(signal.SIGPROF, _diff_cpu_spent)
     prep = read_frame(0)
     if prep is None:
         os._exit(0)
-    r = prep["root_mount"]
+    base = prep["root_mount"]
+    r, s = base + "/root", base + "/s"
     try:
-        how = build_root(r, prep["image"], prep["disk_mb"])
-        if prep["image"] != "host":
-            r = r + "/merged"
+        how = build_root(base, prep["image"], prep["disk_mb"])
     except Exception as e:
         write_frame(1, {"ok": False, "error": f"building the session root: {e!r}", "kind": "infra"})
         os._exit(2)
@@ -541,29 +875,36 @@ def session_main(parent_fd: int) -> None:
         os._exit(0)
     try:
         lim = start["limits"]
-        seed_fd = None
-        if start.get("seed"):
-            seed_fd = os.open(start["seed"], os.O_RDONLY | os.O_DIRECTORY)
+        seed = start.get("seed")
+        size_scratch(s, lim["disk_mb"])
         if start.get("writable_root"):
             if not how.startswith("overlay"):
                 raise OSError(f"writable_root needs overlayfs for the session's root ({how})")
             open_root(r)
-        finish_root(r, start["workdir"], lim["disk_mb"], start["uid"], start.get("seed"))
+        finish_root(r, s, start["workdir"], start["uid"], seed)
+        _ipc_limits()
         _libc.sethostname(b"sandbox", 7)
-        os.chroot(r)
-        if start.get("writable_root"):
-            # the root agent imports nothing from a root the session user can add files to
-            sys.path[:] = []
-            sys.path_importer_cache.clear()
+        how += "; " + switch_root(r)
+        # nothing of the host stays open: stderr (the host's /dev/null) becomes the session's
+        devnull = os.open("/dev/null", os.O_RDWR)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+        # the root agent imports nothing from the session's root (a writable root could plant a module there)
+        sys.path[:] = []
+        sys.path_importer_cache.clear()
+        os.setgroups([])  # (so a file request made with the session user's uid has no group of root's either)
+        proc_dev = os.stat("/proc").st_dev
+        _probe_openat2()
         os.chdir(start["workdir"])
         if lim.get("session_timeout_s"):
             signal.alarm(int(lim["session_timeout_s"]) + 5)
     except Exception as e:
         write_frame(1, {"ok": False, "error": f"starting the session: {e!r}", "kind": "infra"})
         os._exit(2)
-    st = {"limits": lim, "uid": start["uid"], "workdir": start["workdir"], "env": start["env"], "seed_fd": seed_fd}
+    st = {"limits": lim, "uid": start["uid"], "workdir": start["workdir"], "env": start["env"],
+          "seed": SEED if seed else None, "proc_dev": proc_dev}
     _seccomp_prog()  # built before the first exec's fork
-    write_frame(1, {"ok": True})
+    write_frame(1, {"ok": True, "how": how + ("" if _OPENAT2 else "; file paths walked without openat2")})
     serve(st)
 
 
@@ -578,6 +919,12 @@ def main() -> None:
     # the session's processes are re-parented to us when C (their pid 1) dies: we reap them, so that the session's
     # cgroups are empty when we exit (the host's init may reap late, or never)
     prctl(PR_SET_CHILD_SUBREAPER, 1)
+    # P and C are exempt from the OOM killer where the host lets us (CAP_SYS_RESOURCE): inside the session's cgroup
+    # it picks the policy's processes, whose every exec starts at 1000 (its first choice anyway); C inherits this
+    with contextlib.suppress(OSError):
+        _set_oom_score_adj(-1000)
+    # our cwd is the old root, so C's pivot_root moves it (and our root) to the session's root with its own
+    os.chdir("/")
     me = os.pidfd_open(os.getpid())
     pid = os.fork()
     if pid == 0:  # pragma: no cover - C
@@ -589,6 +936,7 @@ def main() -> None:
     os.close(0)
     write_frame(1, {"pid": pid})
     os.close(1)
+    os.close(2)
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, lambda *a: os.kill(pid, signal.SIGKILL))
     _, status = os.waitpid(pid, 0)

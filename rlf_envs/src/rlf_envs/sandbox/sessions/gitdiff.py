@@ -5,7 +5,10 @@ file`), new and deleted files, mode changes (100644/100755), symlinks (120000), 
 patch` literals with full blob ids (which `git apply` needs to accept a binary patch).
 
 The trees are hostile in a session: only regular files and symlinks are read (opened with O_NOFOLLOW | O_NONBLOCK, so
-a FIFO or device never blocks), directories are never followed through links, and `max_bytes` bounds what is read.
+a FIFO or device never blocks), directories are never followed through links, `max_bytes` bounds what is read and
+`max_patch_bytes` the patch (checked as it grows: a patch past it is never built in full). With `one_filesystem`
+nothing of the new tree on another filesystem than its root is read (a directory swapped for a link into /proc
+mid-walk reads nothing).
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ ZERO = "0" * 40
 
 
 class DiffTooLarge(Exception):
-    """The trees hold more than `max_bytes` of candidate file content."""
+    """The trees hold more than `max_bytes` of candidate file content, or the patch is longer than
+    `max_patch_bytes` (the backends raise `SessionDiffTooLarge` for it)."""
 
 
-def _entries(root: str, exclude: frozenset[str]) -> dict[str, tuple[int, str]]:
-    """path (relative, '/'-separated) -> (mode, absolute path) for every regular file and symlink under root."""
+def _entries(root: str, exclude: frozenset[str], dev: int | None = None) -> dict[str, tuple[int, str]]:
+    """path (relative, '/'-separated) -> (mode, absolute path) for every regular file and symlink under root (only
+    those on the filesystem `dev`, where given)."""
     out: dict[str, tuple[int, str]] = {}
     if not root or not os.path.isdir(root):
         return out
@@ -46,6 +51,8 @@ def _entries(root: str, exclude: frozenset[str]) -> dict[str, tuple[int, str]]:
                 st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
+            if dev is not None and st.st_dev != dev:
+                continue
             if stat.S_ISDIR(st.st_mode):
                 if e.name not in exclude:
                     stack.append(name)
@@ -56,13 +63,14 @@ def _entries(root: str, exclude: frozenset[str]) -> dict[str, tuple[int, str]]:
     return out
 
 
-def _read(mode: int, path: str, budget: list[int]) -> bytes:
+def _read(mode: int, path: str, budget: list[int], dev: int | None = None) -> bytes:
     if mode == 0o120000:
         data = os.fsencode(os.readlink(path))
     else:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or (dev is not None and st.st_dev != dev):
                 return b""
             chunks, n = [], 0
             while True:
@@ -114,62 +122,110 @@ def _b85_lines(data: bytes) -> Iterator[str]:
         yield prefix + base64.b85encode(chunk + b"\0" * (-n % 4)).decode()[: (n + 3) // 4 * 5]
 
 
+def _iter_binary(old: bytes, new: bytes) -> Iterator[str]:
+    yield from ("GIT binary patch", f"literal {len(new)}")
+    yield from _b85_lines(new)
+    yield from ("", f"literal {len(old)}")
+    yield from _b85_lines(old)
+    yield ""
+
+
+def _iter_text_hunks(old: bytes, new: bytes) -> Iterator[str]:
+    a = old.decode("utf-8").splitlines(keepends=True)
+    b = new.decode("utf-8").splitlines(keepends=True)
+    lines = difflib.unified_diff(a, b, n=3, lineterm="\n")
+    for _ in range(2):  # its own ---/+++ header
+        next(lines, None)
+    for line in lines:
+        if line.endswith("\n"):
+            yield line[:-1]
+        else:
+            yield line
+            yield "\\ No newline at end of file"
+
+
 def _binary(old: bytes, new: bytes) -> list[str]:
-    out = ["GIT binary patch", f"literal {len(new)}", *_b85_lines(new), "", f"literal {len(old)}", *_b85_lines(old), ""]
-    return out
+    return list(_iter_binary(old, new))
 
 
 def _text_hunks(old: bytes, new: bytes) -> list[str]:
-    a = old.decode("utf-8").splitlines(keepends=True)
-    b = new.decode("utf-8").splitlines(keepends=True)
-    out: list[str] = []
-    for line in list(difflib.unified_diff(a, b, n=3, lineterm="\n"))[2:]:
-        if line.endswith("\n"):
-            out.append(line[:-1])
-        else:
-            out.append(line)
-            out.append("\\ No newline at end of file")
-    return out
+    return list(_iter_text_hunks(old, new))
 
 
 def _diff_file(path: str, old: tuple[int, bytes] | None, new: tuple[int, bytes] | None) -> list[str]:
+    """One file's part of the patch (its lines)."""
+    return list(_iter_diff_file(path, old, new))
+
+
+def _iter_diff_file(path: str, old: tuple[int, bytes] | None, new: tuple[int, bytes] | None) -> Iterator[str]:
+    """The lines of one file's part of the patch, as they are made (a patch past its limit stops being built)."""
     q_a, q_b = _quote("a/" + path), _quote("b/" + path)
-    lines = [f"diff --git {q_a} {q_b}"]
     old_mode, old_data = old if old else (0, b"")
     new_mode, new_data = new if new else (0, b"")
-    if old is None:
-        lines.append(f"new file mode {new_mode:o}")
-    elif new is None:
-        lines.append(f"deleted file mode {old_mode:o}")
-    elif old_mode != new_mode:
-        lines += [f"old mode {old_mode:o}", f"new mode {new_mode:o}"]
-    if old_data == new_data and old is not None and new is not None:
-        return lines  # a mode change only
-    if old_mode and new_mode and (old_mode == 0o120000) != (new_mode == 0o120000):
+    if old_mode and new_mode and (old_mode == 0o120000) != (new_mode == 0o120000) and old_data != new_data:
         # a file became a link (or back): git shows a deletion and an addition
-        return _diff_file(path, old, None) + _diff_file(path, None, new)
+        yield from _iter_diff_file(path, old, None)
+        yield from _iter_diff_file(path, None, new)
+        return
+    yield f"diff --git {q_a} {q_b}"
+    if old is None:
+        yield f"new file mode {new_mode:o}"
+    elif new is None:
+        yield f"deleted file mode {old_mode:o}"
+    elif old_mode != new_mode:
+        yield from (f"old mode {old_mode:o}", f"new mode {new_mode:o}")
+    if old_data == new_data and old is not None and new is not None:
+        return  # a mode change only
     oid = blob_id(old_data) if old is not None else ZERO
     nid = blob_id(new_data) if new is not None else ZERO
     same_mode = old is not None and new is not None and old_mode == new_mode
-    lines.append(f"index {oid}..{nid}" + (f" {new_mode:o}" if same_mode else ""))
+    yield f"index {oid}..{nid}" + (f" {new_mode:o}" if same_mode else "")
     if _is_binary(old_data) or _is_binary(new_data):
-        return lines + _binary(old_data, new_data)
-    lines.append("--- " + (q_a if old is not None else "/dev/null"))
-    lines.append("+++ " + (q_b if new is not None else "/dev/null"))
-    return lines + _text_hunks(old_data, new_data)
+        yield from _iter_binary(old_data, new_data)
+        return
+    yield "--- " + (q_a if old is not None else "/dev/null")
+    yield "+++ " + (q_b if new is not None else "/dev/null")
+    yield from _iter_text_hunks(old_data, new_data)
+
+
+class _Patch:
+    """The patch's lines as they are made, with its length in UTF-8 bytes bounded."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.lines: list[str] = []
+        self.size = 0
+        self.limit = limit
+
+    def add(self, lines: Iterator[str]) -> None:
+        limit = self.limit
+        for line in lines:
+            if limit is not None:
+                self.size += (len(line) if line.isascii() else len(line.encode("utf-8", "surrogateescape"))) + 1
+                if self.size > limit:
+                    raise DiffTooLarge(f"the workspace's patch is longer than {limit} bytes")
+            self.lines.append(line)
 
 
 def diff_trees(old_root: str | None, new_root: str, *, max_bytes: int = 256 << 20,
-               exclude: frozenset[str] = EXCLUDE,
-               old_access: Callable[[], AbstractContextManager[object]] = nullcontext) -> str:
+               max_patch_bytes: int | None = None, exclude: frozenset[str] = EXCLUDE,
+               old_access: Callable[[], AbstractContextManager[object]] = nullcontext,
+               one_filesystem: bool = False) -> str:
     """The git-format patch turning `old_root` (None or missing: empty) into `new_root`. Raises DiffTooLarge when the
-    files compared hold more than `max_bytes`. `old_access`: a context entered around every read of the old (trusted)
-    tree, e.g. to regain the rights the caller dropped to read the new (hostile) one."""
+    files compared hold more than `max_bytes`, or the patch is longer than `max_patch_bytes` (UTF-8 bytes).
+    `old_access`: a context entered around every read of the old (trusted) tree, e.g. to regain the rights the
+    caller dropped to read the new (hostile) one. `one_filesystem`: read only what lies on `new_root`'s own
+    filesystem of the new tree."""
     with old_access():
         old = _entries(old_root or "", exclude)
-    new = _entries(new_root, exclude)
+    dev: int | None = None
+    if one_filesystem:
+        try:
+            dev = os.stat(new_root).st_dev
+        except OSError:
+            dev = -1
+    new = _entries(new_root, exclude, dev)
     budget = [max_bytes]
-    out: list[str] = []
+    out = _Patch(max_patch_bytes)
     for path in sorted(set(old) | set(new)):
         o, n = old.get(path), new.get(path)
         if o and n and o[0] == n[0] and o[0] != 0o120000:
@@ -178,17 +234,17 @@ def diff_trees(old_root: str | None, new_root: str, *, max_bytes: int = 256 << 2
                     so = os.lstat(o[1])
                     same_size = so.st_size == os.lstat(n[1]).st_size
                     old_data = _read(o[0], o[1], budget) if same_size else None
-                if old_data is not None and old_data == _read(n[0], n[1], budget):
+                if old_data is not None and old_data == _read(n[0], n[1], budget, dev):
                     continue
             except OSError:
                 pass
         try:
             with old_access():
                 od = (o[0], _read(o[0], o[1], budget)) if o else None
-            nd = (n[0], _read(n[0], n[1], budget)) if n else None
+            nd = (n[0], _read(n[0], n[1], budget, dev)) if n else None
         except FileNotFoundError:
             continue
         if od == nd:
             continue
-        out += _diff_file(path, od, nd)
-    return "\n".join(out) + "\n" if out else ""
+        out.add(_iter_diff_file(path, od, nd))
+    return "\n".join(out.lines) + "\n" if out.lines else ""

@@ -18,14 +18,25 @@ its root directory; `debian_test_image()` returns that directory or None.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__" and not __package__ and sys.path:
+    # run as a script (`python .../sessions/images.py path`): Python put this file's folder first on sys.path, and
+    # that folder holds `types.py`, which would shadow the standard library's `types` (a circular import as soon as
+    # argparse loads); nothing is imported from this folder by name
+    import os.path as _osp
+
+    if _osp.realpath(sys.path[0] or ".") == _osp.dirname(_osp.realpath(__file__)):
+        del sys.path[0]
+
 import argparse
 import contextlib
 import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
@@ -52,9 +63,22 @@ class ImageError(ValueError):
 
 
 def cache_dir() -> Path:
+    """`$RLF_CACHE_DIR/images` (else ~/.cache/rlf/images), made -- or tightened -- 0700: only its owner (root, for
+    the local backend) may traverse it. The image roots in it keep their own modes (a session sees its image through
+    an overlay, whose lower layer the root agent mounts before the session's root is entered, so the session's uid
+    never needs this directory), and no session uid can reach the rest of the cache through it."""
     d = Path(os.environ.get("RLF_CACHE_DIR") or Path.home() / ".cache" / "rlf") / "images"
-    d.mkdir(parents=True, exist_ok=True)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(d)
     return d
+
+
+def private_dir(d: Path) -> None:
+    """Make the directory `d` 0700 (if it is ours and not already so): what rlf caches for tasks there (image unpacks,
+    seed copies) is neither readable nor traversable by any other uid, session uids included."""
+    st = d.lstat()
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(d, 0o700)
 
 
 def resolve_local(image: str) -> str:

@@ -1,5 +1,13 @@
-"""The local backend: one confined process tree per session (namespaces + chroot, no daemon). See `_agent.py` for
-the tree and docs/sessions.md for the limits and the threat model.
+"""The local backend: one confined process tree per session (namespaces + a root of its own, no daemon). See
+`_agent.py` for the tree, docs/sessions.md for the limits and docs/security.md for the threat model.
+
+What this side holds to (docs/security.md, "Local backend confinement"): a request's arguments are checked before
+anything is sent (a bad path, mode or type is a SessionError, never an infrastructure failure); data travels as raw
+bytes after a frame's JSON header, each reply's bytes bounded by what its call may return (a file, an exec's capped
+output, a patch of at most `max_bytes`), so nothing the policy writes can inflate a frame past its limit; an agent
+lost during a call in which the session's own cgroup hit its memory or pids limit is a SessionLimitExceeded (the
+policy's failure), otherwise a SessionInfraError; a session past its wall clock raises SessionExpired. The agents
+start with an empty environment (nothing of the trainer's reaches a session).
 
 `LocalBackend(pool_size=2, max_starting=8, creates_per_s=50)`: a warm pool per (image, network) of agents that are
 already in their namespaces with the image's root built (a create then only makes the workspace and copies the
@@ -11,7 +19,6 @@ concurrent episodes queue instead of timing out. Every session is labelled with 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
@@ -22,8 +29,9 @@ import struct
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 from rlf_envs.sandbox import _cgroup
 from rlf_envs.sandbox.sessions import images, owners
@@ -33,9 +41,12 @@ from rlf_envs.sandbox.sessions.types import (
     Session,
     SessionBackend,
     SessionClosed,
+    SessionDiffTooLarge,
     SessionError,
+    SessionExpired,
     SessionFileNotFound,
     SessionInfraError,
+    SessionLimitExceeded,
     SessionLimits,
     SessionSpec,
 )
@@ -48,7 +59,67 @@ UID_BASE, UID_SPAN = 2_000_000_000, 100_000_000
 #: extra seconds an agent may take to answer beyond a call's own deadline before it counts as lost
 GRACE_S = 30.0
 START_TIMEOUT_S = 60.0
-MAX_FRAME = 256 << 20
+#: the largest JSON header of a frame (a reply's data follows it as raw bytes, bounded per call: `_Agent.recv`)
+MAX_FRAME = 16 << 20
+#: the largest file `read_file` returns (the agent's own bound) and the largest stdin of an exec
+MAX_FILE = 64 << 20
+PATH_MAX = 4096
+
+T = TypeVar("T")
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` in a thread, or here where the default executor takes no more work (interpreter exit: the
+    runtime's closers run after the executors shut down)."""
+    try:
+        return await asyncio.to_thread(fn, *args)
+    except RuntimeError:
+        return fn(*args)
+
+
+def _check_path(path: Any, what: str = "path") -> str:
+    """A path argument: a str, not empty, without NUL, encodable, shorter than PATH_MAX; SessionError otherwise
+    (the caller's error, raised before anything is sent)."""
+    if not isinstance(path, str):
+        raise SessionError(f"{what} must be a str, got {type(path).__name__}")
+    if not path:
+        raise SessionError(f"{what} is empty")
+    if "\0" in path:
+        raise SessionError(f"{what} {path[:200]!r} holds a NUL byte")
+    try:
+        n = len(path.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        raise SessionError(f"{what} {path[:200]!r} is not encodable (a lone surrogate)") from None
+    if n >= PATH_MAX:
+        raise SessionError(f"{what} is {n} bytes long (at most {PATH_MAX - 1})")
+    return path
+
+
+def _data(data: Any, what: str) -> bytes:
+    if isinstance(data, str):
+        try:
+            return data.encode()
+        except UnicodeEncodeError:
+            raise SessionError(f"{what} is not encodable as UTF-8 (a lone surrogate)") from None
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise SessionError(f"{what} must be str or bytes, got {type(data).__name__}")
+
+
+def _limit_counters(dirs: list[str] | None) -> dict[str, int]:
+    """The session cgroup's counts of its limits being hit: memory (v2 memory.events max/oom/oom_kill; v1
+    memory.failcnt and memory.oom_control's oom_kill) and pids (pids.events max), keyed "<limit>.<count>"."""
+    out: dict[str, int] = {}
+    for d in dirs or ():
+        for name, limit in (("memory.events", "memory"), ("memory.oom_control", "memory"), ("pids.events", "pids")):
+            with contextlib.suppress(OSError, ValueError), open(os.path.join(d, name)) as f:
+                for line in f:
+                    k, _, v = line.partition(" ")
+                    if k in ("max", "oom", "oom_kill"):
+                        out[f"{limit}.{k}"] = out.get(f"{limit}.{k}", 0) + int(v)
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(d, "memory.failcnt")) as f:
+            out["memory.failcnt"] = int(f.read())
+    return out
 
 
 _warned_cgroup = False
@@ -89,35 +160,70 @@ class _Agent:
         self.key = key
         self.dead = False
         self.cgroup: list[str] | None = None  # its cgroup's directories (`_session_cgroup`)
+        self.how = ""  # how its root was made and entered (the agent's words)
         self._cleanup: asyncio.Task[None] | None = None
 
-    async def send(self, obj: dict[str, Any]) -> None:
+    async def send(self, obj: dict[str, Any], blob: bytes | None = None) -> None:
         assert self.proc.stdin is not None
+        if blob:
+            obj = dict(obj, blob=len(blob))
         body = json.dumps(obj).encode()
         self.proc.stdin.write(struct.pack(">I", len(body)) + body)
+        if blob:
+            self.proc.stdin.write(blob)
         await self.proc.stdin.drain()
 
-    async def recv(self) -> dict[str, Any]:
+    async def recv(self, max_blob: int = 0) -> tuple[dict[str, Any], bytes]:
+        """A reply and the raw bytes after it, which may be at most `max_blob` (what the call can return: more is
+        the agent's fault, never the policy's)."""
         assert self.proc.stdout is not None
         head = await self.proc.stdout.readexactly(4)
         (n,) = struct.unpack(">I", head)
         if n > MAX_FRAME:
-            raise SessionInfraError(f"session agent sent a {n}-byte frame")
+            raise SessionInfraError(f"session agent sent a {n}-byte frame header")
         reply: dict[str, Any] = json.loads(await self.proc.stdout.readexactly(n))
-        return reply
+        size = reply.get("blob", 0)
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= max_blob:
+            raise SessionInfraError(f"session agent sent {size!r} bytes of data for a call that returns at most "
+                                    f"{max_blob}")
+        data = await self.proc.stdout.readexactly(size) if size else b""
+        return reply, data
 
-    async def call(self, obj: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """One request and its reply, with a deadline; a lost agent is killed and raises SessionInfraError."""
+    async def call(self, obj: dict[str, Any], timeout_s: float, blob: bytes | None = None,
+                   max_blob: int = 0) -> tuple[dict[str, Any], bytes]:
+        """One request and its reply, with a deadline. A lost agent is killed and raises SessionLimitExceeded when the
+        session's cgroup hit its memory or pids limit during the call (the policy's processes pressed it there),
+        else SessionInfraError."""
+        before = _limit_counters(self.cgroup) if self.cgroup else {}
         try:
-            await asyncio.wait_for(self.send(obj), timeout_s)
-            return await asyncio.wait_for(self.recv(), timeout_s)
+            await asyncio.wait_for(self.send(obj, blob), timeout_s)
+            return await asyncio.wait_for(self.recv(max_blob), timeout_s)
         except TimeoutError:
+            hit = self._limit_hit(before)
             self.kill()
+            if hit:
+                raise SessionLimitExceeded(f"session agent did not answer {obj.get('op')!r} within {timeout_s:.0f} s "
+                                           f"while the session was at its {hit} limit; the session was killed",
+                                           hit) from None
             raise SessionInfraError(f"session agent did not answer {obj.get('op')!r} within {timeout_s:.0f} s "
                                     "(host overloaded?); the session was killed") from None
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError) as e:
+            hit = self._limit_hit(before)
             self.kill()
+            if hit:
+                raise SessionLimitExceeded(f"session agent lost during {obj.get('op')!r} while the session was at its "
+                                           f"{hit} limit", hit) from None
             raise SessionInfraError(f"session agent died during {obj.get('op')!r}: {e!r}") from None
+
+    def _limit_hit(self, before: dict[str, int]) -> str | None:
+        """Which of the session's own limits (memory, pids) its cgroup hit since `before`, if any."""
+        if not self.cgroup:
+            return None
+        after = _limit_counters(self.cgroup)
+        for limit in ("memory", "pids"):
+            if any(v > before.get(k, 0) for k, v in after.items() if k.startswith(limit + ".")):
+                return limit
+        return None
 
     def kill(self) -> None:
         """SIGKILL both agent processes (C, pid 1 of the session: its death kills the session), then, once they are
@@ -155,7 +261,7 @@ class _Agent:
                 transport.close()
         # the session's last processes may take seconds to leave their cgroup on a loaded host (the kernel frees their
         # memory and tmpfs pages first): wait for them here, bounded, rather than leave a label of a live owner behind
-        if await asyncio.to_thread(_cgroup.remove_cgroups, self.label.cgroups, CGROUP_GONE_S, True):
+        if await _off_loop(_cgroup.remove_cgroups, self.label.cgroups, CGROUP_GONE_S, True):
             self.label.remove()  # else: left for the reaper (the label names the busy cgroup)
 
     async def wait_dead(self) -> None:
@@ -174,14 +280,16 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int, made: set
     proc = None
     try:
         args = [sys.executable, "-I", "-S", AGENT] + (["--network"] if network else [])
+        # an empty environment: nothing of the trainer's (tokens, keys) is in the agent, whose file requests run
+        # with the session user's rights in its own process
         proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.PIPE,
                                                     stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.DEVNULL, start_new_session=True)
+                                                    stderr=asyncio.subprocess.DEVNULL, start_new_session=True, env={})
         label.procs.append((proc.pid, owners.start_time(proc.pid)))
         label.save()
         agent = _Agent(proc, label, key)
         try:
-            first = await asyncio.wait_for(agent.recv(), START_TIMEOUT_S)
+            first, _ = await asyncio.wait_for(agent.recv(), START_TIMEOUT_S)
         except (TimeoutError, asyncio.IncompleteReadError) as e:
             agent.kill()
             raise SessionInfraError(f"session agent did not start ({e!r}); is this root or a host allowing user "
@@ -198,11 +306,12 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int, made: set
                 agent.cgroup = cg
             except OSError as e:
                 log.warning("sessions: could not move the agent into its cgroup (%s): rlimits only", e)
-        reply = await agent.call({"op": "prepare", "image": image, "root_mount": root_mount, "disk_mb": disk_mb},
-                                 START_TIMEOUT_S)
+        reply, _ = await agent.call({"op": "prepare", "image": image, "root_mount": root_mount,
+                                     "disk_mb": disk_mb}, START_TIMEOUT_S)
         if not reply.get("ok"):
             agent.kill()
             raise SessionInfraError(f"session root: {reply.get('error')}")
+        agent.how = str(reply.get("how", ""))
         return agent
     except BaseException:
         if proc is not None and proc.returncode is None:
@@ -234,30 +343,38 @@ class LocalSession(Session):
 
     def _check(self) -> None:
         if self._expired:
-            raise SessionClosed(f"session {self.id} ran past its wall clock "
-                                f"(session_timeout_s={self.spec.limits.session_timeout_s})")
+            raise SessionExpired(f"session {self.id} ran past its wall clock "
+                                 f"(session_timeout_s={self.spec.limits.session_timeout_s})")
         if self._closed:
             raise SessionClosed(f"session {self.id} is closed")
 
-    async def _call(self, req: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    async def _call(self, req: dict[str, Any], timeout_s: float, blob: bytes | None = None,
+                    max_blob: int = 0) -> tuple[dict[str, Any], bytes]:
         async with self._lock:
             self._check()
             if self._agent.dead:
                 raise SessionInfraError(f"session {self.id} was killed from outside")
             try:
-                reply = await self._agent.call(req, timeout_s)
-            except SessionInfraError:
+                reply, data = await self._agent.call(req, timeout_s, blob, max_blob)
+            except SessionError:
                 if self._expired:
-                    raise SessionClosed(f"session {self.id} ran past its wall clock") from None
+                    raise SessionExpired(f"session {self.id} ran past its wall clock "
+                                         f"(session_timeout_s={self.spec.limits.session_timeout_s})") from None
                 raise
         if not reply.get("ok"):
             err = f"session {self.id}: {reply.get('error')}"
-            if reply.get("kind") == "infra":
+            kind = reply.get("kind")
+            if kind == "infra":
                 raise SessionInfraError(err)
+            if kind == "limit":
+                limit = str(reply.get("limit") or "resources")
+                if limit == "diff_bytes":
+                    raise SessionDiffTooLarge(err)
+                raise SessionLimitExceeded(err, limit)
             if reply.get("errno") == 2:
                 raise SessionFileNotFound(err)
             raise SessionError(err)
-        return reply
+        return reply, data
 
     async def exec(self, cmd: str | list[str], *, stdin: str | bytes | None = None, timeout_s: float | None = None,
                    cwd: str | None = None, env: dict[str, str] | None = None) -> ExecResult:
@@ -270,28 +387,43 @@ class LocalSession(Session):
         timeout = float(timeout_s if timeout_s is not None else self.spec.limits.exec_timeout_s)
         if not timeout > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
+        if cwd is not None:
+            _check_path(cwd, "cwd")
+        if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                                  for k, v in env.items())):
+            raise SessionError("env must map str to str")
+        data = _data(stdin or b"", "stdin")
+        if len(data) > MAX_FILE:
+            raise SessionError(f"stdin of {len(data)} bytes (at most {MAX_FILE})")
         timeout = max(0.001, min(timeout, self._deadline - time.monotonic()))
-        data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
-        req.update(stdin=base64.b64encode(data).decode(), timeout=timeout, cwd=cwd, env=env or {})
-        r = await self._call(req, timeout + GRACE_S)
-        return ExecResult(exit_code=r["exit_code"],
-                          stdout=base64.b64decode(r["stdout"]).decode("utf-8", "replace"),
-                          stderr=base64.b64decode(r["stderr"]).decode("utf-8", "replace"),
-                          timed_out=r["timed_out"], truncated=r["truncated"], duration_s=r["duration_s"])
+        req.update(timeout=timeout, cwd=cwd, env=env or {})
+        r, out = await self._call(req, timeout + GRACE_S, data, 2 * self.spec.limits.output_bytes)
+        n = r.get("stdout", 0)
+        if not isinstance(n, int) or not 0 <= n <= len(out):
+            raise SessionInfraError(f"session {self.id}: a malformed exec reply")
+        return ExecResult(exit_code=r["exit_code"], stdout=out[:n].decode("utf-8", "replace"),
+                          stderr=out[n:].decode("utf-8", "replace"), timed_out=r["timed_out"],
+                          truncated=r["truncated"], duration_s=r["duration_s"])
 
     async def read_file(self, path: str) -> bytes:
-        r = await self._call({"op": "read", "path": path}, GRACE_S + 30)
-        return base64.b64decode(r["data"])
+        _check_path(path)
+        _, data = await self._call({"op": "read", "path": path}, GRACE_S + 30, max_blob=MAX_FILE)
+        return data
 
     async def write_file(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        await self._call({"op": "write", "path": path, "data": base64.b64encode(raw).decode(), "mode": mode},
-                         GRACE_S + 30)
+        _check_path(path)
+        if not isinstance(mode, int) or isinstance(mode, bool) or not 0 <= mode <= 0o7777:
+            raise SessionError(f"mode must be an int from 0 to 0o7777, got {mode!r}")
+        raw = _data(data, "data")
+        await self._call({"op": "write", "path": path, "mode": mode}, GRACE_S + 30 + len(raw) / (8 << 20), raw)
 
-    async def diff(self) -> str:
-        r = await self._call({"op": "diff"}, GRACE_S + self.spec.limits.exec_timeout_s)
-        patch: str = r["patch"]
-        return patch
+    async def diff(self, max_bytes: int | None = None) -> str:
+        limit = self.spec.limits.diff_bytes if max_bytes is None else max_bytes
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+            raise SessionError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        _, data = await self._call({"op": "diff", "max_bytes": limit}, GRACE_S + self.spec.limits.exec_timeout_s,
+                                   max_blob=limit)
+        return data.decode("utf-8", "surrogateescape")
 
     async def aclose(self) -> None:
         if self._closed:
@@ -419,12 +551,13 @@ class LocalBackend(SessionBackend):
                     raise SessionInfraError(f"could not set the session's cgroup limits: {e}") from None
             env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": spec.workdir,
                    "USER": "sandbox", "TERM": "dumb", **spec.env}
-            reply = await agent.call({"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
-                                      "seed": os.path.abspath(spec.seed_dir) if spec.seed_dir else None,
-                                      "limits": asdict(spec.limits), "writable_root": spec.writable_root},
-                                     START_TIMEOUT_S)
+            reply, _ = await agent.call({"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
+                                         "seed": os.path.abspath(spec.seed_dir) if spec.seed_dir else None,
+                                         "limits": asdict(spec.limits), "writable_root": spec.writable_root},
+                                        START_TIMEOUT_S)
             if not reply.get("ok"):
                 raise SessionInfraError(f"session start: {reply.get('error')}")
+            agent.how = str(reply.get("how", agent.how))
         except BaseException:
             agent.kill()
             self._dying.add(agent)
@@ -459,7 +592,7 @@ class LocalBackend(SessionBackend):
         # every session and agent of this backend is closed now: a label of ours still there (an agent whose start
         # failed, a clean-up cut short on a loaded host) names only what is left to kill and remove, bounded
         made, self._made = self._made, set()
-        await asyncio.to_thread(_sweep_labels, made)
+        await _off_loop(_sweep_labels, made)
 
 
 def _sweep_labels(ids: set[str]) -> None:
