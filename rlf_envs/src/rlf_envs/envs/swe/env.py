@@ -27,13 +27,17 @@ from typing import Any
 from rlf_envs import runtime
 from rlf_envs.env.tool_env import PendingStep, StepReturn, ToolEnv
 from rlf_envs.envs.swe.tasks import SweTask, load_swe_jsonl, load_swe_rows, repo_for, shipped_tasks
-from rlf_envs.envs.swe.verify import Verdict, run_hidden_tests
+from rlf_envs.envs.swe.verify import MAX_PATCH_BYTES, Verdict, run_hidden_tests
 from rlf_envs.rewards.base import Verifier
 from rlf_envs.sandbox.sessions import (
     Session,
     SessionBackend,
+    SessionClosed,
+    SessionDiffTooLarge,
     SessionError,
+    SessionExpired,
     SessionInfraError,
+    SessionLimitExceeded,
     SessionLimits,
     SessionSpec,
     open_backend,
@@ -87,11 +91,13 @@ class SweLimits:
     output_chars: int = 8000
     test_timeout_s: float = 300.0
     max_file_chars: int = 200_000
+    #: the largest workspace patch judged (larger: reward 0, `failure/patch_too_large`; never kept in the answer)
+    max_patch_bytes: int = MAX_PATCH_BYTES
 
     def session(self) -> SessionLimits:
         return SessionLimits(memory_mb=self.memory_mb, pids=self.pids, disk_mb=self.disk_mb,
                              exec_timeout_s=self.exec_timeout_s, session_timeout_s=self.session_timeout_s,
-                             output_bytes=max(4096, self.output_chars * 4))
+                             output_bytes=max(4096, self.output_chars * 4), diff_bytes=self.max_patch_bytes)
 
 
 def session_spec(t: SweTask, image: str | None, limits: SweLimits,
@@ -176,6 +182,17 @@ class Workspace:
                 await s.aclose()
             except Exception as e:  # close never raises by contract; a bad plugin must not break the step
                 log.warning("session close failed: %r", e)
+
+
+def failure_kind(e: SessionError) -> str:
+    """The metrics name of a failure the episode caused itself (`failure/<kind>`)."""
+    if isinstance(e, SessionDiffTooLarge):
+        return "patch_too_large"
+    if isinstance(e, SessionExpired):
+        return "session_expired"
+    if isinstance(e, SessionLimitExceeded):
+        return f"limit_{e.limit}"
+    return "session_error"
 
 
 def cut(text: str, limit: int) -> str:
@@ -370,7 +387,13 @@ class SweVerifier(Verifier):
         self.partial_credit = partial_credit
 
     async def verdict(self, patch: str, task: Task) -> Verdict:
+        """The hidden run's verdict on `patch`. Only a failure of the host (SessionInfraError, a task environment
+        that cannot be built, a verifier session that fails before the patch is applied) is `infra_failed`; what
+        the patch's code causes is its own `failure` (reward 0)."""
         t = SweTask.from_meta(task)
+        if len(patch) > self.limits.max_patch_bytes:  # before any session: never applied, never kept
+            return Verdict(f2p_total=len(t.FAIL_TO_PASS), p2p_total=len(t.PASS_TO_PASS)).fail(
+                "patch_too_large", f"the patch is larger than {self.limits.max_patch_bytes} bytes")
         session = None
         try:
             spec, steps = session_spec(t, self.image, self.limits, self.backend)
@@ -381,10 +404,14 @@ class SweVerifier(Verifier):
 
                 return await run_harbor_verifier(session, t.harbor, patch, steps)
             return await run_hidden_tests(session, t, patch, partial_credit=self.partial_credit,
-                                          timeout_s=self.limits.test_timeout_s)
+                                          timeout_s=self.limits.test_timeout_s,
+                                          max_patch_bytes=self.limits.max_patch_bytes)
         except (SessionInfraError, HarborError) as e:  # HarborError: the task's image could not be built/replayed
             return Verdict(f2p_total=len(t.FAIL_TO_PASS), p2p_total=len(t.PASS_TO_PASS), infra_failed=True,
                            error=f"{type(e).__name__}: {str(e)[:500]}")
+        except SessionError as e:  # a call of rlf's own refused on the pristine session: the host's, not the patch's
+            return Verdict(f2p_total=len(t.FAIL_TO_PASS), p2p_total=len(t.PASS_TO_PASS), infra_failed=True,
+                           error=f"the verifier session failed: {type(e).__name__}: {str(e)[:500]}")
         finally:
             if session is not None:
                 await session.aclose()
@@ -392,6 +419,9 @@ class SweVerifier(Verifier):
     async def score(self, trajectory: Trajectory, task: Task) -> Score:
         if trajectory.score_info.get("infra_failed"):
             return Score(0.0, info={"infra_failed": 1.0})
+        own = {k: v for k, v in trajectory.score_info.items() if k.startswith("failure/")}
+        if own:  # the episode failed by its own doing before a patch could be judged (env._patch)
+            return Score(0.0, info={**own, "infra_failed": 0.0})
         v = await self.verdict(trajectory.answer or "", task)
         return Score(0.0 if v.infra_failed else v.value, info=v.info())
 
@@ -499,28 +529,32 @@ class SweEnv(ToolEnv):
         ws = self._workspace()
         return [ToolCall(c.name, {**c.arguments, WS_ARG: ws}, c.id) if c.name in self._names else c for c in calls]
 
-    async def _patch(self) -> tuple[str, str | None]:
-        """The workspace's diff ("" when no session was started) and the infra error, if any."""
+    async def _patch(self) -> tuple[str, str | None, str | None]:
+        """The workspace's diff ("" when no session was started), the infra error (the host's failure), and the
+        episode's own failure kind (`failure_kind`: its session ran past its wall clock, its patch is too large,
+        its processes exhausted the session's limits), if any."""
         ws = self._ws
         if ws is None or not ws.started:
-            return "", ws.infra_error if ws is not None else None
+            return "", ws.infra_error if ws is not None else None, None
         if ws.infra_error is not None:
-            return "", ws.infra_error
+            return "", ws.infra_error, None
         try:
             session = await ws.session()
-            return await session.diff(), None
+            return await session.diff(max_bytes=self.limits.max_patch_bytes), None, None
         except SessionInfraError as e:
             ws.mark_infra(e)
-            return "", ws.infra_error
-        except (SessionError, ToolError) as e:
-            ws.mark_infra(e)  # a session that expired or closed under us: no patch to judge
-            return "", ws.infra_error
+            return "", ws.infra_error, None
+        except (SessionExpired, SessionLimitExceeded) as e:
+            return "", None, failure_kind(e)
+        except (SessionClosed, SessionError, ToolError) as e:
+            ws.mark_infra(e)  # a session closed under us (not by the policy): no patch to judge
+            return "", ws.infra_error, None
 
     async def _score_end(self, result: StepReturn) -> StepReturn:
         traj = self._traj
         assert traj is not None
         try:
-            patch, infra = await runtime.bridge(self._patch())
+            patch, infra, failure = await runtime.bridge(self._patch())
         finally:
             ws, self._ws = self._ws, None
             if ws is not None:
@@ -528,6 +562,8 @@ class SweEnv(ToolEnv):
         traj.answer = patch
         if infra is not None:
             traj.score_info = {"infra_failed": 1.0}
+        elif failure is not None:
+            traj.score_info = {f"failure/{failure}": 1.0}
         obs, reward, terminated, truncated, info = await super()._score_end(result)
         infra_failed = bool(traj.score_info.get("infra_failed"))
         info["infra_failed"] = infra_failed
@@ -604,7 +640,9 @@ class SweSession:
             patch = ""
             if self.workspace.started:
                 try:
-                    patch = await (await self.workspace.session()).diff()
+                    patch = await (await self.workspace.session()).diff(max_bytes=self.limits.max_patch_bytes)
+                except (SessionExpired, SessionLimitExceeded) as e:  # the episode's own doing: reward 0
+                    return Verdict().fail(failure_kind(e), f"{type(e).__name__}: {str(e)[:300]}")
                 except (SessionError, ToolError) as e:
                     return Verdict(infra_failed=True, error=f"{type(e).__name__}: {str(e)[:300]}")
             return await self.verifier.verdict(patch, self.task)
