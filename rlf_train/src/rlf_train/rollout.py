@@ -282,7 +282,16 @@ def episode_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "answered_rate": sum(t.answer is not None for t in trajs) / n,
         "tokens_total_mean": sum(len(t.token_ids or []) for t in trajs) / n,
         "tokens_policy_mean": sum(sum(t.loss_mask or []) for t in trajs) / n,
+        **failure_rates(trajs),
     }
+
+
+def failure_rates(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """The share of episodes per failure of their own doing that the env names in `score_info` (`failure/<kind>`:
+    a patch too large, a session past its wall clock, tampering with the verdict...), so a rising rate shows."""
+    n = max(len(trajs), 1)
+    kinds = sorted({k for t in trajs for k in t.score_info if k.startswith("failure/")})
+    return {k: sum(1 for t in trajs if t.score_info.get(k)) / n for k in kinds}
 
 
 async def drive_episodes(

@@ -18,6 +18,9 @@ episode infrastructure-failed: `trajectory.infra_error` is set (the trainer drop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import difflib
+import inspect
 import logging
 import threading
 from collections.abc import Sequence
@@ -444,6 +447,8 @@ class SweEnv(ToolEnv):
             built (`python -m rlf_envs.sandbox.sessions.images build-debian`), else the host's tools.
         limits: SweLimits or its dict (exec deadline, memory, output cap, hidden-run deadline...).
         partial_credit: reward the fraction of FAIL_TO_PASS tests that pass (when every PASS_TO_PASS passes).
+        build_args, base_images: for a `task_file` directory of Harbor tasks: the Dockerfile's build ARGs, and root
+            directories standing for its FROM images on the local backend (`rlf_envs.tasks.harbor.load_harbor_dir`).
         **kwargs: ToolEnv's (tasks, max_turns (default 30), max_total_tokens (default 32768), max_obs_tokens,
             tokenizer, format, system_prompt...).
     """
@@ -457,9 +462,12 @@ class SweEnv(ToolEnv):
         limits: SweLimits | dict[str, Any] | None = None,
         partial_credit: bool = False,
         format: Any = "qwen3",
+        build_args: dict[str, str] | None = None,
+        base_images: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> None:
-        lim = SweLimits(**limits) if isinstance(limits, dict) else (limits or SweLimits())
+        _refuse_unknown_kwargs(kwargs)
+        lim = swe_limits(limits)
         if task_file is not None:
             if kwargs.get("tasks") is not None:
                 raise ValueError("give tasks= or task_file=, not both")
@@ -468,8 +476,12 @@ class SweEnv(ToolEnv):
             if Path(task_file).is_dir():
                 from rlf_envs.tasks.harbor import load_harbor_dir
 
-                kwargs["tasks"] = load_harbor_dir(task_file)
+                kwargs["tasks"] = load_harbor_dir(task_file, build_args=_str_map(build_args, "build_args"),
+                                                  base_images=_str_map(base_images, "base_images"))
             else:
+                if build_args or base_images:
+                    raise ValueError("build_args/base_images are for a task_file directory of Harbor tasks; "
+                                     f"{task_file!r} is a SWE-bench-style file")
                 kwargs["tasks"] = load_swe_jsonl(task_file)
         elif kwargs.get("tasks") is None:
             kwargs["tasks"] = shipped_tasks(split)
@@ -495,10 +507,7 @@ class SweEnv(ToolEnv):
         super().__init__(tools=[*self._tools, *kwargs.pop("tools", ())], format=format, **kwargs)
         self._names = frozenset(t.name for t in self._tools if t.name != SUBMIT)
         self._ws: Workspace | None = None
-        for t in self.tasks:
-            st = SweTask.from_meta(t)  # every task is a SWE task (raises naming the one that is not)
-            if st.harbor is not None and backend == "local":
-                session_spec(st, self.image, lim, backend)  # a Dockerfile the local backend cannot replay: now
+        check_host(backend, self.image, lim, [SweTask.from_meta(t) for t in self.tasks])
 
     @property
     def workspace(self) -> Workspace | None:
@@ -579,6 +588,101 @@ class SweEnv(ToolEnv):
                 asyncio.run_coroutine_threadsafe(ws.aclose(), loop)  # closing must not block a reset
             except RuntimeError:
                 pass
+
+
+BACKENDS = ("local", "docker")
+
+
+def swe_limits(limits: SweLimits | dict[str, Any] | None) -> SweLimits:
+    """SweLimits from itself, its dict (unknown keys refused naming the close ones) or None."""
+    if limits is None or isinstance(limits, SweLimits):
+        return limits or SweLimits()
+    if not isinstance(limits, dict):
+        raise TypeError(f"limits must be SweLimits or a dict, got {type(limits).__name__}")
+    known = [f.name for f in dataclasses.fields(SweLimits)]
+    for k in limits:
+        if k not in known:
+            close = difflib.get_close_matches(k, known, n=1)
+            raise ValueError(f"unknown SWE limit {k!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                             + f" (limits: {', '.join(known)})")
+    return SweLimits(**limits)
+
+
+def _refuse_unknown_kwargs(kwargs: dict[str, Any]) -> None:
+    known = [p for p in inspect.signature(ToolEnv.__init__).parameters if p != "self"]
+    known += [p for p in inspect.signature(SweEnv.__init__).parameters if p not in ("self", "kwargs")]
+    for k in kwargs:
+        if k not in known:
+            close = difflib.get_close_matches(k, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"rlf/SWE-v0 got an unknown argument {k!r}{hint} (it takes {', '.join(known)})")
+
+
+def _str_map(v: Any, name: str) -> dict[str, str] | None:
+    if v is None:
+        return None
+    if not isinstance(v, dict) or not all(isinstance(a, str) and isinstance(b, str) for a, b in v.items()):
+        raise ValueError(f"{name} must map strings to strings, got {v!r}")
+    return v
+
+
+def check_host(backend: str | SessionBackend, image: str, limits: SweLimits, tasks: Sequence[SweTask]) -> None:
+    """Refuse a misconfigured host before any episode runs (house rule 9): an unknown backend, one that cannot open
+    (no root, no engine), an image the backend cannot start (a missing directory or archive, a docker image the
+    engine does not hold or without its `docker:` prefix), a task without a repository. Each error says how to fix
+    it; what fails later on the host is an infrastructure failure, never a reward of 0."""
+    if isinstance(backend, str) and backend not in BACKENDS:
+        close = difflib.get_close_matches(backend, BACKENDS, n=1)
+        raise ValueError(f"unknown session backend {backend!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                         + f" (backends: {', '.join(BACKENDS)}, or a SessionBackend instance)")
+    kind = backend if isinstance(backend, str) else getattr(backend, "name", "")
+    b = shared_backend(backend)  # SessionInfraError naming why (the local backend needs root, no docker engine)
+    checked: set[str] = set()
+    for t in tasks:
+        if t.harbor is not None:
+            if kind != "docker":
+                session_spec(t, image, limits, backend)  # a Dockerfile the local backend cannot replay: now
+            continue
+        img = t.image if t.image != "host" else image
+        if t.repo_dir is None and t.image == "host" and not t.repo:
+            raise ValueError(f"task {t.instance_id!r} has no repository: give repo_dir (a directory holding it), "
+                             "repo (one of rlf's shipped archives) or an image that holds it at workdir")
+        if t.repo_dir is None and t.image == "host":
+            from rlf_envs.data.swe import DATA_DIR
+
+            if not (DATA_DIR / "repos" / f"{t.repo}.tar.gz").is_file():
+                raise ValueError(f"task {t.instance_id!r}: repo {t.repo!r} is not one of rlf's shipped archives; "
+                                 "give repo_dir or an image that holds the repository")
+        if img in checked:
+            continue
+        checked.add(img)
+        check_image(b, kind, img)
+
+
+def check_image(backend: SessionBackend, kind: str, image: str) -> None:
+    """ValueError (saying how to fix it) when `backend` cannot start sessions of `image`."""
+    custom = getattr(backend, "check_image", None)
+    if callable(custom):
+        custom(image)
+        return
+    if kind == "local":
+        from rlf_envs.sandbox.sessions.images import resolve_local
+
+        resolve_local(image)  # ImageError (a ValueError): no such directory / archive, not a root filesystem
+    elif kind == "docker":
+        if not image.startswith("docker:"):
+            raise ValueError(f"the docker backend runs images the engine holds: image='docker:<ref>' (got {image!r};"
+                             " for a root directory or an archive use the local backend, or `docker import`/"
+                             "`docker load` it first)")
+        client = getattr(backend, "client", None)
+        if client is not None:
+            try:
+                client.images.get(image.split(":", 1)[1])
+            except Exception as e:
+                if type(e).__name__ == "ImageNotFound":
+                    raise ValueError(f"the docker engine holds no image {image.split(':', 1)[1]!r}: `docker pull`, "
+                                     "`docker load` or `docker import` it first") from None
+                raise SessionInfraError(f"the docker engine could not be asked for {image!r}: {e}") from None
 
 
 def swe_tasks(split: str = "train") -> list[Task]:
