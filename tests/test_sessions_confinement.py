@@ -346,6 +346,23 @@ def test_diff_past_its_limit_is_session_diff_too_large(seed_text: Path) -> None:
     run(go)
 
 
+def test_a_diff_past_its_cpu_time_is_the_policys_failure(seed_text: Path) -> None:
+    """The diff's CPU time is bounded (the session's exec_timeout_s, inside the trainer's deadline for the call):
+    files that make it slow are SessionDiffTooLarge and the session answers afterwards, not a lost agent. Here the
+    bound is 1 ms against a 200,000-line file: no machine diffs that in time."""
+    lim = SessionLimits(exec_timeout_s=0.001, session_timeout_s=240, memory_mb=256, pids=64, disk_mb=64)
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=lim, seed_dir=str(seed_text))) as s:
+            await s.write_file("a.txt", "".join(f"{i % 97}\n" for i in range(200_000)))
+            with pytest.raises(SessionDiffTooLarge, match="CPU"):
+                await s.diff()
+            assert (await s.exec("echo alive", timeout_s=30)).stdout == "alive\n"
+            assert await s.read_file("a.txt") != b""
+
+    run(go)
+
+
 @pytest.fixture()
 def seed_text(tmp_path: Path) -> Path:
     d = tmp_path / "seed"
@@ -390,7 +407,9 @@ def test_a_session_past_its_wall_clock_raises_session_expired() -> None:
 FILL = textwrap.dedent("""\
     for d in /tmp /dev/shm /var/tmp /workspace /opt /; do
         dd if=/dev/zero of=$d/fill bs=1M count=200 2> /dev/null
-        python3 -c 'import os, sys
+    done
+    for d in /tmp /dev/shm /var/tmp /workspace /opt /; do
+        mkdir -p $d/inodes && python3 -c 'import os, sys
     n = 0
     try:
         for i in range(200000):
@@ -398,7 +417,7 @@ FILL = textwrap.dedent("""\
             n += 1
     except OSError:
         pass
-    print(sys.argv[1], n)' $d/inodes 2> /dev/null || mkdir -p $d/inodes
+    print("inodes", sys.argv[1], n)' $d/inodes
     done
     total=0
     for d in /tmp /dev/shm /var/tmp /workspace /opt /; do
@@ -423,7 +442,9 @@ def test_filling_every_writable_place_then_memory_is_the_policys_failure() -> No
             try:
                 r = await s.exec(FILL, timeout_s=120)
                 total = int(r.stdout.split("total ")[-1].split()[0])
-                assert total <= (lim.disk_mb + 1) << 20, r.stdout
+                assert total <= (lim.disk_mb + 1) << 20, r.stdout  # one tmpfs of disk_mb for all of them
+                inodes = sum(int(line.split()[-1]) for line in r.stdout.splitlines() if line.startswith("inodes"))
+                assert 0 < inodes <= 32768, r.stdout  # bounded too (each costs kernel memory no OOM kill frees)
                 r = await s.exec(HOG, timeout_s=60)
                 assert "fails" in r.stdout, r
                 assert (await s.exec("echo alive")).stdout == "alive\n"
