@@ -114,3 +114,68 @@ def test_docker_images_are_checked_against_the_engine(tmp_path: Path) -> None:
         import asyncio
 
         asyncio.run(b.aclose())
+
+
+def test_the_task_checker_reports_broken_tasks(tmp_path: Path) -> None:
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    _need_root()
+    img = _image()
+    if img is None:
+        pytest.skip("no Debian test image")
+    (tmp_path / "a").mkdir()
+    good = row(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    wrong_id = row(tmp_path / "b", instance_id="cfg-wrong-id", FAIL_TO_PASS=["test_m.py::test_no_such_test"])
+    (tmp_path / "c").mkdir()
+    already = row(tmp_path / "c", instance_id="cfg-p2p-fails")
+    Path(already["repo_dir"], "test_m.py").write_text(
+        "from m import X\n\n\ndef test_x():\n    assert X == 2\n\n\ndef test_flaky():\n    assert False\n")
+    already["PASS_TO_PASS"] = ["test_m.py::test_flaky"]
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in (good, wrong_id, already)))
+    out = tmp_path / "report.json"
+    p = subprocess.run([sys.executable, "-m", "rlf_envs.envs.swe.baseline", "--task-file", str(tasks), "--json",
+                        str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stdout + p.stderr
+    got = {c["task_id"]: c for c in json.loads(out.read_text())}
+    assert got["cfg-1"]["ok"] and got["cfg-1"]["gold"] == 1.0 and got["cfg-1"]["untouched"] == 0.0
+    assert got["cfg-wrong-id"]["unknown_tests"] == ["test_m.py::test_no_such_test"] and not got["cfg-wrong-id"]["ok"]
+    assert got["cfg-p2p-fails"]["failing_untouched"] == ["test_m.py::test_flaky"]
+    assert "1 of 3 tasks ok" in p.stdout and "unknown test ids: test_m.py::test_no_such_test" in p.stdout
+    # a Harbor task whose test.sh never writes a reward: named, not a silent 0.0
+    task = tmp_path / "harbor" / "fix-greeting"
+    shutil.copytree(HARBOR / "fix-greeting", task)
+    (task / "tests" / "test.sh").write_text("#!/bin/bash\necho checked\n")
+    p = subprocess.run([sys.executable, "-m", "rlf_envs.envs.swe.baseline", "--task-file", str(task),
+                        "--build-arg", f"BASE_IMAGE={img}"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1 and "no_reward" in p.stdout, p.stdout + p.stderr
+
+
+def test_the_prompt_asks_for_submit_only_and_submit_is_its_own_end_reason(tmp_path: Path) -> None:
+    _need_root()
+    if _image() is None:
+        pytest.skip("no Debian test image")
+    env = gym.make("rlf/SWE-v0", tasks=[row(tmp_path)]).unwrapped
+    try:
+        obs, _ = env.reset(seed=0)
+        assert "submit()" in obs and "<answer>" not in obs
+        o, *_ = env.step('<tool_call>{"name": "read_file", "arguments": {"path": "nope/missing.py"}}</tool_call>')
+        assert "no such file: nope/missing.py" in o and "loc-" not in o
+        _, r, term, _, info = env.step('<tool_call>{"name": "submit", "arguments": {}}</tool_call>')
+        assert term and info["end_reason"] == "submit"
+    finally:
+        env.close()
+
+
+def test_the_viewer_shows_no_gold_for_tasks_without_one(tmp_path: Path) -> None:
+    from rlf_envs.records import TrajectoryRecord
+    from rlf_envs.types import Task, Trajectory
+    from rlf_envs.view import episode_view
+
+    traj = Trajectory(task=Task(id="t", question="q", ground_truth=None), prompt="q")
+    ep = episode_view(TrajectoryRecord.from_trajectory(traj, step=0, source="eval", index=0))
+    assert ep["task"]["gold"] is None

@@ -156,6 +156,7 @@ class Turn:
 class EndReason(enum.StrEnum):
     RUNNING = "running"
     ANSWER = "answer"  # terminated: final answer given
+    SUBMIT = "submit"  # terminated: a submit() tool call (envs whose answer is their state, e.g. rlf/SWE-v0)
     MAX_TURNS = "max_turns"  # truncated
     TOKEN_BUDGET = "token_budget"  # truncated
 

@@ -91,7 +91,9 @@ def episode_view(rec: TrajectoryRecord) -> dict[str, Any]:
     return {
         "key": f"{rec.step}/{rec.source}/{rec.index}", "source": rec.source, "step": rec.step, "index": rec.index,
         "task": {"id": rec.task.id, "question": _cut(rec.task.question, 2000),
-                 "gold": _cut(json.dumps(rec.task.ground_truth, ensure_ascii=False), 2000)},
+                 # no ground truth (SWE/Harbor tasks: hidden tests decide): no "gold" shown
+                 "gold": None if rec.task.ground_truth is None
+                 else _cut(json.dumps(rec.task.ground_truth, ensure_ascii=False), 2000)},
         "prompt": _cut(rec.prompt), "prompt_tokens": prompt_tokens, "turns": turns,
         "answer": None if rec.answer is None else _cut(rec.answer, 2000), "end_reason": rec.end_reason,
         "error": rec.error, "reward": rec.reward, "success": rec.success,

@@ -225,7 +225,7 @@
     card.appendChild(el("h2", null, heading || ("step " + ep.step + " · " + ep.source + " #" + ep.index),
       el("span", { "class": "badge " + (ep.success ? "ok" : "bad") }, ep.success ? "success" : "failed"),
       el("span", { "class": "badge" }, "reward " + fmt(ep.reward)), el("span", { "class": "badge" }, ep.end_reason)));
-    card.appendChild(el("div", { "class": "meta" }, "task " + ep.task.id + " · gold " + ep.task.gold + " · answer " +
+    card.appendChild(el("div", { "class": "meta" }, "task " + ep.task.id + (ep.task.gold === null ? "" : " · gold " + ep.task.gold) + " · answer " +
       (ep.answer === null ? "(none)" : JSON.stringify(ep.answer)) + (ep.error ? " · policy error: " + ep.error : "")));
     card.appendChild(el("div", { "class": "meta" }, "question: " + ep.task.question));
     var bar = maskBar(ep);

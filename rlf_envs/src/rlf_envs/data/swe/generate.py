@@ -260,7 +260,7 @@ def problem_statement(p: Project, failing: list[tuple[str, PytestOutcome]], m: M
         lines.append(f"- `{nodeid}`" + (f"\n  {msg[:300]}" if msg else ""))
     if len(failing) > 5:
         lines.append(f"- ... and {len(failing) - 5} more")
-    lines += ["", f"Reproduce with `python3 -m pytest -o addopts= {failing[0][0]}` (import root: "
+    lines += ["", f"Reproduce with `python3 -m pytest -p no:cacheprovider -o addopts= {failing[0][0]}` (import root: "
               f"`{p.pythonpath}`). Fix the library so that these tests pass and the rest of the suite keeps "
               "passing; do not change the tests."]
     return "\n".join(lines)

@@ -39,6 +39,7 @@ from rlf_envs.sandbox.sessions import (
     SessionDiffTooLarge,
     SessionError,
     SessionExpired,
+    SessionFileNotFound,
     SessionInfraError,
     SessionLimitExceeded,
     SessionLimits,
@@ -47,7 +48,7 @@ from rlf_envs.sandbox.sessions import (
 )
 from rlf_envs.tasks.harbor import HarborError
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
-from rlf_envs.types import Action, ActionKind, Score, Task, ToolCall, Trajectory
+from rlf_envs.types import Action, ActionKind, EndReason, Score, Task, ToolCall, Trajectory
 
 log = logging.getLogger(__name__)
 WS_ARG = "__workspace__"
@@ -241,6 +242,9 @@ class SweTool(Tool):
             ws.mark_infra(e)
             raise ToolError(f"infrastructure failure: {ws.infra_error} (not your fault; the episode is not "
                             "scored)") from None
+        except SessionFileNotFound:
+            path = arguments.get("path", "")
+            raise ToolError(f"no such file: {path} (relative paths start at {ws.spec.workdir})") from None
         except SessionError as e:
             raise ToolError(str(e)[:500]) from None
 
@@ -501,6 +505,8 @@ class SweEnv(ToolEnv):
         self._tools = swe_tools(lim)
         kwargs.setdefault("verifier", SweVerifier(backend, self.image, lim, partial_credit))
         kwargs.setdefault("system_prompt", SYSTEM_PROMPT)
+        if isinstance(format, str) and format in ("qwen3", "hermes"):  # the episode ends with submit(), not a tag
+            kwargs["format_kwargs"] = {"answer_instruction": None, **(kwargs.get("format_kwargs") or {})}
         kwargs.setdefault("max_turns", 30)
         kwargs.setdefault("max_total_tokens", 32768)
         kwargs.setdefault("max_obs_tokens", 2048)
@@ -568,6 +574,8 @@ class SweEnv(ToolEnv):
             ws, self._ws = self._ws, None
             if ws is not None:
                 await runtime.bridge(ws.aclose())
+        if traj.end is EndReason.ANSWER and traj.answer == SUBMIT:
+            traj.end = EndReason.SUBMIT
         traj.answer = patch
         if infra is not None:
             traj.score_info = {"infra_failed": 1.0}
