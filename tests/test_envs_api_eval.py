@@ -159,3 +159,14 @@ def test_help_says_what_counts_as_failure(capsys: pytest.CaptureFixture[str]) ->
         main(["--help"])
     out = capsys.readouterr().out
     assert "exit status:" in out and "every episode failed on infrastructure" in out and "--episode-timeout" in out
+
+
+def test_an_existing_eval_dir_is_not_overwritten_without_asking(tmp_path: Path) -> None:
+    from rlf_envs.eval import EvalArgs, run_eval
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")
+    with pytest.raises(ValueError, match="already holds an eval.*--overwrite"):
+        run_eval(EvalArgs(env="rlf/Calculator-v0", base_url="http://127.0.0.1:9/v1", model="m", n=1, out=out))
+    assert (out / "summary.json").read_text() == "{}"

@@ -73,7 +73,7 @@ def test_eval_cli_on_held_out_split_with_scripted_react_server(tmp_path: Path, c
     assert r.turns[0].kind == "tool_calls" and r.turns[0].results[0].status == "ok"
     shown = json.dumps(r.model_dump() if hasattr(r, "model_dump") else r.__dict__, default=str)
     assert "pytest" in shown and "[exit code" in shown  # the command and its output are in the record
-    assert r.end_reason == "answer" and r.success
+    assert r.end_reason == "submit" and r.success
 
 
 def test_react_agent_example_through_the_openai_sdk() -> None:

@@ -224,6 +224,7 @@ class EvalArgs:
     out: Path | None = None
     seed: int = 0
     progress: bool = True
+    overwrite: bool = False
 
 
 @dataclass(slots=True)
@@ -385,6 +386,9 @@ def run_eval(args: EvalArgs, stream: TextIO = sys.stderr) -> EvalSummary:
     from rlf_envs.records import step_path
 
     out = args.out or default_out(args.model)
+    if (out / "summary.json").exists() and not args.overwrite:  # before any episode: nothing is lost or wasted
+        raise ValueError(f"{out} already holds an eval (summary.json): give another --out, or --overwrite to replace "
+                         "it")
     summary, records = runtime.run(evaluate(args, stream))
     write_records(step_path(out, 0), records)
     atomic_write_text(out / "summary.json", summary.model_dump_json(indent=2))
@@ -438,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-retries", type=int, default=2, help="retries per request (connection errors, 429, 5xx)")
     p.add_argument("--episode-timeout", type=float, default=600.0, help="deadline of one whole episode (s)")
     p.add_argument("--out", type=Path, help="output dir (default runs/eval-<model>)")
+    p.add_argument("--overwrite", action="store_true", help="replace an eval already in --out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true")
     a = p.parse_args(argv)
@@ -447,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                     api_key=a.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY", env_kwargs=a.env_kwargs,
                     temperature=a.temperature, max_tokens=a.max_tokens, request_timeout_s=a.request_timeout,
                     max_retries=max(0, a.max_retries), episode_timeout_s=a.episode_timeout, out=a.out, seed=a.seed,
-                    progress=not a.no_progress)
+                    progress=not a.no_progress, overwrite=a.overwrite)
     try:
         summary = run_eval(args)
     except (ValueError, RuntimeError, ImportError) as e:  # ImportError: a missing extra (MissingDependency)
