@@ -466,9 +466,19 @@ def parse_reward(txt: bytes | None, js: bytes | None) -> float | None:
     return None
 
 
-def build_docker_image(h: HarborTask, build_args: Mapping[str, str] | None = None) -> str:
+def build_docker_image(h: HarborTask, build_args: Mapping[str, str] | None = None, *,
+                       keep: bool | None = None) -> str:
     """`docker:<tag>` of the task's image, built from environment/ with the docker SDK (DOCKER_HOST honoured), or
-    `[environment] docker_image` as is."""
+    `[environment] docker_image` as is.
+
+    The tag is the content hash of environment/ and the build args (`rlf-harbor-<name>:<hash>`): an image already in
+    the engine under it is reused. The build's log goes to this module's logger at DEBUG (never to stdout); a failed
+    build's error holds its tail. Built images carry `rlf.image=1` and this process as owner (the session labels),
+    so the docker backend removes them when it closes (`DockerBackend.aclose`) and its reaper removes those whose
+    builder is gone; `keep=True` (default: RLF_KEEP_DOCKER_IMAGES=1) labels them `rlf.keep=1` instead: they stay in
+    the engine and later runs reuse them by content hash (`docker image prune --filter label=rlf.image` clears
+    them). An image in the engine whose (not keeping) builder is gone is rebuilt (from the engine's layer cache) as
+    this process's own, so a reaper never takes it from under this run."""
     if h.config.docker_image and not (Path(h.path) / "environment" / "Dockerfile").is_file():
         return f"docker:{h.config.docker_image}"
     try:
@@ -477,6 +487,16 @@ def build_docker_image(h: HarborTask, build_args: Mapping[str, str] | None = Non
         from rlf_envs.extras import install_hint
 
         raise HarborError(f"the docker backend needs the docker SDK: {install_hint('docker')}") from None
+    import collections
+    import logging
+    import socket
+    import time
+
+    from rlf_envs.sandbox.sessions import owners
+
+    logger = logging.getLogger(__name__)
+    if keep is None:
+        keep = os.environ.get("RLF_KEEP_DOCKER_IMAGES", "").strip().lower() in ("1", "true", "yes")
     ctx = Path(h.path) / "environment"
     sha = hashlib.sha256(json.dumps(dict(build_args or {}), sort_keys=True).encode())
     for p in sorted(ctx.rglob("*")):
@@ -484,18 +504,64 @@ def build_docker_image(h: HarborTask, build_args: Mapping[str, str] | None = Non
             sha.update(p.relative_to(ctx).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     name = re.sub(r"[^a-z0-9_.-]+", "-", h.config.name.lower()).strip("-.") or "task"
     tag = f"rlf-harbor-{name}:{sha.hexdigest()[:16]}"
+    pid = os.getpid()
+    labels = {"rlf.image": "1", "rlf.owner.run": owners.RUN_ID, "rlf.owner.pid": str(pid),
+              "rlf.owner.start": str(owners.start_time(pid)), "rlf.owner.host": socket.gethostname()}
+    if keep:
+        labels["rlf.keep"] = "1"
+    timeout = float(h.config.build_timeout_s)
     try:
-        client = docker.from_env(timeout=int(h.config.build_timeout_s))
+        client = docker.from_env(timeout=int(timeout))
     except Exception as e:
         raise HarborError(f"{h.path}: no docker engine to build the task's image ({e}; see DOCKER_HOST)") from None
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    steps: list[str] = []  # the images of the build's steps (the first is the FROM image)
     try:
+        old = None
         try:
-            client.images.get(tag)
+            img = client.images.get(tag)
+            lab = img.labels or {}
+            if lab.get("rlf.keep") == "1" or lab.get("rlf.owner.host") != labels["rlf.owner.host"]:
+                return f"docker:{tag}"
+            try:
+                alive = owners.alive(int(lab["rlf.owner.pid"]), int(lab["rlf.owner.start"]))
+            except (KeyError, ValueError):
+                alive = False
+            if alive and not keep:
+                return f"docker:{tag}"  # a live run's: reused (its owner removes it at its close)
+            old = img.id  # a dead builder's (a reaper would take it) or kept now: rebuilt as ours
         except docker.errors.ImageNotFound:
-            client.images.build(path=str(ctx), tag=tag, buildargs=dict(build_args or {}), rm=True, forcerm=True,
-                                timeout=int(h.config.build_timeout_s))
+            pass
+        t0 = time.monotonic()
+        for chunk in client.api.build(path=str(ctx), tag=tag, buildargs=dict(build_args or {}), rm=True,
+                                      forcerm=True, decode=True, labels=labels, timeout=int(timeout)):
+            text = str(chunk.get("stream") or chunk.get("status") or "")
+            for line in text.splitlines():
+                if line.strip():
+                    tail.append(line[:500])
+                    logger.debug("docker build %s: %s", tag, line[:2000])
+                    step = re.fullmatch(r"\s*---> ([0-9a-f]{12,64})\s*", line)
+                    if step:
+                        steps.append(step.group(1))
+            if "error" in chunk or "errorDetail" in chunk:
+                msg = chunk.get("error") or (chunk.get("errorDetail") or {}).get("message") or "error"
+                raise docker.errors.BuildError(str(msg), [])
+            if time.monotonic() - t0 > timeout:
+                raise docker.errors.BuildError(f"the build ran past build_timeout_sec={timeout:.0f}", [])
+        client.images.get(tag)
+        if old is not None and old != client.images.get(tag).id:
+            try:
+                client.images.remove(old, noprune=False)
+            except Exception:  # in use: it goes when its containers do (the reaper)
+                pass
     except docker.errors.BuildError as e:
-        log = "".join(str(x.get("stream") or x.get("error") or "") for x in (e.build_log or []))[-800:]
+        for step_id in reversed(steps):  # a failed build's untagged step images (never a tagged one: a base)
+            try:
+                if not client.images.get(step_id).tags:
+                    client.images.remove(step_id, noprune=False)
+            except Exception:
+                pass
+        log = "\n".join(tail)[-1500:]
         raise HarborError(f"{h.path}: docker build of environment/Dockerfile failed: {e.msg}\n{log}") from None
     except docker.errors.APIError as e:
         raise HarborError(f"{h.path}: docker build of environment/Dockerfile refused: {e} (is its FROM image "

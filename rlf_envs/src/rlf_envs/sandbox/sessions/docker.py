@@ -4,28 +4,62 @@ works too).
 
 A session is a container of `SessionSpec.image` ("docker:<ref>", an image the engine holds) created with its owner
 labels in the same API call (`rlf.session`, `rlf.owner.run`, `rlf.owner.pid`, `rlf.owner.start`, `rlf.owner.host`),
-kept alive by `sleep infinity`, with no network (`network_mode=none`) unless asked, a memory and pids limit, no
-capabilities beyond docker's defaults minus NET_RAW, `no-new-privileges`. `exec` runs `timeout -s KILL T sh -c CMD`
-inside (docker exec has no timeout), streams the output with a cap, and at the deadline kills every process the call
-started (all pids of the container from the call's first one on: pids of a container's namespace only grow) with a
-second exec; a client-side deadline covers an engine that does not answer. Files go through put/get archive;
-`diff` fetches the workdir as a tar into a host temp dir (regular files, dirs and links only, bounded) and compares
-it with the seed (`gitdiff`). The reaper removes labelled containers of this host whose owner process is gone.
+with no network (`network_mode=none`) unless asked, a memory and pids limit, docker's default capabilities minus
+NET_RAW, MKNOD, AUDIT_WRITE and SETFCAP, and `AutoRemove` (the engine deletes it once it stops).
+
+Nothing the session's code can write decides how long it lives or what a deadline kills (its commands run as the
+image's user, root in most images, so they can rewrite any file of the container, /bin/sh and `timeout` included):
+
+- Lifetime. Pid 1 is `sleep <session_timeout_s + 10 s>` (warm-pool containers: + the pool's idle cap, and the pool
+  never hands out a container older than that cap), so a container ends by itself at its wall clock even when its
+  owner was SIGKILLed and no reaper ever runs. Pid 1 runs as uid 65534 from an execute-only copy of the image's own
+  `sleep` (`/.rlf/sleep`, mode 0111, put in before the start): signals from inside a pid namespace never reach its
+  init (it has no handlers), and an execute-only binary makes the process non-dumpable, so not even the session's
+  root turned uid 65534 may ptrace it or write its memory (CAP_SYS_PTRACE is not granted). Commands pass the image's
+  user explicitly (`Config.User`, root where it sets none), so they run as they would under `docker exec`.
+  `no-new-privileges` is set where that user is not root (where it is root, a setuid binary has nothing more to give,
+  and docker would drop a root exec's capabilities under it in a container whose pid 1 is not root). The backend's
+  own timer removes the container at `session_timeout_s` (+1 s) while its owner lives.
+- Deadlines. `exec` runs the command itself as the exec's process (a str as `bash -lc CMD`, `sh -c` where the image
+  has no bash; a list as the argv): no wrapper shell, no `timeout`, no pid file. The deadline is kept on the host:
+  at the call's deadline every process of the container that the kernel says started at or after the call's start
+  (`/proc/<pid>/stat` start times against CLOCK_BOOTTIME) is SIGKILLed, pid 1 aside. Where the engine is local
+  (the container's pid 1 is visible in this host's /proc with the container's id in its cgroup path) they are found
+  from the host side, in the container's cgroup (`cgroup.procs`; else by its pid namespace) and killed through
+  pidfds, so the image's binaries are never used; elsewhere (a remote engine, no right to signal them) an exec of
+  the image's `/bin/sh` does it with the shell's builtins only (`read`, `kill`, globbing: no other binary, no
+  file the session wrote; its start-time bound is estimated from the call's elapsed time). The kill repeats until
+  the call's output closes; if it does not within GRACE_S (something of the session holds the output open), the
+  session is ended (container removed) and the call raises SessionLimitExceeded(limit="exec_deadline") when the
+  engine answers a ping (the policy's doing), SessionInfraError when it does not.
+
+Files go through put/get archive (paths validated first: a str without NUL); `diff` fetches the workdir as a tar
+(regular files, dirs and links only, `.git` left out, the content and the entry count bounded, a patch larger than
+`max_bytes` refused from the names alone where it can be) into a host temp dir and compares it with the seed. The
+reaper removes this host's labelled containers whose owner process is gone, and the Harbor images (`rlf.image`)
+whose builder is gone; `aclose` removes the images this process built (unless built with RLF_KEEP_DOCKER_IMAGES=1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import io
+import json
+import logging
+import math
 import os
-import shlex
+import posixpath
+import signal
 import socket
 import tarfile
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from rlf_envs.sandbox import cleanup
@@ -37,17 +71,56 @@ from rlf_envs.sandbox.sessions.types import (
     Session,
     SessionBackend,
     SessionClosed,
+    SessionDiffTooLarge,
     SessionError,
+    SessionExpired,
     SessionFileNotFound,
     SessionInfraError,
+    SessionLimitExceeded,
     SessionSpec,
 )
 
+log = logging.getLogger(__name__)
+
 LABEL = "rlf.session"
-GRACE_S = 30.0
+#: on the images `tasks.harbor.build_docker_image` builds (with the builder's owner labels); `rlf.keep=1`: kept
+IMAGE_LABEL = "rlf.image"
+KEEP_LABEL = "rlf.keep"
+#: how long a call may take to end after its deadline kill before the session is ended
+GRACE_S = 10.0
 API_TIMEOUT_S = 120
 MAX_FILE = 64 << 20
-PID_FILE = "/tmp/.rlf-exec-pid"
+#: pid 1 of every session container: an execute-only copy of the image's sleep, run as INIT_USER
+INIT = "/.rlf/sleep"
+INIT_USER = "65534:65534"
+#: pid 1 outlives the session's wall clock by this much (the backend's own timer removes it first)
+LIFETIME_MARGIN_S = 10.0
+CAP_DROP = ["NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP"]
+#: diff: the most file content it reads, and the most workspace entries beyond the seed's
+DIFF_READ_BYTES = 256 << 20
+DIFF_MAX_NEW_ENTRIES = 100_000
+USER_HZ = 100  # /proc/<pid>/stat start times are in these ticks on every Linux the engine runs on
+
+#: the in-container fallback of the deadline kill, shell builtins only (read, kill, globbing; no other binary, no
+#: file of the session's): every process whose start time (in the kernel's ticks) is at or after $t0, pid 1 and this
+#: shell aside, is SIGKILLed, in rounds until a round finds none
+KILL_SCRIPT = r"""
+r=0
+while [ $r -lt 20 ]; do
+  r=$((r + 1)); n=0
+  for d in /proc/[1-9]*; do
+    p=${d#/proc/}
+    case $p in 1|$$) continue ;; esac
+    read -r l < "$d/stat" 2>/dev/null || continue
+    l=${l##*) }; set -- $l
+    [ "$1" = Z ] && continue
+    eval "s=\${20}"
+    [ "$s" -ge "$t0" ] 2>/dev/null && kill -9 "$p" 2>/dev/null && n=$((n + 1))
+  done
+  [ $n = 0 ] && break
+done
+exit 0
+"""
 
 
 def _image_ref(image: str) -> str:
@@ -57,33 +130,77 @@ def _image_ref(image: str) -> str:
                      "directory or an archive use the local backend, or `docker import`/`docker load` it first)")
 
 
-def _tar_of_dir(src: str) -> bytes:
+def _text(value: Any, what: str) -> str:
+    """A str the engine can take: the caller's (the policy's) error otherwise, never the engine's."""
+    if not isinstance(value, str):
+        raise SessionError(f"{what} must be a str, got {type(value).__name__}")
+    if "\x00" in value:
+        raise SessionError(f"{what} holds a NUL byte: {value[:80]!r}")
+    return value
+
+
+def _is_root(user: str) -> bool:
+    return user.split(":", 1)[0] in ("", "0", "root")
+
+
+def _tar_of_dir(src: str, uid: int = 0, gid: int = 0) -> bytes:
+    def own(t: tarfile.TarInfo) -> tarfile.TarInfo:
+        t.uid, t.gid, t.uname, t.gname = uid, gid, "", ""
+        return t
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
         for name in sorted(os.listdir(src)):
-            tf.add(os.path.join(src, name), arcname=name)
+            tf.add(os.path.join(src, name), arcname=name, filter=own)
     return buf.getvalue()
 
 
-def _tar_of_file(path: str, data: bytes, mode: int) -> bytes:
+def _tar_of_file(name: str, data: bytes, mode: int, uid: int, gid: int, parents: bool) -> bytes:
+    """A tar of one file `name` ('/'-separated, relative); with `parents`, entries for its parent directories."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
-        parts = path.strip("/").split("/")
-        for i in range(1, len(parts)):
+        parts = name.split("/")
+        for i in range(1, len(parts)) if parents else ():
             d = tarfile.TarInfo("/".join(parts[:i]))
-            d.type, d.mode = tarfile.DIRTYPE, 0o755
+            d.type, d.mode, d.uid, d.gid = tarfile.DIRTYPE, 0o755, uid, gid
             tf.addfile(d)
-        info = tarfile.TarInfo("/".join(parts))
-        info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+        info = tarfile.TarInfo(name)
+        info.size, info.mode, info.mtime, info.uid, info.gid = len(data), mode & 0o7777, int(time.time()), uid, gid
         tf.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+@contextlib.contextmanager
+def _archive(api: Any, cid: str, path: str) -> Iterator[tuple[Iterator[bytes], dict[str, Any]]]:
+    """A container path's tar stream and its stat, the response closed on the way out however far it was read: the
+    engine holds the container's lock while it sends an archive, so one left unread would block every later call of
+    the session (the SDK's get_archive leaves that to the garbage collector)."""
+    res = api._get(api._url("/containers/{0}/archive", cid), params={"path": path}, stream=True,
+                   headers={"Accept-Encoding": "identity"})
+    try:
+        api._raise_for_status(res)
+        raw = res.headers.get("x-docker-container-path-stat")
+        yield res.iter_content(1 << 20, False), (json.loads(base64.b64decode(raw)) if raw else {})
+    finally:
+        res.close()
+
+
+def _one_file(chunks: Any, limit: int) -> tarfile.TarInfo | tuple[tarfile.TarInfo, bytes]:
+    """The first member of a get_archive stream: (its header, its bytes) for a regular file, the header otherwise."""
+    with tarfile.open(fileobj=io.BufferedReader(_Cap(chunks, limit + (1 << 20))), mode="r|") as tf:
+        for m in tf:
+            if not m.isreg():
+                return m
+            f = tf.extractfile(m)
+            return m, (f.read() if f else b"")
+    raise FileNotFoundError
 
 
 class _Cap(io.RawIOBase):
     """A readable over the engine's archive stream that refuses more than `limit` bytes."""
 
-    def __init__(self, chunks: Any, limit: int) -> None:
-        self.it, self.buf, self.n, self.limit = iter(chunks), b"", 0, limit
+    def __init__(self, chunks: Any, limit: int, err: type[SessionError] = SessionError) -> None:
+        self.it, self.buf, self.n, self.limit, self.err = iter(chunks), b"", 0, limit, err
 
     def readable(self) -> bool:
         return True
@@ -96,10 +213,175 @@ class _Cap(io.RawIOBase):
                 return 0
             self.n += len(self.buf)
             if self.n > self.limit:
-                raise SessionError(f"the archive from the session is larger than {self.limit} bytes")
+                raise self.err(f"the archive from the session is larger than {self.limit} bytes")
         k = min(len(b), len(self.buf))
         b[:k], self.buf = self.buf[:k], self.buf[k:]
         return k
+
+
+# --- the host's view of a container's processes (kernel data only) --------------------------------------------------
+
+def _boot_ticks() -> int:
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def _proc_start(pid: int) -> tuple[int, str] | None:
+    """(start time in clock ticks since boot, state) of a host process, from the kernel's /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2:].split()  # after the command name, which may hold anything
+    try:
+        return int(rest[19]), rest[0].decode()
+    except (IndexError, ValueError):
+        return None
+
+
+def _cgroup_dir(cgroup_file: str) -> str | None:
+    """The directory (in this host's cgroup mounts) of a process's cgroup, from its /proc/<pid>/cgroup text."""
+    mounts = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                a, b = left.split(), right.split()
+                if len(a) >= 5 and len(b) >= 3 and b[0] in ("cgroup", "cgroup2"):
+                    mounts.append((b[0], a[3], a[4], set(b[2].split(","))))
+    except OSError:
+        return None
+    for line in cgroup_file.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        want = set(parts[1].split(",")) - {""}
+        for fstype, root, point, opts in mounts:
+            if (fstype == "cgroup2") != (not want) or (want and not want & opts):
+                continue
+            path = parts[2]
+            if root != "/":
+                if not (path == root or path.startswith(root.rstrip("/") + "/")):
+                    continue
+                path = path[len(root.rstrip("/")):]
+            d = point.rstrip("/") + path
+            if os.path.isfile(os.path.join(d, "cgroup.procs")):
+                return d
+    return None
+
+
+@dataclass
+class _Host:
+    """A local engine's container as this host's kernel sees it: pid 1's host pid, its cgroup directory (every
+    process of the container is listed there, and none can leave it), its pid namespace (the listing where no cgroup
+    directory is found)."""
+
+    pid1: int
+    cgroup: str | None
+    pidns: int
+
+    @classmethod
+    def find(cls, cid: str, pid1: int) -> _Host | None:
+        try:
+            with open(f"/proc/{pid1}/cgroup") as f:
+                text = f.read()
+            pidns = os.stat(f"/proc/{pid1}/ns/pid").st_ino
+        except OSError:
+            return None
+        if cid not in text:  # another machine's or another pid namespace's pid: the engine is not local
+            return None
+        return cls(pid1, _cgroup_dir(text), pidns)
+
+    def pids(self) -> list[int]:
+        if self.cgroup is not None:
+            out: list[int] = []
+            for d, _, files in os.walk(self.cgroup):
+                if "cgroup.procs" in files:
+                    with contextlib.suppress(OSError, ValueError), open(os.path.join(d, "cgroup.procs")) as f:
+                        out += [int(x) for x in f.read().split()]
+            return out
+        found = []
+        for p in os.listdir("/proc"):
+            if p.isdigit():
+                with contextlib.suppress(OSError):
+                    if os.stat(f"/proc/{p}/ns/pid").st_ino == self.pidns:
+                        found.append(int(p))
+        return found
+
+    def kill_since(self, t0: int) -> bool:
+        """SIGKILL every process of the container started at or after boot tick `t0`, pid 1 aside, in rounds until
+        a round finds none new (a fork between a listing and its kills is caught by the next). Each kill goes
+        through a pidfd opened and then checked against the start time listed, so a pid reused meanwhile is never
+        hit. False when some could not be signalled (no right to: the caller then kills from inside)."""
+        done: set[tuple[int, int]] = set()
+        ok = True
+        for _ in range(64):
+            new = 0
+            for pid in self.pids():
+                st = _proc_start(pid)
+                if pid == self.pid1 or st is None or st[0] < t0 or st[1] in ("Z", "X") or (pid, st[0]) in done:
+                    continue
+                try:
+                    fd = os.pidfd_open(pid)
+                except ProcessLookupError:
+                    continue  # gone already
+                except OSError:  # no pidfds (a kernel before 5.3): a plain kill after the same check
+                    fd = -1
+                try:
+                    again = _proc_start(pid)
+                    if again is None or again[0] != st[0]:
+                        continue
+                    if fd >= 0:
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    else:
+                        os.kill(pid, signal.SIGKILL)
+                    done.add((pid, st[0]))
+                    new += 1
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    ok = False
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
+            if not new:
+                break
+        return ok
+
+
+# --- the patch, bounded --------------------------------------------------------------------------------------------
+
+def _bounded_patch(old_root: str | None, new_root: str, max_bytes: int) -> str:
+    """gitdiff.diff_trees with the patch's size counted file by file: SessionDiffTooLarge as soon as it passes
+    `max_bytes` (the rest is never built)."""
+    old = gitdiff._entries(old_root or "", gitdiff.EXCLUDE)
+    new = gitdiff._entries(new_root, gitdiff.EXCLUDE)
+    budget = [DIFF_READ_BYTES]
+    out: list[str] = []
+    size = 0
+    try:
+        for path in sorted(set(old) | set(new)):
+            o, n = old.get(path), new.get(path)
+            if o and n and o[0] == n[0] and o[0] != 0o120000:
+                with contextlib.suppress(OSError):
+                    if os.lstat(o[1]).st_size == os.lstat(n[1]).st_size and \
+                            gitdiff._read(o[0], o[1], budget) == gitdiff._read(n[0], n[1], budget):
+                        continue
+            try:
+                od = (o[0], gitdiff._read(o[0], o[1], budget)) if o else None
+                nd = (n[0], gitdiff._read(n[0], n[1], budget)) if n else None
+            except FileNotFoundError:
+                continue
+            if od == nd:
+                continue
+            lines = gitdiff._diff_file(path, od, nd)
+            size += sum(len(x.encode("utf-8", "surrogateescape")) + 1 for x in lines)
+            if size > max_bytes:
+                raise SessionDiffTooLarge(f"the workspace's patch is larger than max_bytes={max_bytes}")
+            out += lines
+    except gitdiff.DiffTooLarge:
+        raise SessionDiffTooLarge(f"the workspace holds more than {DIFF_READ_BYTES} bytes of files to diff") from None
+    return "\n".join(out) + "\n" if out else ""
 
 
 def _discard_when_done(fut: asyncio.Future[Any]) -> None:
@@ -108,7 +390,7 @@ def _discard_when_done(fut: asyncio.Future[Any]) -> None:
     def done(f: asyncio.Future[Any]) -> None:
         if f.cancelled() or f.exception() is not None:
             return
-        c = f.result()
+        c = f.result()[0].c
         threading.Thread(target=lambda: c.remove(force=True), daemon=True).start()
 
     fut.add_done_callback(done)
@@ -125,42 +407,92 @@ async def _remove(c: Any) -> None:
         c.remove(force=True)
 
 
+@dataclass(frozen=True)
+class _Image:
+    """What the backend learnt of an image once: its id, the user its commands run as (and whether root), that
+    user's numeric ids (for the files the backend writes), the shell a str command runs under, and the tar that puts
+    its execute-only pid 1 in place."""
+
+    id: str
+    user: str
+    root: bool
+    uid: int = 0
+    gid: int = 0
+    shell: tuple[str, ...] = ("/bin/bash", "-lc")
+    init: bytes = b""
+
+
+@dataclass
+class _Box:
+    """A started session container: the engine's model, the image facts, the host's view (None: not local),
+    when it was started (monotonic) and how long its pid 1 lives."""
+
+    c: Any
+    image: _Image
+    host: _Host | None
+    born: float
+    lifetime_s: float
+
+
 class DockerSession(Session):
-    def __init__(self, backend: DockerBackend, container: Any, spec: SessionSpec) -> None:
-        self.id = container.name
+    def __init__(self, backend: DockerBackend, box: _Box, spec: SessionSpec, started: float) -> None:
+        self.id = box.c.name
         self.spec = spec
         self._b = backend
-        self._c = container
+        self._c = box.c
+        self._image = box.image
+        #: the host's view of the container's processes (None: kill from inside)
+        self._host = box.host
         self._lock = asyncio.Lock()
         self._closed = False
-        self._deadline = time.monotonic() + spec.limits.session_timeout_s
-        self._timer = asyncio.get_running_loop().call_later(spec.limits.session_timeout_s + 1.0, self._expire)
         self._expired = False
+        self._seed_names: set[str] | None = None
+        self._offset: float | None = None
+        # the wall clock counts from the container's start (or the lease of a warm one): pid 1 outlives it
+        self._deadline = started + spec.limits.session_timeout_s
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, self._deadline - time.monotonic()) + 1.0,
+                                                            self._expire)
 
     def _expire(self) -> None:
         self._expired = True
         asyncio.get_running_loop().create_task(self.aclose())
 
+    def _past(self) -> bool:
+        return self._expired or time.monotonic() >= self._deadline
+
+    def _expired_error(self) -> SessionExpired:
+        return SessionExpired(f"session {self.id} ran past its wall clock "
+                              f"(session_timeout_s={self.spec.limits.session_timeout_s})")
+
     def _check(self) -> None:
-        if self._expired:
-            raise SessionClosed(f"session {self.id} ran past its wall clock "
-                                f"(session_timeout_s={self.spec.limits.session_timeout_s})")
+        if self._past():
+            raise self._expired_error()
         if self._closed:
             raise SessionClosed(f"session {self.id} is closed")
+
+    def _fail(self, e: BaseException) -> SessionError:
+        """Whose error: the session's wall clock spent (SessionExpired) or the backend's classification."""
+        if isinstance(e, SessionError) and not isinstance(e, SessionInfraError):
+            return e
+        if self._past():
+            return self._expired_error()
+        return e if isinstance(e, SessionError) else self._b._classify(e)
 
     async def _api(self, fn: Any, *args: Any, timeout_s: float = API_TIMEOUT_S, **kw: Any) -> Any:
         try:
             return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kw), timeout_s)
         except TimeoutError:
             raise SessionInfraError(f"the docker engine did not answer within {timeout_s:.0f} s") from None
-        except SessionError:
-            raise
         except Exception as e:
-            raise self._b._classify(e) from e
+            raise self._fail(e) from e
 
-    def _run_exec(self, argv: list[str], stdin: bytes, cwd: str, env: dict[str, str], cap: int) -> dict[str, Any]:
+    def _run_exec(self, argv: list[str], stdin: bytes, cwd: str, env: dict[str, str], cap: int,
+                  mark: list[tuple[int, float]] | None = None) -> dict[str, Any]:
         api = self._b.client.api
-        ex = api.exec_create(self._c.id, argv, stdin=bool(stdin), workdir=cwd, environment=env)
+        ex = api.exec_create(self._c.id, argv, stdin=bool(stdin), workdir=cwd, environment=env,
+                             user=self._image.user)
+        if mark is not None:  # the call's start, as the kernel counts it: nothing of the call runs before this
+            mark.append((_boot_ticks(), time.monotonic()))
         out, err, trunc = bytearray(), bytearray(), False
         if stdin:
             sock = api.exec_start(ex["Id"], socket=True)
@@ -185,82 +517,140 @@ class DockerSession(Session):
         code = api.exec_inspect(ex["Id"]).get("ExitCode")
         return {"out": bytes(out), "err": bytes(err), "trunc": trunc, "code": code}
 
-    async def _kill_call(self) -> None:
-        """Kill every process of the container from the call's first pid on (the wrapper wrote it), but pid 1."""
-        script = (f"p0=$(cat {PID_FILE} 2>/dev/null) || exit 0; for i in 1 2 3; do for d in /proc/[0-9]*; do "
-                  "p=${d#/proc/}; [ \"$p\" -ge \"$p0\" ] && [ \"$p\" != \"$$\" ] && kill -9 \"$p\" 2>/dev/null; "
-                  "done; done; true")
+    async def _kill_since(self, ticks0: int, t0: float) -> None:
+        """SIGKILL what the call started: from the host where it can, else from inside (shell builtins only)."""
+        host = self._host
+        if host is not None:
+            try:
+                if await asyncio.to_thread(host.kill_since, ticks0):
+                    return
+            except Exception:  # fall back to the in-container kill
+                pass
         with contextlib.suppress(Exception):
-            await self._api(self._c.exec_run, ["sh", "-c", script], timeout_s=30)
+            off = await self._clock_offset()
+            t = math.floor((t0 + off) * USER_HZ) - 1
+            await asyncio.wait_for(asyncio.to_thread(self._run_exec, ["/bin/sh", "-c", f"t0={t}\n{KILL_SCRIPT}"],
+                                                     b"", "/", {}, 4096), 30)
+
+    async def _clock_offset(self) -> float:
+        """The engine host's boot clock minus this host's monotonic clock, a lower bound (once per session): a shell
+        started inside reports its start tick S, which it reached before its answer came back at `ta`, so
+        S - ta is at most the true offset. A call's start mapped with it is never late: the fallback kill may take
+        processes started up to that exec's round trip before the call, never spare one of the call's."""
+        if self._offset is None:
+            r = await asyncio.wait_for(asyncio.to_thread(
+                self._run_exec, ["/bin/sh", "-c", 'read -r l < /proc/self/stat && echo "$l"'], b"", "/", {}, 4096), 30)
+            ta = time.monotonic()
+            line = r["out"].decode("ascii", "replace")
+            self._offset = int(line[line.rfind(")") + 2:].split()[19]) / USER_HZ - ta
+        return self._offset
+
+    async def _end_call(self, fut: asyncio.Future[dict[str, Any]], mark: list[tuple[int, float]]) -> dict[str, Any]:
+        """The call ran past its deadline: kill what it started until its output closes (an exec that the engine
+        started late is caught by a later round); past GRACE_S the session is ended."""
+        until = time.monotonic() + GRACE_S
+        wait = 0.05
+        while True:
+            await self._kill_since(*mark[-1])
+            try:
+                return await asyncio.wait_for(asyncio.shield(fut), max(0.0, min(wait, until - time.monotonic())))
+            except TimeoutError:
+                pass
+            except Exception as e:
+                raise self._fail(e) from e
+            if time.monotonic() >= until:
+                break
+            wait = min(1.0, wait * 2)
+        healthy = await self._b._healthy()
+        await self.aclose()
+        if healthy:
+            raise SessionLimitExceeded(f"session {self.id}: a call did not end {GRACE_S:.0f} s after its deadline "
+                                       "kill (a process of the session holds its output open); the session was "
+                                       "ended", "exec_deadline")
+        raise SessionInfraError(f"session {self.id}: the docker engine stopped answering during a call past its "
+                                "deadline")
+
+    def _argv(self, cmd: str | list[str]) -> list[str]:
+        if isinstance(cmd, str):
+            return [*self._image.shell, _text(cmd, "the command")]
+        if isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd):
+            return [_text(a, "an argument") for a in cmd]
+        raise ValueError("exec takes a shell command (str) or a non-empty argv (list of str)")
+
+    @staticmethod
+    def _env(env: dict[str, str] | None) -> dict[str, str]:
+        if env is None:
+            return {}
+        if not isinstance(env, dict):
+            raise SessionError(f"env must map str to str, got {type(env).__name__}")
+        for k, v in env.items():
+            if not _text(k, "an env name") or "=" in k:
+                raise SessionError(f"env name {k!r} must be non-empty and hold no '='")
+            _text(v, f"env {k}")
+        return dict(env)
+
+    def _abs(self, path: str, what: str = "the path") -> str:
+        p = _text(path, what)
+        return posixpath.normpath(p if p.startswith("/") else posixpath.join(self.spec.workdir, p))
 
     async def exec(self, cmd: str | list[str], *, stdin: str | bytes | None = None, timeout_s: float | None = None,
                    cwd: str | None = None, env: dict[str, str] | None = None) -> ExecResult:
-        if isinstance(cmd, str):
-            inner = cmd
-        elif isinstance(cmd, list) and cmd and all(isinstance(a, str) for a in cmd):
-            inner = "exec " + shlex.join(cmd)
-        else:
-            raise ValueError("exec takes a shell command (str) or a non-empty argv (list of str)")
+        argv = self._argv(cmd)
         timeout = float(timeout_s if timeout_s is not None else self.spec.limits.exec_timeout_s)
         if not timeout > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
-        timeout = max(0.001, min(timeout, self._deadline - time.monotonic()))
+        where = self.spec.workdir if cwd is None else self._abs(cwd, "cwd")
+        environment = {**self.spec.env, **self._env(env)}
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
-        # the wrapper records the call's first pid, then runs the command under a KILL at the deadline
-        argv = ["sh", "-c", f'echo $$ > {PID_FILE} 2>/dev/null; exec timeout -s KILL {timeout:.3f} sh -c "$0"',
-                inner]
         async with self._lock:
             self._check()
-            t0 = time.monotonic()
-            fut = asyncio.ensure_future(asyncio.to_thread(self._run_exec, argv, data, cwd or self.spec.workdir,
-                                                          {**self.spec.env, **(env or {})},
-                                                          self.spec.limits.output_bytes))
+            timeout = max(0.001, min(timeout, self._deadline - time.monotonic()))
+            mark = [(_boot_ticks(), time.monotonic())]  # replaced by the sample taken just before the exec starts
+            fut = asyncio.ensure_future(asyncio.to_thread(self._run_exec, argv, data, where, environment,
+                                                          self.spec.limits.output_bytes, mark))
+            t0 = mark[0][1]
             timed_out = False
             try:
-                r = await asyncio.wait_for(asyncio.shield(fut), timeout + 2.0)
-            except TimeoutError:  # something the call started holds its output open: kill it all
+                r = await asyncio.wait_for(asyncio.shield(fut), timeout)
+            except TimeoutError:  # the deadline: kill everything the call started (the host's clock, not theirs)
                 timed_out = True
-                await self._kill_call()
-                try:
-                    r = await asyncio.wait_for(fut, GRACE_S)
-                except TimeoutError:
-                    raise SessionInfraError(f"session {self.id}: the engine did not end an exec past its "
-                                            "deadline") from None
+                r = await self._end_call(fut, mark)
             except Exception as e:
-                raise e if isinstance(e, SessionError) else self._b._classify(e) from e
+                raise self._fail(e) from e
             dur = time.monotonic() - t0
-            if r["code"] == 137 and dur >= timeout - 0.05:
-                timed_out = True
-            if timed_out:
-                await self._kill_call()
         if r["code"] is None:
-            raise SessionInfraError(f"session {self.id}: the engine gave no exit code")
-        return ExecResult(exit_code=124 if timed_out else int(r["code"]),
-                          stdout=r["out"].decode("utf-8", "replace"), stderr=r["err"].decode("utf-8", "replace"),
-                          timed_out=timed_out, truncated=r["trunc"], duration_s=dur)
-
-    def _abs(self, path: str) -> str:
-        return path if path.startswith("/") else os.path.join(self.spec.workdir, path)
+            raise self._fail(SessionInfraError(f"session {self.id}: the engine gave no exit code"))
+        code, out, err = int(r["code"]), r["out"], r["err"]
+        if code == 126 and not timed_out and not err and out.startswith(b"OCI runtime exec failed"):
+            # the engine could not start the process: its message is no output of the command's
+            msg = out.decode("utf-8", "replace").strip()
+            if "chdir to cwd" in msg:
+                raise SessionFileNotFound(f"session {self.id}: cwd {cwd!r}: no such directory")
+            if "executable file not found" in msg or "no such file or directory" in msg:
+                code = 127
+            out, err = b"", msg.encode() + b"\n"
+        return ExecResult(exit_code=124 if timed_out else code, stdout=out.decode("utf-8", "replace"),
+                          stderr=err.decode("utf-8", "replace"), timed_out=timed_out, truncated=r["trunc"],
+                          duration_s=dur)
 
     async def read_file(self, path: str) -> bytes:
         p = self._abs(path)
 
         def get() -> bytes:
             try:
-                stream, st = self._c.get_archive(p)
-            except Exception as e:
-                if getattr(e, "status_code", None) == 404:
-                    raise SessionFileNotFound(f"session {self.id}: {path}: no such file") from None
-                raise
-            if st.get("size", 0) > MAX_FILE:
-                raise SessionError(f"session {self.id}: {path}: larger than {MAX_FILE} bytes")
-            with tarfile.open(fileobj=io.BufferedReader(_Cap(stream, MAX_FILE + (1 << 20))), mode="r|") as tf:
-                for m in tf:
-                    if not m.isreg():
-                        raise SessionError(f"session {self.id}: {path}: not a regular file")
-                    f = tf.extractfile(m)
-                    return f.read() if f else b""
-            raise SessionFileNotFound(f"session {self.id}: {path}: no such file")
+                with _archive(self._b.client.api, self._c.id, p) as (stream, st):
+                    if st.get("size", 0) > MAX_FILE:
+                        raise SessionError(f"session {self.id}: {path}: larger than {MAX_FILE} bytes")
+                    got = _one_file(stream, MAX_FILE)
+            except FileNotFoundError:
+                raise SessionFileNotFound(f"session {self.id}: {path}: no such file") from None
+            except self._b._docker.errors.NotFound:
+                if self._past():
+                    raise
+                raise SessionFileNotFound(f"session {self.id}: {path}: no such file") from None
+            if isinstance(got, tarfile.TarInfo):
+                raise SessionError(f"session {self.id}: {path}: not a regular file")
+            return got[1]
 
         async with self._lock:
             self._check()
@@ -268,48 +658,115 @@ class DockerSession(Session):
             return data
 
     async def write_file(self, path: str, data: str | bytes, mode: int = 0o644) -> None:
+        p = self._abs(path)
         raw = data.encode() if isinstance(data, str) else bytes(data)
-        tar = _tar_of_file(self._abs(path), raw, mode)
-        async with self._lock:
-            self._check()
-            ok = await self._api(self._c.put_archive, "/", tar)
+        if len(raw) > MAX_FILE:
+            raise SessionError(f"session {self.id}: {path}: {len(raw)} bytes, more than {MAX_FILE}")
+        if p == "/":
+            raise SessionError(f"session {self.id}: {path!r} is not a file path")
+        parent, name = posixpath.split(p)
+        img = self._image
+
+        def put() -> None:
+            # into the nearest directory that exists: a tar entry for an existing directory would reset its mode
+            # and owner (/tmp's sticky bit), so only the missing ones are in the archive
+            api = self._b.client.api
+            base, rest = parent, name
+            while True:
+                try:
+                    ok = api.put_archive(self._c.id, base, _tar_of_file(rest, raw, mode, img.uid, img.gid, True))
+                    break
+                except Exception as e:
+                    if getattr(e, "status_code", None) != 404 or base == "/":
+                        raise
+                    base, up = posixpath.split(base)
+                    rest = f"{up}/{rest}"
             if not ok:
                 raise SessionError(f"session {self.id}: could not write {path}")
 
-    async def diff(self) -> str:
-        wd = self.spec.workdir
+        async with self._lock:
+            self._check()
+            await self._api(put)
+
+    def _seed(self) -> set[str]:
+        if self._seed_names is None:
+            self._seed_names = set(gitdiff._entries(self.spec.seed_dir or "", gitdiff.EXCLUDE))
+        return self._seed_names
+
+    async def diff(self, max_bytes: int | None = None) -> str:
+        limit = self.spec.limits.diff_bytes if max_bytes is None else max_bytes
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        wd = self.spec.workdir.rstrip("/")
 
         def get() -> str:
+            seed = self._seed()
             tmp = os.path.realpath(tempfile.mkdtemp(prefix="rlf-docker-diff-"))
             cleanup.sweep_once(os.path.dirname(tmp))  # what a killed trainer's `discard` below left there
             try:
-                stream, _ = self._c.get_archive(wd)
-                with tarfile.open(fileobj=io.BufferedReader(_Cap(stream, 1 << 30)), mode="r|") as tf:
-                    for m in tf:
-                        name = os.path.normpath(m.name)
-                        if name.startswith("..") or name.startswith("/") or not (m.isreg() or m.isdir()
-                                                                                  or m.issym()):
-                            continue
-                        target = os.path.join(tmp, name)
-                        if not inside(tmp, os.path.dirname(target)):  # never through a link a member made
-                            continue
-                        if os.path.islink(target):
-                            os.unlink(target)
-                        m.name = name
-                        m.mode = (m.mode & 0o755) | (0o700 if m.isdir() else 0o600)
-                        m.uid = m.gid = os.getuid()
-                        tf.extract(m, tmp, set_attrs=True, numeric_owner=True, filter="fully_trusted")
-                return gitdiff.diff_trees(self.spec.seed_dir, os.path.join(tmp, os.path.basename(wd.rstrip("/"))))
+                with _archive(self._b.client.api, self._c.id, wd) as (stream, _):
+                    root = self._fetch(stream, tmp, seed, limit)
+                return _bounded_patch(self.spec.seed_dir, root, limit)
             finally:
                 cleanup.discard(tmp)  # what the container held: any depth or mode, removed off the call's path
 
         async with self._lock:
             self._check()
-            try:
-                patch: str = await self._api(get, timeout_s=API_TIMEOUT_S + self.spec.limits.exec_timeout_s)
-            except gitdiff.DiffTooLarge as e:
-                raise SessionError(f"session {self.id}: {e}") from None
+            patch: str = await self._api(get, timeout_s=API_TIMEOUT_S + self.spec.limits.exec_timeout_s)
             return patch
+
+    def _fetch(self, stream: Iterator[bytes], tmp: str, seed: set[str], limit: int) -> str:
+        """Unpack the workdir's archive into `tmp` (regular files, dirs and links; never through a link; `.git`
+        left out) and return the unpacked workdir. Refused on the way (SessionDiffTooLarge): more file content than
+        the diff reads, more entries than the seed's + DIFF_MAX_NEW_ENTRIES, or new files whose patch headers alone
+        pass `limit`. A workdir that became a link or a file is the session's error, never followed here."""
+        wd = self.spec.workdir.rstrip("/")
+        top = posixpath.basename(wd)
+        # the raw stream's bound: the content the diff may read plus headers for the entries it may hold
+        cap = DIFF_READ_BYTES + (len(seed) + DIFF_MAX_NEW_ENTRIES + 16) * 1536
+        content = entries = least = 0
+        with tarfile.open(fileobj=io.BufferedReader(_Cap(stream, cap, SessionDiffTooLarge)), mode="r|") as tf:
+            for m in tf:
+                name = posixpath.normpath(m.name)
+                parts = name.split("/")
+                if name == top:
+                    if not m.isdir():
+                        raise SessionError(f"session {self.id}: the workdir {wd} is no longer a directory")
+                elif parts[0] != top or ".." in parts or ".git" in parts:
+                    continue
+                rel = name[len(top) + 1:]
+                content += m.size if m.isreg() else 0
+                entries += 1
+                if rel and not m.isdir() and rel not in seed:
+                    least += 2 * len(rel.encode("utf-8", "surrogateescape")) + 120  # its patch's headers, at least
+                if content > DIFF_READ_BYTES:
+                    raise SessionDiffTooLarge(f"the workspace holds more than {DIFF_READ_BYTES} bytes of files")
+                if entries > len(seed) + DIFF_MAX_NEW_ENTRIES:
+                    raise SessionDiffTooLarge(f"the workspace holds more than {DIFF_MAX_NEW_ENTRIES} entries beyond "
+                                              "its seed's")
+                if least > limit:
+                    raise SessionDiffTooLarge(f"the workspace's patch is larger than max_bytes={limit} (the headers "
+                                              "of its new files alone)")
+                target = os.path.join(tmp, name)
+                if not (m.isreg() or m.isdir() or m.issym() or m.islnk()) or \
+                        not inside(tmp, os.path.dirname(target)):  # never through a link a member made
+                    continue
+                if os.path.islink(target):
+                    os.unlink(target)
+                if m.islnk():  # a hard link: linked to its target when that is in the tree already
+                    src = os.path.join(tmp, posixpath.normpath(m.linkname))
+                    if inside(tmp, src) and os.path.isfile(src) and not os.path.islink(src):
+                        with contextlib.suppress(OSError):
+                            os.link(src, target)
+                    continue
+                m.name = name
+                m.mode = (m.mode & 0o755) | (0o700 if m.isdir() else 0o600)
+                m.uid = m.gid = os.getuid()
+                tf.extract(m, tmp, set_attrs=True, numeric_owner=True, filter="fully_trusted")
+        root = os.path.join(tmp, top)
+        if os.path.islink(root) or not os.path.isdir(root):
+            raise SessionError(f"session {self.id}: the workdir {wd} is no longer a directory")
+        return root
 
     async def aclose(self) -> None:
         if self._closed:
@@ -325,7 +782,7 @@ class DockerBackend(SessionBackend):
     name = "docker"
 
     def __init__(self, base_url: str | None = None, max_starting: int = 8, creates_per_s: float = 20.0,
-                 reap_every_s: float = 30.0, pool_size: int | None = None) -> None:
+                 reap_every_s: float = 30.0, pool_size: int | None = None, pool_idle_s: float = 300.0) -> None:
         try:
             import docker
         except ImportError:
@@ -341,11 +798,17 @@ class DockerBackend(SessionBackend):
             raise SessionInfraError(f"no docker engine at {where}: {e} (start dockerd or set DOCKER_HOST)") from None
         self._docker = docker
         #: warm containers per (image, network, limits, workdir, env): created and started ahead, labelled like any
-        #: session (so the reaper removes them too); a create then only copies the seed in
+        #: session (so the reaper removes them too); a create then only copies the seed in. A warm container's
+        #: pid 1 lives `pool_idle_s` longer than a session's, and one older than `pool_idle_s` is never handed out.
         self.pool_size = int(os.environ.get("RLF_DOCKER_SESSION_POOL", 2)) if pool_size is None else pool_size
+        if not pool_idle_s > 0:
+            raise ValueError(f"pool_idle_s must be positive, got {pool_idle_s!r}")
+        self.pool_idle_s = float(pool_idle_s)
         self._pool: dict[tuple[Any, ...], list[Any]] = {}
+        self._boxes: dict[str, _Box] = {}
         self._filling: set[tuple[Any, ...]] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._images: dict[str, _Image] = {}
         self.max_starting = max_starting
         self.creates_per_s = creates_per_s
         self.reap_every_s = reap_every_s
@@ -359,36 +822,74 @@ class DockerBackend(SessionBackend):
 
     def _classify(self, e: BaseException) -> SessionError:
         errors = self._docker.errors
+        if isinstance(e, SessionError):
+            return e
         if isinstance(e, errors.NotFound):
-            return SessionInfraError(f"the session's container is gone: {e}")
+            return SessionInfraError(f"the session's container is gone (removed from outside the session): {e}")
+        if isinstance(e, errors.APIError) and e.status_code == 409:
+            return SessionInfraError(f"the session's container stopped (killed from outside the session): {e}")
         if isinstance(e, errors.APIError) and e.status_code is not None and e.status_code < 500:
             return SessionError(f"docker refused: {e}")
         return SessionInfraError(f"docker engine failure: {e!r}")
+
+    async def _healthy(self) -> bool:
+        try:
+            return bool(await asyncio.wait_for(asyncio.to_thread(self.client.ping), 30))
+        except Exception:
+            return False
 
     def _labels(self) -> dict[str, str]:
         pid = os.getpid()
         return {LABEL: "1", "rlf.owner.run": owners.RUN_ID, "rlf.owner.pid": str(pid),
                 "rlf.owner.start": str(owners.start_time(pid)), "rlf.owner.host": self.host}
 
-    def reap(self) -> int:
-        """Remove this host's session containers whose owner process is gone."""
-        n = 0
+    @staticmethod
+    def _owner_gone(lab: dict[str, str]) -> bool:
         try:
+            pid, start = int(lab["rlf.owner.pid"]), lab.get("rlf.owner.start")
+            started = int(start) if start and start != "None" else None
+        except (KeyError, ValueError):
+            return False
+        return not owners.alive(pid, started)
+
+    def reap(self) -> int:
+        """Remove this host's session containers whose owner process is gone, and the images built for Harbor
+        tasks (`rlf.image`, not `rlf.keep`) whose builder is gone and that no container uses. Returns how many."""
+        n = 0
+        with contextlib.suppress(Exception):
             found = self.client.containers.list(all=True, filters={"label": [LABEL, f"rlf.owner.host={self.host}"]})
+            for c in found:
+                if self._owner_gone(c.labels):
+                    with contextlib.suppress(Exception):
+                        c.remove(force=True)
+                        n += 1
+        with contextlib.suppress(Exception):
+            for img in self.client.images.list(filters={"label": [IMAGE_LABEL, f"rlf.owner.host={self.host}"]}):
+                lab = img.labels or {}
+                if lab.get(KEEP_LABEL) != "1" and self._owner_gone(lab):
+                    n += self._remove_image(img)
+        return n
+
+    def _remove_image(self, img: Any) -> int:
+        """Remove an image by its tags (a container using it keeps it: the engine refuses, and a later reap tries
+        again). 1 when it went."""
+        try:
+            for tag in img.tags or [img.id]:
+                self.client.images.remove(tag, noprune=False)
+            return 1
         except Exception:
             return 0
-        for c in found:
-            lab = c.labels
-            try:
-                pid, start = int(lab["rlf.owner.pid"]), lab.get("rlf.owner.start")
-                started = int(start) if start and start != "None" else None
-            except (KeyError, ValueError):
-                continue
-            if owners.alive(pid, started):
-                continue
-            with contextlib.suppress(Exception):
-                c.remove(force=True)
-                n += 1
+
+    def remove_built_images(self) -> int:
+        """Remove the Harbor images this process built (`rlf.image` with this process as owner, not `rlf.keep`)."""
+        lab = self._labels()
+        want = [IMAGE_LABEL, f"rlf.owner.pid={lab['rlf.owner.pid']}", f"rlf.owner.host={self.host}"]
+        n = 0
+        with contextlib.suppress(Exception):
+            for img in self.client.images.list(filters={"label": want}):
+                if (img.labels or {}).get(KEEP_LABEL) != "1" and \
+                        (img.labels or {}).get("rlf.owner.start") == lab["rlf.owner.start"]:
+                    n += self._remove_image(img)
         return n
 
     async def _reap_loop(self) -> None:
@@ -396,11 +897,22 @@ class DockerBackend(SessionBackend):
             await asyncio.sleep(self.reap_every_s)
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self.reap)
+            self._prune_pool()
+
+    def _prune_pool(self) -> None:
+        """Drop warm containers past the pool's idle cap (their pid 1 ends them soon anyway)."""
+        now = time.monotonic()
+        for warm in self._pool.values():
+            for c in [c for c in warm if c.id not in self._boxes or now - self._boxes[c.id].born > self.pool_idle_s]:
+                warm.remove(c)
+                self._boxes.pop(c.id, None)
+                threading.Thread(target=lambda c=c: c.remove(force=True), daemon=True).start()
 
     @staticmethod
     def _key(spec: SessionSpec) -> tuple[Any, ...]:
         lim = spec.limits
-        return (spec.image, spec.network, lim.memory_mb, lim.pids, spec.workdir, tuple(sorted(spec.env.items())))
+        return (spec.image, spec.network, lim.memory_mb, lim.pids, lim.session_timeout_s, spec.workdir,
+                tuple(sorted(spec.env.items())))
 
     def _fill(self, spec: SessionSpec) -> None:
         key = self._key(spec)
@@ -413,16 +925,17 @@ class DockerBackend(SessionBackend):
         async def fill() -> None:
             try:
                 while len(self._pool.get(key, [])) < self.pool_size and not self._closed:
-                    fut = asyncio.ensure_future(asyncio.to_thread(self._create, bare))
+                    fut = asyncio.ensure_future(asyncio.to_thread(self._create, bare, self.pool_idle_s))
                     try:
-                        c = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
+                        box, _ = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
                     except BaseException:
                         _discard_when_done(fut)
                         raise
                     if self._closed:
-                        await _remove(c)
+                        await _remove(box.c)
                         return
-                    self._pool.setdefault(key, []).append(c)
+                    self._boxes[box.c.id] = box
+                    self._pool.setdefault(key, []).append(box.c)
             except Exception:  # the pool is an optimisation: creates make containers on demand
                 pass
             finally:
@@ -432,39 +945,142 @@ class DockerBackend(SessionBackend):
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
 
-    def _lease(self, spec: SessionSpec) -> Any:
-        """A warm container for the spec with the seed copied in, or None."""
+    def _lease(self, spec: SessionSpec) -> tuple[_Box, float] | None:
+        """A warm container for the spec (never one older than the pool's idle cap) with the seed copied in, and when
+        the lease began (the session's clock starts there), or None."""
         pooled = self._pool.get(self._key(spec))
-        if not pooled:
-            return None
-        c = pooled.pop()
-        try:
-            if spec.seed_dir and not c.put_archive(spec.workdir, _tar_of_dir(spec.seed_dir)):
-                raise SessionInfraError("could not copy the seed into the container")
-        except BaseException:
-            with contextlib.suppress(Exception):
-                c.remove(force=True)
-            raise
-        return c
+        while pooled:
+            c = pooled.pop()
+            box = self._boxes.pop(c.id, None)
+            started = time.monotonic()
+            if box is None or started - box.born > self.pool_idle_s:
+                with contextlib.suppress(Exception):
+                    c.remove(force=True)
+                continue
+            try:
+                if spec.seed_dir and not c.put_archive(spec.workdir, _tar_of_dir(spec.seed_dir, box.image.uid,
+                                                                                 box.image.gid)):
+                    raise SessionInfraError("could not copy the seed into the container")
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    c.remove(force=True)
+                raise
+            return box, started
+        return None
 
-    def _create(self, spec: SessionSpec) -> Any:
+    def _image(self, ref: str, cid: str | None = None) -> _Image:
+        """The image's facts: its id and user from the engine (once per ref); with a created container `cid`, the
+        shell and the init binary from its files (once per image)."""
+        img = self._images.get(ref)
+        api = self.client.api
+        if img is None:
+            attrs = api.inspect_image(ref)
+            user = (attrs.get("Config") or {}).get("User") or "0"
+            img = _Image(attrs["Id"], user, _is_root(user))
+            self._images[ref] = img
+        if cid is None or img.init:
+            return img
+        shell = ("/bin/bash", "-lc") if self._file(cid, "/bin/bash", 64 << 20) is not None else ("/bin/sh", "-c")
+        body = None
+        for path in ("/bin/sleep", "/usr/bin/sleep"):
+            body = self._file(cid, path, 16 << 20)
+            if body is not None:
+                break
+        if body is None:
+            raise SessionError(f"image {ref!r} has no `sleep` (/bin/sleep): the docker backend's session containers "
+                               "run it as pid 1")
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tf:
+            d = tarfile.TarInfo(posixpath.dirname(INIT).lstrip("/"))
+            d.type, d.mode = tarfile.DIRTYPE, 0o755
+            tf.addfile(d)
+            f = tarfile.TarInfo(INIT.lstrip("/"))
+            f.size, f.mode = len(body), 0o111  # execute-only: pid 1 is then not dumpable (no ptrace, no /proc/1/mem)
+            tf.addfile(f, io.BytesIO(body))
+        uid, gid = (0, 0) if img.root else self._ids(cid, img.user)
+        img = _Image(img.id, img.user, img.root, uid, gid, shell, buf.getvalue())
+        self._images[ref] = img
+        return img
+
+    def _file(self, cid: str, path: str, limit: int) -> bytes | None:
+        """A regular file of a (created) container, links followed; None when there is none."""
+        for _ in range(8):
+            try:
+                with _archive(self.client.api, cid, path) as (stream, st):
+                    if st.get("size", 0) > limit:
+                        return None
+                    got = _one_file(stream, limit)
+            except (self._docker.errors.NotFound, FileNotFoundError):
+                return None
+            if not isinstance(got, tarfile.TarInfo):
+                return got[1] if got[0].mode & 0o111 else None
+            if not got.issym():
+                return None
+            target = st.get("linkTarget") or got.linkname
+            path = target if target.startswith("/") else posixpath.join(posixpath.dirname(path), target)
+        return None
+
+    def _ids(self, cid: str, user: str) -> tuple[int, int]:
+        """The numeric uid and gid of an image's user ("name", "uid", "name:group", "uid:gid"), from its passwd and
+        group files; 0 where it names what they do not hold."""
+        name, _, group = user.partition(":")
+
+        def table(path: str) -> dict[str, list[str]]:
+            data = self._file_any(cid, path)
+            rows = [ln.split(":") for ln in data.decode("utf-8", "replace").splitlines()]
+            return {r[0]: r for r in rows if len(r) >= 4}
+
+        uid = gid = 0
+        with contextlib.suppress(Exception):
+            if name.isdigit():
+                uid = int(name)
+                gid = next((int(r[3]) for r in table("/etc/passwd").values() if r[2] == name), uid)
+            else:
+                row = table("/etc/passwd").get(name)
+                uid, gid = (int(row[2]), int(row[3])) if row else (0, 0)
+            if group:
+                gid = int(group) if group.isdigit() else int(table("/etc/group")[group][2])
+        return uid, gid
+
+    def _file_any(self, cid: str, path: str) -> bytes:
+        with _archive(self.client.api, cid, path) as (stream, _):
+            got = _one_file(stream, 16 << 20)
+        return b"" if isinstance(got, tarfile.TarInfo) else got[1]
+
+    def _create(self, spec: SessionSpec, idle_s: float = 0.0) -> tuple[_Box, float]:
+        """Create and start a session container (pid 1: the image's sleep, execute-only, as INIT_USER, for the
+        session's wall clock + LIFETIME_MARGIN_S + `idle_s`), the seed copied in. (The box, when it was started.)"""
         lim = spec.limits
+        ref = _image_ref(spec.image)
+        img = self._image(ref)
+        lifetime = math.ceil(lim.session_timeout_s + LIFETIME_MARGIN_S + idle_s)
+        api = self.client.api
+        hc = api.create_host_config(
+            network_mode="bridge" if spec.network else "none", mem_limit=f"{lim.memory_mb}m",
+            memswap_limit=f"{lim.memory_mb}m", pids_limit=lim.pids, cap_drop=CAP_DROP,
+            security_opt=[] if img.root else ["no-new-privileges"], init=False, auto_remove=True)
         name = "rlf-" + uuid.uuid4().hex[:16]
-        c = self.client.containers.create(
-            _image_ref(spec.image), ["sleep", "infinity"], name=name, labels=self._labels(), detach=True,
-            working_dir=spec.workdir, environment=spec.env, network_mode="bridge" if spec.network else "none",
-            mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m", pids_limit=lim.pids,
-            cap_drop=["NET_RAW", "MKNOD", "AUDIT_WRITE", "SETFCAP"], security_opt=["no-new-privileges"],
-            init=False, hostname="sandbox")
+        cid = api.create_container(img.id, command=[str(lifetime)], entrypoint=[INIT], user=INIT_USER, name=name,
+                                   labels=self._labels(), working_dir=spec.workdir, environment=spec.env,
+                                   host_config=hc, hostname="sandbox", detach=True, use_config_proxy=False)["Id"]
         try:
-            c.start()
-            if spec.seed_dir and not c.put_archive(spec.workdir, _tar_of_dir(spec.seed_dir)):
+            img = self._image(ref, cid)
+            if not api.put_archive(cid, "/", img.init):
+                raise SessionInfraError("could not put the session's pid 1 into the container")
+            born = time.monotonic()
+            api.start(cid)
+            attrs = api.inspect_container(cid)
+            pid1 = int((attrs.get("State") or {}).get("Pid") or 0)
+            box = _Box(self.client.containers.prepare_model(attrs), img, _Host.find(cid, pid1) if pid1 else None,
+                       born, float(lifetime))
+            if spec.seed_dir and not api.put_archive(cid, spec.workdir, _tar_of_dir(spec.seed_dir, img.uid,
+                                                                                    img.gid)):
                 raise SessionInfraError("could not copy the seed into the container")
         except BaseException:
             with contextlib.suppress(Exception):
-                c.remove(force=True)
+                api.remove_container(cid, force=True)
             raise
-        return c
+        return box, born
 
     async def create(self, spec: SessionSpec) -> DockerSession:
         if self._closed:
@@ -475,29 +1091,27 @@ class DockerBackend(SessionBackend):
         if self._reaper is None and self.reap_every_s > 0:
             self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
         async with self._sem:
-            c = None
+            got = None
             with contextlib.suppress(Exception):  # a dead warm container: make one instead
-                c = await asyncio.wait_for(asyncio.to_thread(self._lease, spec), API_TIMEOUT_S)
+                got = await asyncio.wait_for(asyncio.to_thread(self._lease, spec), API_TIMEOUT_S)
             self._fill(spec)
-            if c is not None:
-                s = DockerSession(self, c, spec)
-                self._sessions.add(s)
-                return s
-            await self._rate.wait()
-            fut = asyncio.ensure_future(asyncio.to_thread(self._create, spec))
-            try:
-                c = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
-            except TimeoutError:
-                raise SessionInfraError(f"the docker engine did not create a container within {API_TIMEOUT_S} s "
-                                        "(the reaper removes it if it appears later)") from None
-            except SessionError:
-                raise
-            except Exception as e:
-                if isinstance(e, self._docker.errors.ImageNotFound):
-                    raise SessionError(f"image {spec.image!r} is not in the engine: `docker pull`/`docker load`/"
-                                       "`docker import` it first") from None
-                raise self._classify(e) from e
-            s = DockerSession(self, c, spec)
+            if got is None:
+                await self._rate.wait()
+                fut = asyncio.ensure_future(asyncio.to_thread(self._create, spec))
+                try:
+                    got = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
+                except TimeoutError:
+                    _discard_when_done(fut)
+                    raise SessionInfraError(f"the docker engine did not create a container within {API_TIMEOUT_S} "
+                                            "s (it is removed if it appears later)") from None
+                except SessionError:
+                    raise
+                except Exception as e:
+                    if isinstance(e, self._docker.errors.ImageNotFound):
+                        raise SessionError(f"image {spec.image!r} is not in the engine: `docker pull`/`docker load`/"
+                                           "`docker import` it first") from None
+                    raise self._classify(e) from e
+            s = DockerSession(self, got[0], spec, got[1])
             self._sessions.add(s)
             return s
 
@@ -514,6 +1128,9 @@ class DockerBackend(SessionBackend):
         await asyncio.gather(*(s.aclose() for s in list(self._sessions)), return_exceptions=True)
         warm = [c for cs in self._pool.values() for c in cs]
         self._pool.clear()
+        self._boxes.clear()
         await asyncio.gather(*(_remove(c) for c in warm), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.to_thread(self.remove_built_images), API_TIMEOUT_S)
         with contextlib.suppress(Exception):
             self.client.close()
