@@ -46,6 +46,7 @@ from typing import Any, TextIO
 from pydantic import BaseModel
 
 from rlf_envs.env.tool_env import ToolEnv
+from rlf_envs.errors import RlfError
 from rlf_envs.formats.qwen3 import IM_END, Qwen3Format
 from rlf_envs.records import TrajectoryRecord, atomic_write_text, write_records
 from rlf_envs.types import ActionKind, Trajectory, Turn
@@ -177,7 +178,7 @@ class ChatPolicy:
         await self.client.close()
 
 
-class PolicyError(RuntimeError):
+class PolicyError(RlfError, RuntimeError):
     """The policy endpoint failed in a way retries did not fix."""
 
 

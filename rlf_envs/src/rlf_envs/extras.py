@@ -15,6 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from types import ModuleType
 
+from rlf_envs.errors import RlfError
+
 #: import name -> the smallest extra that installs it (as declared in rlf_envs/pyproject.toml)
 EXTRA_FOR: dict[str, str] = {
     "bm25s": "bm25",
@@ -85,7 +87,7 @@ def install_hint(module: str) -> str:
     return pip_install(extra) + GPU_NOTE.get(top, "")
 
 
-class MissingDependency(ImportError):
+class MissingDependency(RlfError, ImportError):
     """An optional dependency is not installed; the message names the extra that provides it."""
 
 

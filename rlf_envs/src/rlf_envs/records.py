@@ -41,6 +41,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlf_envs.errors import RlfError
 from rlf_envs.types import Trajectory, Turn
 
 SCHEMA_VERSION = 1
@@ -169,7 +170,7 @@ class TrajectoryRecord(_Model):
         return cls.model_validate_json(line)
 
 
-class RecordError(ValueError):
+class RecordError(RlfError, ValueError):
     """A trajectory file that cannot be read as records."""
 
 

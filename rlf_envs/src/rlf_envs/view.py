@@ -27,13 +27,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.errors import RlfError
 from rlf_envs.records import RecordError, TrajectoryRecord, list_steps, read_records
 
 ASSETS = Path(__file__).parent / "assets" / "viewer"
 MAX_TEXT = 20_000  # characters of one text field shown in the page (the record on disk keeps everything)
 
 
-class ViewError(ValueError):
+class ViewError(RlfError, ValueError):
     """A run directory the viewer cannot show."""
 
 

@@ -29,10 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from rlf_envs.errors import RlfError
 from rlf_envs.retrieval.types import Hit, Retriever
 
 
-class BatcherClosed(RuntimeError):
+class BatcherClosed(RlfError, RuntimeError):
     """The batcher was closed while a request waited."""
 
 

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
 
+from rlf_envs.errors import RlfError
+
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 
@@ -17,7 +19,7 @@ IVF_KINDS: tuple[FaissKind, ...] = ("ivf", "ivfpq", "ivfsq")  # kinds with nlist
 HNSW_KINDS: tuple[FaissKind, ...] = ("hnsw", "hnswsq")  # kinds with a graph: hnsw_m, efConstruction, efSearch
 
 
-class RetrievalError(Exception):
+class RetrievalError(RlfError):
     """Bad corpus, bad index directory, bad options or a missing optional dependency."""
 
 

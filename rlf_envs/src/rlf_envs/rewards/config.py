@@ -22,12 +22,13 @@ from typing import Annotated, Any, ClassVar, TypeVar
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, SerializeAsAny, ValidationError, model_validator
 
+from rlf_envs.errors import RlfError
 from rlf_envs.rewards.base import ToolInvoker, Verifier
 
 _REGISTRY: dict[str, type[VerifierConfig]] = {}
 
 
-class VerifierConfigError(ValueError):
+class VerifierConfigError(RlfError, ValueError):
     """A verifier config is invalid. The message names each bad field by its path and says how to fix it."""
 
     def __init__(self, problems: list[tuple[str, str]], source: str = "") -> None:

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from rlf_envs.errors import RlfError
 from rlf_envs.extras import require
 from rlf_envs.rewards.base import GroupVerifier, Verifier
 from rlf_envs.rewards.common import LoopSemaphore, aclose_verifier
@@ -170,7 +171,7 @@ class GroupJudgeStats:
         return {k: float(v) for k, v in asdict(self).items()}
 
 
-class ContractViolation(ValueError):
+class ContractViolation(RlfError, ValueError):
     """The judge's reply broke the contract; `kind` is one of count, ids, range, type, json."""
 
     def __init__(self, kind: str, message: str) -> None:

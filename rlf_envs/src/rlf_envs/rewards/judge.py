@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from rlf_envs.errors import RlfError
 from rlf_envs.extras import require
 from rlf_envs.rewards.common import ConfiguredVerifier
 from rlf_envs.rewards.config import BuildContext, VerifierConfig, register_verifier
@@ -142,7 +143,7 @@ class JudgeStats:
         return asdict(self)
 
 
-class JudgeFailure(Exception):
+class JudgeFailure(RlfError):
     """The judge produced no usable score (after retries)."""
 
 

@@ -34,6 +34,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import Field, field_validator
 
+from rlf_envs.errors import RlfError
 from rlf_envs.rewards.common import ConfiguredVerifier, LoopSemaphore
 from rlf_envs.rewards.config import BuildContext, VerifierConfig, register_verifier
 from rlf_envs.types import Score, Task, Trajectory
@@ -50,7 +51,7 @@ _ORDER_BY = re.compile(r"\border\s+by\b", re.IGNORECASE)
 _LEADING_WORD = re.compile(r"[\s(]*([A-Za-z]+)")
 
 
-class SqlQueryError(Exception):
+class SqlQueryError(RlfError):
     """A query failed: syntax error, denied operation, deadline, or a cap exceeded. `kind` says which."""
 
     def __init__(self, kind: str, message: str) -> None:

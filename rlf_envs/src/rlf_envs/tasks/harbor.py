@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from rlf_envs.errors import RlfError
 from rlf_envs.types import Task
 
 IGNORED = frozenset({"LABEL", "EXPOSE", "CMD", "ENTRYPOINT", "STOPSIGNAL", "HEALTHCHECK", "MAINTAINER", "VOLUME"})
@@ -49,7 +50,7 @@ ARCHIVES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", "
 REWARD_DIR = "/logs/verifier"
 
 
-class HarborError(ValueError):
+class HarborError(RlfError, ValueError):
     """A Harbor task that cannot be loaded or replayed (says what and how to fix it)."""
 
 

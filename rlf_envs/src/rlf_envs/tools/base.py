@@ -5,15 +5,16 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from rlf_envs.errors import RlfError
 from rlf_envs.tools.limits import Limiter
 from rlf_envs.types import ToolSpec  # plain data, defined with the other shared types; re-exported here
 
 
-class ToolError(Exception):
+class ToolError(RlfError):
     """Raise from a tool to return a clean error message to the policy (no traceback)."""
 
 
-class ToolCrashed(Exception):
+class ToolCrashed(RlfError):
     """The process or connection behind a tool died; the toolset restarts it for the next call."""
 
 

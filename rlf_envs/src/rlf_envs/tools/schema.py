@@ -27,6 +27,8 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import pydantic
 
+from rlf_envs.errors import RlfError
+
 _FIRST_SECTION = re.compile(r"Args:|Returns:|Raises:")
 _ARGS_BLOCK = re.compile(r"\n\s*Args:\n(.*?)(?=\s*(?:Returns:|Raises:|\Z))", re.DOTALL)
 _RETURNS_BLOCK = re.compile(r"\n\s*Returns:\n\s*(.*?)(?=\s*(?:Raises:|\Z))", re.DOTALL)
@@ -39,7 +41,7 @@ _BARE: dict[Any, dict[str, Any]] = {
 }
 
 
-class Unsupported(TypeError):
+class Unsupported(RlfError, TypeError):
     """A type transformers' schema rules cannot express."""
 
 

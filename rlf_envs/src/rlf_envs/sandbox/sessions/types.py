@@ -17,8 +17,10 @@ import time
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from rlf_envs.errors import RlfError
 
-class SessionError(Exception):
+
+class SessionError(RlfError):
     """A session call failed for a reason of the caller's or the session's own (not the host's)."""
 
 
