@@ -179,3 +179,34 @@ def test_the_viewer_shows_no_gold_for_tasks_without_one(tmp_path: Path) -> None:
     traj = Trajectory(task=Task(id="t", question="q", ground_truth=None), prompt="q")
     ep = episode_view(TrajectoryRecord.from_trajectory(traj, step=0, source="eval", index=0))
     assert ep["task"]["gold"] is None
+
+
+def test_the_workspace_hides_the_repositorys_git_history_unless_asked(tmp_path: Path) -> None:
+    import subprocess
+
+    _need_root()
+    if _image() is None:
+        pytest.skip("no Debian test image")
+    r = row(tmp_path)
+    repo = Path(r["repo_dir"])
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], cwd=repo, check=True)
+    subprocess.run(["git", "checkout", "-qb", "future"], cwd=repo, check=True)
+    (repo / "m.py").write_text("X = 2\n")
+    subprocess.run([*git, "commit", "-qam", "THE FIX"], cwd=repo, check=True)
+    subprocess.run(["git", "checkout", "-q", "master" if subprocess.run(
+        ["git", "rev-parse", "--verify", "-q", "master"], cwd=repo).returncode == 0 else "main"], cwd=repo, check=True)
+    assert (repo / "m.py").read_text() == "X = 1\n"
+    cmd = '{"name": "bash", "arguments": {"command": "git log --all --oneline; git reflog | head; git status --short"}}'
+    for keep, visible in ((False, False), (True, True)):
+        env = gym.make("rlf/SWE-v0", tasks=[{**r, "keep_history": keep}]).unwrapped
+        try:
+            env.reset(seed=0)
+            o, *_ = env.step(f"<tool_call>{cmd}</tool_call>")
+            assert ("THE FIX" in o) is visible, o
+            if not keep:
+                assert "starting state" in o and "[exit code 0]" in o
+        finally:
+            env.close()

@@ -22,6 +22,7 @@ import dataclasses
 import difflib
 import inspect
 import logging
+import shlex
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from typing import Any
 
 from rlf_envs import runtime
 from rlf_envs.env.tool_env import PendingStep, StepReturn, ToolEnv
-from rlf_envs.envs.swe.tasks import SweTask, load_swe_jsonl, load_swe_rows, repo_for, shipped_tasks
+from rlf_envs.envs.swe.tasks import HIDE_HISTORY, SweTask, load_swe_jsonl, load_swe_rows, repo_for, shipped_tasks
 from rlf_envs.envs.swe.verify import MAX_PATCH_BYTES, Verdict, run_hidden_tests
 from rlf_envs.rewards.base import Verifier
 from rlf_envs.sandbox.sessions import (
@@ -113,11 +114,14 @@ def session_spec(t: SweTask, image: str | None, limits: SweLimits,
         name = backend if isinstance(backend, str) else getattr(backend, "name", "local")
         return harbor_spec(t.harbor, name, limits.session())
     img = t.image if t.image != "host" or image is None else image
-    seed = repo_for(t)
+    seed = repo_for(t)  # without its git history unless the task keeps it
+    # a repository held by the image: its history is squashed to one commit when the workspace starts
+    steps: list[tuple[Any, ...]] = [] if seed is not None or t.keep_history else [
+        ("run", HIDE_HISTORY.replace('"$1"', shlex.quote(t.workdir)), t.workdir, ())]
     return SessionSpec(image=img, workdir=t.workdir, seed_dir=str(seed) if seed is not None else None,
                        env={"LANG": "C.UTF-8", "PYTHONPATH": f"{t.workdir}/{t.pythonpath}".rstrip("/."),
                             "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/tmp"},
-                       network=False, limits=limits.session()), []
+                       network=False, limits=limits.session()), steps
 
 
 class _NoBackend(SessionBackend):

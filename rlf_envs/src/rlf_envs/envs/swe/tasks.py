@@ -49,6 +49,9 @@ class SweTask:
     test_cmd: str = DEFAULT_TEST_CMD
     #: a Harbor task: {"path": task dir, "build_args": {...}, "base_images": {...}} (`rlf_envs.tasks.harbor`)
     harbor: dict[str, Any] | None = None
+    #: the agent's workspace keeps the repository's git history (default: one commit of the starting state, so
+    #: `git log --all` cannot show the fix)
+    keep_history: bool = False
 
     def to_meta(self) -> dict[str, Any]:
         return {"swe": {
@@ -56,7 +59,8 @@ class SweTask:
             "FAIL_TO_PASS": list(self.FAIL_TO_PASS), "PASS_TO_PASS": list(self.PASS_TO_PASS), "patch": self.patch,
             "test_patch": self.test_patch, "bug_patch": self.bug_patch, "repo": self.repo,
             "repo_dir": self.repo_dir, "image": self.image, "workdir": self.workdir,
-            "pythonpath": self.pythonpath, "test_cmd": self.test_cmd, "harbor": self.harbor}}
+            "pythonpath": self.pythonpath, "test_cmd": self.test_cmd, "harbor": self.harbor,
+            "keep_history": self.keep_history}}
 
     @classmethod
     def from_meta(cls, task: Task) -> SweTask:
@@ -112,6 +116,9 @@ def swe_task_from_row(row: Mapping[str, Any], where: str = "row", base_dir: Path
     harbor = row.get("harbor")
     if harbor is not None and (not isinstance(harbor, Mapping) or not isinstance(harbor.get("path"), str)):
         raise ValueError(f"{where}: harbor must be an object with the task directory's 'path'")
+    keep_history = row.get("keep_history", False)
+    if not isinstance(keep_history, bool):
+        raise ValueError(f"{where}: keep_history must be true or false")
     workdir = strs["workdir"] or ("/testbed" if (strs["image"] or "").startswith("docker:") else "/workspace")
     if not PurePosixPath(workdir).is_absolute():
         raise ValueError(f"{where}: workdir must be an absolute path inside the session, got {workdir!r}")
@@ -120,7 +127,7 @@ def swe_task_from_row(row: Mapping[str, Any], where: str = "row", base_dir: Path
         patch=strs["patch"] or "", test_patch=strs["test_patch"] or "", bug_patch=strs["bug_patch"] or "",
         repo=strs["repo"] or "", repo_dir=repo_dir, image=strs["image"] or "host", workdir=workdir,
         pythonpath=strs["pythonpath"] or ".", test_cmd=strs["test_cmd"] or DEFAULT_TEST_CMD,
-        harbor=dict(harbor) if harbor is not None else None,
+        harbor=dict(harbor) if harbor is not None else None, keep_history=keep_history,
     )
 
 
@@ -258,7 +265,7 @@ def repo_for(t: SweTask) -> Path | None:
                 except OSError:
                     shutil.rmtree(tmp, ignore_errors=True)  # a concurrent builder won
     if not t.bug_patch:
-        return base
+        return base if t.keep_history or not (base / ".git").exists() else _without_history(base, key)
     digest = hashlib.sha256(f"{key}\0{t.bug_patch}".encode()).hexdigest()[:16]
     out = cache_dir() / "swe" / f"task-{digest}"
     with _LOCK:
@@ -271,8 +278,58 @@ def repo_for(t: SweTask) -> Path | None:
                 os.replace(tmp / "repo", out)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
+    return out if t.keep_history or not (out / ".git").exists() else _without_history(out, f"{key}\0{t.bug_patch}")
+
+
+#: the shell step that gives a repository held by the task's image one commit of its starting state (run at the
+#: workspace's start unless the task keeps its history); $1 is the workdir
+HIDE_HISTORY = r"""cd "$1" 2>/dev/null || exit 0
+[ -e .git ] || exit 0
+rm -rf .git
+command -v git >/dev/null 2>&1 || exit 0
+git init -q && git add -A && git -c user.name=rlf -c user.email=rlf@localhost -c commit.gpgsign=false commit -q \
+  --no-verify -m "the task's starting state" >/dev/null 2>&1
+exit 0
+"""
+
+
+def _head(repo: Path) -> str:
+    """The commit HEAD names (read from .git, no git needed), or "" when it cannot be read."""
+    try:
+        head = (repo / ".git" / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = repo / ".git" / head[5:]
+            return ref.read_text().strip() if ref.is_file() else head
+        return head
+    except OSError:
+        return ""
+
+
+def _without_history(src: Path, key: str) -> Path:
+    """A copy of `src` whose git history is one commit of its tree (built once in rlf's cache dir): the agent's
+    workspace cannot read the fix from later commits, other refs or the reflog."""
+    digest = hashlib.sha256(f"{key}\0{_head(src)}\0nohist".encode()).hexdigest()[:16]
+    out = cache_dir() / "swe" / f"nohist-{digest}"
+    with _LOCK:
+        _private_dir(out.parent)
+        if out.is_dir():
+            return out
+        tmp = Path(tempfile.mkdtemp(dir=out.parent))
+        try:
+            shutil.copytree(src, tmp / "repo", symlinks=True, ignore=shutil.ignore_patterns(".git"))
+            if shutil.which("git"):
+                env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1",
+                       "HOME": str(tmp), "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+                       "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z", "GIT_CEILING_DIRECTORIES": str(tmp)}
+                for cmd in (["git", "init", "-q"], ["git", "add", "-A"],
+                            ["git", "-c", "user.name=rlf", "-c", "user.email=rlf@localhost", "-c",
+                             "commit.gpgsign=false", "commit", "-q", "--no-verify", "-m", "the task's starting state"]):
+                    subprocess.run(cmd, cwd=tmp / "repo", env=env, capture_output=True, timeout=600, check=True)
+            os.replace(tmp / "repo", out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-__all__ = ["DEFAULT_TEST_CMD", "SweTask", "apply_patch_host", "load_swe_jsonl", "load_swe_rows", "repo_for",
-           "shipped_tasks", "swe_task_from_row", "to_task"]
+__all__ = ["DEFAULT_TEST_CMD", "HIDE_HISTORY", "SweTask", "apply_patch_host", "load_swe_jsonl", "load_swe_rows",
+           "repo_for", "shipped_tasks", "swe_task_from_row", "to_task"]
