@@ -38,7 +38,8 @@ import numpy as np  # noqa: E402
 import tokenizers  # noqa: E402
 
 from rlf_envs import runtime  # noqa: E402
-from rlf_envs.adapters.episode import Generation, make_tool_env  # noqa: E402
+from rlf_envs.env.episodes import Generation  # noqa: E402
+from rlf_envs.registration import make_tool_env  # noqa: E402
 from rlf_envs.env.vector import ToolVectorEnv  # noqa: E402
 
 TOKENIZER = ROOT / "rlf_train" / "src" / "rlf_train" / "assets" / "tiny_tokenizer.json"
@@ -117,9 +118,9 @@ def bare(bench: Bench) -> int:
     return runtime.run(run())
 
 
-@case("rlf_envs.adapters.episode (core)")
+@case("rlf_envs.env.episodes (core)")
 def core(bench: Bench) -> int:
-    from rlf_envs.adapters.episode import run_token_episodes_sync
+    from rlf_envs.env.episodes import run_token_episodes_sync
 
     envs = bench.state.get("core")
     if envs is None:

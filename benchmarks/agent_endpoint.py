@@ -34,7 +34,7 @@ import openai
 import torch
 
 from rlf_envs import runtime
-from rlf_envs.adapters.episode import Generation
+from rlf_envs.env.episodes import Generation
 from rlf_envs.env.tokens import TokenizerAdapter
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec

@@ -1,4 +1,4 @@
-"""rlf_envs.adapters.episode: token-mode episodes driven by a generate function (no torch, no trainer)."""
+"""rlf_envs.env.episodes: token-mode episodes driven by a generate function (no torch, no trainer)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ import tokenizers
 
 import rlf_envs
 from rlf_envs.adapters import ADAPTERS, require_trainer
-from rlf_envs.adapters.episode import (
+from rlf_envs.env.episodes import (
     ENV_ERROR,
     MAX_LENGTH,
     Generation,
-    make_tool_env,
     run_token_episode,
     run_token_episodes,
     run_token_episodes_sync,
 )
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.extras import MissingDependency
+from rlf_envs.registration import make_tool_env
 from rlf_envs.types import EndReason
 
 pytestmark = pytest.mark.envs
@@ -203,7 +203,7 @@ def test_bad_generate_output_and_arguments_are_refused(tok: tokenizers.Tokenizer
     async def returns_list(context: list[int], max_tokens: int, stop: list[str]) -> list[int]:
         return [1, 2]
 
-    with pytest.raises(TypeError, match="must return rlf_envs.adapters.episode.Generation"):
+    with pytest.raises(TypeError, match="must return rlf_envs.env.episodes.Generation"):
         asyncio.run(run_token_episode(env, returns_list))  # type: ignore[arg-type]
 
     async def mismatched(context: list[int], max_tokens: int, stop: list[str]) -> Generation:
@@ -254,7 +254,7 @@ def test_adapters_package_imports_no_trainer() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, rlf_envs.adapters, rlf_envs.adapters.episode; "
+    code = ("import sys, rlf_envs.adapters, rlf_envs.adapters.episode, rlf_envs.env.episodes; "
             "bad = [m for m in ('torch', 'transformers', 'trl', 'verifiers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -19,7 +19,7 @@ from asgi_support import serve  # noqa: E402
 from openenv.core.env_server import Environment  # noqa: E402
 from openenv.core.generic_client import GenericEnvClient  # noqa: E402
 
-from rlf_envs.adapters.episode import make_tool_env  # noqa: E402
+from rlf_envs.registration import make_tool_env  # noqa: E402
 from rlf_envs.adapters.openenv import (  # noqa: E402
     RlfAction,
     RlfEnvClient,

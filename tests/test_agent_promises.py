@@ -27,7 +27,7 @@ import pytest
 import torch
 from agent_support import SEARCH_TOOL, ScriptedEngine, running_endpoint, tool_result
 
-from rlf_envs.adapters.episode import Generation
+from rlf_envs.env.episodes import Generation
 from rlf_envs.env.tokens import TokenizerAdapter
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec

@@ -1,4 +1,4 @@
-"""The trainer's rollout runs on rlf's one token-episode driver (`rlf_envs.adapters.episode`): for the
+"""The trainer's rollout runs on rlf's one token-episode driver (`rlf_envs.env.episodes`): for the
 quickstart's config and seed it gives exactly the token ids, masks and rewards of the trainer's earlier,
 own lock-step loop (written out below as the reference), and its seconds/token counts add up."""
 

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from rlf_envs import runtime
-from rlf_envs.adapters.episode import obs_ids
+from rlf_envs.env.episodes import obs_ids
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
 from rlf_train.rollout import SamplingParams, StopChecker, generate_batched

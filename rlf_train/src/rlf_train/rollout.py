@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from rlf_envs import runtime
-from rlf_envs.adapters.episode import DriveStats, GenerateBatchFn, Generation, TokenEpisode, run_token_episodes
+from rlf_envs.env.episodes import DriveStats, GenerateBatchFn, Generation, TokenEpisode, run_token_episodes
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.types import Trajectory
@@ -304,7 +304,7 @@ async def drive_episodes(
     check_turn_length: bool = True,
 ) -> tuple[list[TokenEpisode], RolloutStats]:
     """One episode on each of the first len(task_indices) envs (env i on task_indices[i]) through rlf's
-    token-episode driver (`rlf_envs.adapters.episode.run_token_episodes`), at most `params.max_new_tokens`
+    token-episode driver (`rlf_envs.env.episodes.run_token_episodes`), at most `params.max_new_tokens`
     per turn, with any engine's `generate_batch`: the trainer's local sampler (`run_episodes`) and
     `rlf_train.vllm_engine` both roll out here."""
     n = len(task_indices)
@@ -325,7 +325,7 @@ async def drive_episodes(
 def local_generate_batch(model: torch.nn.Module, tokenizer: Any, params: SamplingParams, stop_strings: Sequence[str],
                          *, batch_size: int = 64, gen: torch.Generator | None = None,
                          logprobs: bool = False) -> GenerateBatchFn:
-    """The trainer's local sampler as a `GenerateBatchFn` (`rlf_envs.adapters.episode`): `generate_batched` over
+    """The trainer's local sampler as a `GenerateBatchFn` (`rlf_envs.env.episodes`): `generate_batched` over
     the contexts, grouped by their token room; with `logprobs`, each token's sampling log-prob is returned
     (the behaviour log-probs the agent endpoint records). The env-driven rollouts and the agent endpoint both
     generate through it. The function takes optional per-context `seeds` (the endpoint's per-request seeds,

@@ -3,7 +3,7 @@
 The local trainer samples with its own KV-cache sampler by default (`rlf_train.rollout`). With
 `rollout.engine: vllm` a `vllm.LLM` in the trainer's process holds a copy of the policy and generates every turn
 of every episode (train rollouts and evals); the episodes run through rlf's one token-episode driver
-(`rlf_envs.adapters.episode.run_token_episodes`, `generate_batch`: one `LLM.generate` call per turn for all
+(`rlf_envs.env.episodes.run_token_episodes`, `generate_batch`: one `LLM.generate` call per turn for all
 active episodes), so the env sees exactly the ids vLLM generated. After every change of the policy (an update,
 the end of SFT, a resume) the engine's weights are reloaded in place before the next rollout: the policy's
 `named_parameters()` (a LoRA policy's with its adapter merged: `rlf_train.lora.hf_state`) go through a file in the
@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import torch
 
 from rlf_envs import runtime
-from rlf_envs.adapters.episode import GenerateBatchFn, Generation
+from rlf_envs.env.episodes import GenerateBatchFn, Generation
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
 from rlf_train.lora import hf_state, save_pretrained_merged

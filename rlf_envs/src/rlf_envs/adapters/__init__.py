@@ -1,8 +1,8 @@
 """rlf envs as the environment layer of other trainers: one small module per trainer, each an optional extra.
 
 Importing this package imports no trainer (and no torch/transformers); each adapter module imports its
-trainer lazily and says how to install it when it is missing. `episode` is the trainer-neutral core:
-token-mode episodes driven by any generate function (`run_token_episodes`).
+trainer lazily and says how to install it when it is missing. They build on the trainer-neutral core,
+`rlf_envs.env.episodes`: token-mode episodes driven by any generate function (`run_token_episodes`).
 
 | trainer | module | install |
 |---|---|---|

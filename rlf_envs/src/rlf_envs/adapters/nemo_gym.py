@@ -37,9 +37,9 @@ from typing import Any
 from pydantic import Field, PrivateAttr
 
 from rlf_envs.adapters import require_trainer
-from rlf_envs.adapters.episode import make_tool_env
 from rlf_envs.adapters.support import chatml_messages, observation_content, task_options
 from rlf_envs.env.tool_env import ToolEnv
+from rlf_envs.registration import make_tool_env
 
 log = logging.getLogger(__name__)
 _gym = require_trainer("nemo_gym")

@@ -31,9 +31,10 @@ from typing import Any
 from pydantic import Field
 
 from rlf_envs.adapters import require_trainer
-from rlf_envs.adapters.episode import make_tool_env, obs_ids
+from rlf_envs.env.episodes import obs_ids
 from rlf_envs.adapters.support import chatml_messages
 from rlf_envs.env.tool_env import ToolEnv
+from rlf_envs.registration import make_tool_env
 
 _server = require_trainer("openenv")
 _client = importlib.import_module("openenv.core.env_client")

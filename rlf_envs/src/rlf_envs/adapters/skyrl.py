@@ -31,8 +31,8 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from rlf_envs.adapters import require_trainer
-from rlf_envs.adapters.episode import make_tool_env
 from rlf_envs.adapters.support import chatml_messages, task_options
+from rlf_envs.registration import make_tool_env
 
 log = logging.getLogger(__name__)
 SKYRL_ID = "rlf"

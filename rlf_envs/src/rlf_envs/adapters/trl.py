@@ -3,7 +3,7 @@
 Two ways in, both taking any registered rlf env id and its kwargs:
 
 - `RlfRollout` (token exact, recommended): TRL's `rollout_func`. Each call runs one multi-turn episode per
-  prompt of TRL's batch (`rlf_envs.adapters.episode.run_token_episodes`: all episodes in lock-step, every
+  prompt of TRL's batch (`rlf_envs.env.episodes.run_token_episodes`: all episodes in lock-step, every
   tool call of a turn concurrent) and returns `prompt_ids`, `completion_ids` (actions and observations, the
   env's exact ids), `logprobs` (0 on observation tokens) and `env_mask` (the env's loss mask; TRL multiplies
   its completion mask by it, so the loss covers the policy's tokens only), plus `rlf_reward` and episode
@@ -32,15 +32,9 @@ from typing import Any
 
 from rlf_envs import runtime
 from rlf_envs.adapters import require_trainer
-from rlf_envs.adapters.episode import (
-    GenerateBatchFn,
-    GenerateFn,
-    Generation,
-    TokenEpisode,
-    make_tool_env,
-    run_token_episodes_sync,
-)
+from rlf_envs.env.episodes import GenerateBatchFn, GenerateFn, Generation, TokenEpisode, run_token_episodes_sync
 from rlf_envs.env.tool_env import ToolEnv
+from rlf_envs.registration import make_tool_env
 from rlf_envs.types import Task, ToolSpec
 
 log = logging.getLogger(__name__)
@@ -109,7 +103,7 @@ class RlfRollout:
     Args:
         env_id: any registered rlf env id, e.g. "rlf/Search-v0".
         env_kwargs: keyword arguments for `gymnasium.make` (not `tokenizer`: TRL's processing class is used).
-        generate / generate_batch: the policy (see `rlf_envs.adapters.episode`); default: the model TRL
+        generate / generate_batch: the policy (see `rlf_envs.env.episodes`); default: the model TRL
             trains, in this process.
         max_tokens_per_turn: the most tokens one policy turn may generate. The whole completion (actions and
             observations) is capped at TRL's `max_completion_length`.
@@ -204,7 +198,7 @@ def transformers_generate_batch(trainer: Any, tokenizer: Any) -> GenerateBatchFn
         raise NotImplementedError(
             "RlfRollout with use_vllm=True: TRL's vLLM generation takes no per-call stop strings, which rlf's "
             "multi-turn episodes need; pass RlfRollout(generate=...) with your own vLLM client (any async "
-            "function returning rlf_envs.adapters.episode.Generation), or train with use_vllm=False")
+            "function returning rlf_envs.env.episodes.Generation), or train with use_vllm=False")
     import torch
 
     args = trainer.args

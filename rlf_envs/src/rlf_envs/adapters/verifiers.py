@@ -40,9 +40,9 @@ except ImportError:
     require_trainer("verifiers")  # raises MissingDependency saying how to install it
     raise
 
-from rlf_envs.adapters.episode import make_tool_env
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.eval import ChatPolicy, ChatProtocol
+from rlf_envs.registration import make_tool_env
 from rlf_envs.types import Task
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,5 @@
-"""The environments: ToolEnv (gymnasium.Env) and ToolVectorEnv (gymnasium.vector.VectorEnv)."""
+"""The environments: ToolEnv (gymnasium.Env) and ToolVectorEnv (gymnasium.vector.VectorEnv), and the token-episode
+protocol every trainer drives them with (`rlf_envs.env.episodes`)."""
 
 from rlf_envs.env.spaces import AnyText, token_space
 from rlf_envs.env.tool_env import ToolEnv

@@ -1,4 +1,7 @@
-"""Token-mode episodes of any rlf env, driven by a trainer's generate function: the shared core of the adapters.
+"""Token-mode episodes of any rlf env, driven by a trainer's generate function: the trainer-env contract.
+
+Every trainer drives rlf envs through here: rlf_train's rollouts (local sampler and vLLM), its OpenRLHF
+executor, and the adapters of other trainers (`rlf_envs.adapters`).
 
 A trainer brings a generate function; rlf brings the env. Per turn the function continues each active
 episode's exact context ids (the env's prompt ids, then every action and observation id so far) and the
@@ -9,8 +12,8 @@ Many episodes run in lock-step on one event loop: each turn asks for every activ
 once (concurrent calls of `generate`, or one call of `generate_batch`), then steps every active env in one
 `ToolVectorEnv.astep_active` (all their tool calls concurrently).
 
-    import gymnasium as gym
-    from rlf_envs.adapters.episode import Generation, run_token_episodes, make_tool_env
+    from rlf_envs.env.episodes import Generation, run_token_episodes
+    from rlf_envs.registration import make_tool_env
 
     async def generate(context: list[int], max_tokens: int, stop: list[str]) -> Generation:
         ...  # any engine: vLLM, an HTTP server, a torch model
@@ -35,15 +38,14 @@ import numpy as np
 
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.env.vector import StepResult, ToolVectorEnv
-from rlf_envs.registration import make_tool_env
 from rlf_envs.types import EndReason, Trajectory
 
 __all__ = [
     "ENV_ERROR", "MAX_LENGTH", "DriveStats", "GenerateBatchFn", "GenerateFn", "Generation", "TokenEpisode",
-    "make_tool_env", "obs_ids", "run_token_episode", "run_token_episodes", "run_token_episodes_sync",
+    "obs_ids", "run_token_episode", "run_token_episodes", "run_token_episodes_sync",
 ]
 
-log = logging.getLogger("rlf_envs.adapters")
+log = logging.getLogger(__name__)
 
 #: end reasons beyond rlf's EndReason: the sequence reached the caller's `max_length` before the env ended,
 #: or the env raised (a bug in an env; rlf's own never raise from a step)
@@ -196,7 +198,7 @@ def _same(env: ToolEnv) -> ToolEnv:
 
 def _check_generation(g: Any, max_tokens: int) -> Generation:
     if not isinstance(g, Generation):
-        raise TypeError(f"the generate function must return rlf_envs.adapters.episode.Generation, got "
+        raise TypeError(f"the generate function must return rlf_envs.env.episodes.Generation, got "
                         f"{type(g).__name__}")
     if g.logprobs is not None and len(g.logprobs) != len(g.ids):
         raise ValueError(f"the generate function returned {len(g.ids)} ids but {len(g.logprobs)} logprobs")

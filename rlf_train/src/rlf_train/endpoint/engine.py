@@ -1,6 +1,6 @@
 """The endpoint's engine front: requests from many sessions batched into the rollout engine's calls.
 
-The rollout engine is a `GenerateBatchFn` (`rlf_envs.adapters.episode`): the trainer's local sampler or
+The rollout engine is a `GenerateBatchFn` (`rlf_envs.env.episodes`): the trainer's local sampler or
 its vLLM engine, the same functions the env-driven rollouts call. Calls block while the model runs, so they
 run on a thread of their own (with its own event loop); the server's loop keeps accepting requests
 meanwhile. A batch (one engine call) takes every request waiting: the batcher waits until every open session
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass, field
 
-from rlf_envs.adapters.episode import GenerateBatchFn, Generation
+from rlf_envs.env.episodes import GenerateBatchFn, Generation
 
 
 @dataclass
