@@ -196,10 +196,15 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 def write_frame(fd: int, obj: dict[str, Any], blob: list[bytes] | None = None) -> None:
     """A reply: the JSON header, then the raw bytes of `blob` (their total length in the header's "blob")."""
-    if blob:
-        obj = dict(obj, blob=sum(len(b) for b in blob))
+    size = sum(len(b) for b in blob or ())
+    if size:
+        obj = dict(obj, blob=size)
     body = json.dumps(obj).encode()
-    _write_all(fd, struct.pack(">I", len(body)) + body)
+    head = struct.pack(">I", len(body)) + body
+    if size <= 1 << 16:  # one write (one wake-up of the reader) for a small reply
+        _write_all(fd, b"".join([head, *(blob or ())]))
+        return
+    _write_all(fd, head)
     for b in blob or ():
         _write_all(fd, b)
 

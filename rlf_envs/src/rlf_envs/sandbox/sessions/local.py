@@ -65,6 +65,9 @@ MAX_FRAME = 16 << 20
 MAX_FILE = 64 << 20
 PATH_MAX = 4096
 
+#: how old the cgroup's limit counters an agent call compares with may be (reading them costs ~0.3 ms)
+COUNTERS_EVERY_S = 1.0
+
 T = TypeVar("T")
 
 
@@ -162,6 +165,8 @@ class _Agent:
         self.cgroup: list[str] | None = None  # its cgroup's directories (`_session_cgroup`)
         self.how = ""  # how its root was made and entered (the agent's words)
         self._cleanup: asyncio.Task[None] | None = None
+        self._counters: dict[str, int] = {}  # the cgroup's limit counters (`_limit_counters`) and when they were read
+        self._counters_at = -1e9
 
     async def send(self, obj: dict[str, Any], blob: bytes | None = None) -> None:
         assert self.proc.stdin is not None
@@ -194,7 +199,9 @@ class _Agent:
         """One request and its reply, with a deadline. A lost agent is killed and raises SessionLimitExceeded when the
         session's cgroup hit its memory or pids limit during the call (the policy's processes pressed it there),
         else SessionInfraError."""
-        before = _limit_counters(self.cgroup) if self.cgroup else {}
+        if self.cgroup and time.monotonic() - self._counters_at > COUNTERS_EVERY_S:
+            self._counters, self._counters_at = _limit_counters(self.cgroup), time.monotonic()
+        before = self._counters
         try:
             await asyncio.wait_for(self.send(obj, blob), timeout_s)
             return await asyncio.wait_for(self.recv(max_blob), timeout_s)
@@ -216,7 +223,8 @@ class _Agent:
             raise SessionInfraError(f"session agent died during {obj.get('op')!r}: {e!r}") from None
 
     def _limit_hit(self, before: dict[str, int]) -> str | None:
-        """Which of the session's own limits (memory, pids) its cgroup hit since `before`, if any."""
+        """Which of the session's own limits (memory, pids) its cgroup hit since `before` (read at most
+        COUNTERS_EVERY_S before the call began), if any."""
         if not self.cgroup:
             return None
         after = _limit_counters(self.cgroup)
