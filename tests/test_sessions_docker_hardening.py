@@ -299,6 +299,8 @@ def test_commands_run_as_the_images_own_user(derived: Callable[..., str]) -> Non
             assert r.stdout.split() == ["65534", "NoNewPrivs:", "1"], r
             await s.exec("echo hi > mine.txt")
             assert await s.read_file("mine.txt") == b"hi\n"
+            await s.write_file("sub/w.txt", "a\n")  # owned by the image's user, as the files its commands make
+            assert (await s.exec("echo b >> sub/w.txt && cat sub/w.txt && stat -c %u sub")).stdout == "a\nb\n65534\n"
         async with await b.create(spec()) as s:  # a root image: root with docker's capabilities, as before
             r = await s.exec("id -u; grep CapEff /proc/self/status")
             assert r.stdout.split()[0] == "0" and r.stdout.split()[-1] != "0000000000000000", r
@@ -381,6 +383,26 @@ def test_diff_max_bytes_refuses_a_large_patch_before_building_it(tmp_path: Path)
                 await s.diff()
             await s.exec("rm huge.bin")
             assert await s.diff() == small
+
+    run(go)
+
+
+def test_a_workdir_swapped_for_a_link_to_a_host_path_leaks_nothing(tmp_path: Path) -> None:
+    """The diff unpacks the workdir on the host: a workdir replaced by a link (here to a host directory the session
+    guessed) must not be followed there, nor a link inside it."""
+    canary = tmp_path / "canary"
+    canary.mkdir()
+    (canary / "secret.txt").write_text("TOPSECRET\n")
+
+    async def go(b: Any) -> None:
+        async with await b.create(spec()) as s:
+            await s.exec(f"ln -s {canary} inner && ln -s {canary}/secret.txt f")
+            patch = await s.diff()
+            assert "TOPSECRET" not in patch and f"+{canary}" in patch, patch  # links, as links
+            await s.exec(f"rm -rf /workspace && ln -s {canary} /workspace", cwd="/")
+            with pytest.raises(SessionError) as e:
+                await s.diff()
+            assert not isinstance(e.value, SessionInfraError) and "no longer a directory" in str(e.value)
 
     run(go)
 
