@@ -356,6 +356,9 @@ def test_a_container_killed_from_outside_is_an_infrastructure_failure(client: An
             await asyncio.sleep(1)
             with pytest.raises(SessionInfraError):
                 await s.exec("true")
+            for call in (s.read_file("x"), s.write_file("d/x", "y"), s.diff()):  # not "no such file"
+                with pytest.raises(SessionInfraError):
+                    await call
         finally:
             await s.aclose()
 

@@ -139,6 +139,11 @@ def _text(value: Any, what: str) -> str:
     return value
 
 
+def _container_gone(e: BaseException) -> bool:
+    """A 404 of the engine that is about the container (not a path in it)."""
+    return "no such container" in str(e).lower()
+
+
 def _is_root(user: str) -> bool:
     return user.split(":", 1)[0] in ("", "0", "root")
 
@@ -644,8 +649,8 @@ class DockerSession(Session):
                     got = _one_file(stream, MAX_FILE)
             except FileNotFoundError:
                 raise SessionFileNotFound(f"session {self.id}: {path}: no such file") from None
-            except self._b._docker.errors.NotFound:
-                if self._past():
+            except self._b._docker.errors.NotFound as e:
+                if _container_gone(e):
                     raise
                 raise SessionFileNotFound(f"session {self.id}: {path}: no such file") from None
             if isinstance(got, tarfile.TarInfo):
@@ -677,7 +682,7 @@ class DockerSession(Session):
                     ok = api.put_archive(self._c.id, base, _tar_of_file(rest, raw, mode, img.uid, img.gid, True))
                     break
                 except Exception as e:
-                    if getattr(e, "status_code", None) != 404 or base == "/":
+                    if getattr(e, "status_code", None) != 404 or base == "/" or _container_gone(e):
                         raise
                     base, up = posixpath.split(base)
                     rest = f"{up}/{rest}"
