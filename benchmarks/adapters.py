@@ -39,8 +39,8 @@ import tokenizers  # noqa: E402
 
 from rlf_envs import runtime  # noqa: E402
 from rlf_envs.env.episodes import Generation  # noqa: E402
-from rlf_envs.registration import make_tool_env  # noqa: E402
 from rlf_envs.env.vector import ToolVectorEnv  # noqa: E402
+from rlf_envs.registration import make_tool_env  # noqa: E402
 
 TOKENIZER = ROOT / "rlf_train" / "src" / "rlf_train" / "assets" / "tiny_tokenizer.json"
 

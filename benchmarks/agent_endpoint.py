@@ -42,7 +42,8 @@ from rlf_train.config import ModelConfig, TinyModelConfig
 from rlf_train.endpoint.engine import EngineFront
 from rlf_train.endpoint.server import ChatRequest, PolicyServer, to_messages
 from rlf_train.endpoint.sessions import Session, SessionLimits
-from rlf_train.model import load_policy, load_tokenizer
+from rlf_train.policy.load import load_policy
+from rlf_train.policy.tokenizer import load_tokenizer
 from rlf_train.rollout import SamplingParams, local_generate_batch
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search.", "parameters": {

@@ -21,7 +21,7 @@ from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec, ChatMessage
 from rlf_train.config import ModelConfig, TinyModelConfig
 from rlf_train.endpoint.sessions import PromptCache, Session, SessionLimits, tools_key
-from rlf_train.model import load_tokenizer
+from rlf_train.policy.tokenizer import load_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the encyclopedia for a "
           "query; returns the top passages.", "parameters": {"type": "object", "properties": {

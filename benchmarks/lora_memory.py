@@ -5,7 +5,7 @@ Each run is a fresh process (so its peak RSS is its own) that builds the policy 
 shorten it on a small box), then the KL reference the trainer would build:
 
 - full: a second, frozen copy of the policy (what `Trainer._reference_model` loads), AdamW over every weight;
-- lora: `rlf_train.lora.attach` (peft) on q/k/v/o/gate/up/down, the reference `lora.AdapterOff` (the same
+- lora: `rlf_train.policy.lora.attach` (peft) on q/k/v/o/gate/up/down, the reference `lora.AdapterOff` (the same
   weights, adapter switched off), AdamW over the adapter only (`lora.trainable`).
 
 Then `--updates` GRPO updates on one synthetic batch (the same token ids, loss mask and advantages in both modes),
@@ -55,9 +55,9 @@ def one_run(mode: str, layers: int, batch: int, seq: int, policy_tokens: int, up
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from rlf_train import lora
     from rlf_train.config import LoraConfig
     from rlf_train.grpo import masked_logprobs, policy_loss
+    from rlf_train.policy import lora
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

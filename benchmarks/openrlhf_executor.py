@@ -54,10 +54,10 @@ def main() -> None:
 
     from rlf_envs.envs.search import default_index_dir
     from rlf_envs.formats import get_format
-    from rlf_train.model import load_tokenizer
     from rlf_train.openrlhf import standin
     from rlf_train.openrlhf.data import task_from_label, write_prompts
     from rlf_train.openrlhf.executor import RlfAgentExecutor
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     out_dir = ROOT / "out" / "openrlhf_executor"
     cfg = search_config(default_index_dir(), out_dir, **{"algorithm.steps": 64, "rollout.prompts_per_step": 4})

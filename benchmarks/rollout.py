@@ -83,9 +83,10 @@ def measure(envs: Any, model: Any, tok: Any, params: Any, batch: int, episodes: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlf_train.checkpoint import latest_checkpoint
     from rlf_train.config import load_config
-    from rlf_train.model import load_policy, load_tokenizer
+    from rlf_train.policy.checkpoint import latest_checkpoint
+    from rlf_train.policy.load import load_policy
+    from rlf_train.policy.tokenizer import load_tokenizer
     from rlf_train.rollout import SamplingParams
     from rlf_train.trainer import make_envs
 

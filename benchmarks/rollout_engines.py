@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import SamplingParams as VSampling
 
     from rlf_train.config import load_config
-    from rlf_train.model import build_tiny_model, load_tokenizer
+    from rlf_train.policy.model import build_tiny_model
+    from rlf_train.policy.tokenizer import load_tokenizer
     from rlf_train.rollout import SamplingParams, StopChecker, generate_batched
 
     cfg = load_config(args.config, args.set)

@@ -19,7 +19,6 @@ from asgi_support import serve  # noqa: E402
 from openenv.core.env_server import Environment  # noqa: E402
 from openenv.core.generic_client import GenericEnvClient  # noqa: E402
 
-from rlf_envs.registration import make_tool_env  # noqa: E402
 from rlf_envs.adapters.openenv import (  # noqa: E402
     RlfAction,
     RlfEnvClient,
@@ -27,6 +26,7 @@ from rlf_envs.adapters.openenv import (  # noqa: E402
     create_rlf_app,
     environment_factory,
 )
+from rlf_envs.registration import make_tool_env  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "rlf_train" / "src" / "rlf_train" / "assets"
 TOKENIZER = ASSETS / "tiny_tokenizer.json"

@@ -18,8 +18,8 @@ import tokenizers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from rlf_envs.env.episodes import Generation  # noqa: E402
 from rlf_envs.adapters.trl import RlfRollout, rlf_reward  # noqa: E402
+from rlf_envs.env.episodes import Generation  # noqa: E402
 
 pytestmark = pytest.mark.adapters
 

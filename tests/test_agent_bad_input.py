@@ -30,7 +30,7 @@ LIMITS = SessionLimits(max_total_tokens=4096, max_new_tokens=32, timeout_s=60.0)
 @pytest.fixture(scope="module")
 def ep() -> Any:
     from rlf_train.config import ModelConfig
-    from rlf_train.model import load_tokenizer
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     with running_endpoint(load_tokenizer(ModelConfig()), fmt=Qwen3Format()) as e:
         yield e

@@ -41,7 +41,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of Zorbania?"}]
 
 def tiny_tokenizer() -> Any:
     from rlf_train.config import ModelConfig
-    from rlf_train.model import load_tokenizer
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     return load_tokenizer(ModelConfig())
 

@@ -45,7 +45,7 @@ def conversations(n: int, seed: int = 0) -> list[tuple[tuple[ChatMessage, ...], 
 
 def tokenizers() -> list[Any]:
     from rlf_train.config import ModelConfig
-    from rlf_train.model import load_tokenizer
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     toks = [load_tokenizer(ModelConfig())]
     try:
@@ -84,7 +84,7 @@ def test_a_tokenizer_that_does_not_split_at_the_markers_is_never_cut() -> None:
 
 def test_the_endpoints_sessions_share_one_cache() -> None:
     from rlf_train.config import ModelConfig
-    from rlf_train.model import load_tokenizer
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     with running_endpoint(load_tokenizer(ModelConfig())) as ep:
         a, b = ep.open(), ep.open()

@@ -19,7 +19,7 @@ from rlf_envs.types import Task, ToolStatus
 from rlf_train.agent import NO_TOOL_MESSAGE, AgentRunner
 from rlf_train.endpoint.engine import EngineFront
 from rlf_train.endpoint.sessions import SessionLimits
-from rlf_train.model import build_tiny_tokenizer
+from rlf_train.policy.tokenizer import build_tiny_tokenizer
 from rlf_train.rollout import episode_stats
 
 pytestmark = pytest.mark.train

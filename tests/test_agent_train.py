@@ -24,7 +24,7 @@ from rlf_train.agent import AgentResult, AgentRunner, load_agent
 from rlf_train.config import ConfigError, load_config
 from rlf_train.endpoint.engine import EngineFront
 from rlf_train.endpoint.sessions import SessionLimits
-from rlf_train.model import build_tiny_tokenizer
+from rlf_train.policy.tokenizer import build_tiny_tokenizer
 from rlf_train.trainer import Trainer
 
 pytestmark = pytest.mark.train

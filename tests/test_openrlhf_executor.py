@@ -13,11 +13,12 @@ import torch
 from openrlhf_support import openrlhf_modules, read_jsonl, scripted_search_policy, search_config
 
 from rlf_envs.env.tool_env import ToolEnv
-from rlf_train.model import build_tiny_model, load_tokenizer
 from rlf_train.openrlhf import standin
 from rlf_train.openrlhf.data import task_from_label, write_prompts
 from rlf_train.openrlhf.executor import CONFIG_ENV, RlfAgentExecutor
 from rlf_train.openrlhf.launcher import AGENT_FILE
+from rlf_train.policy.model import build_tiny_model
+from rlf_train.policy.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.openrlhf
 

@@ -75,7 +75,7 @@ def test_tiny_model_is_exported_as_a_hf_model(bm25_index_dir: Path, tmp_path: Pa
     assert model_dir == tmp_path / "run" / "tiny_model"
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    from rlf_train.model import load_tokenizer
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     ours = load_tokenizer(cfg.model)
     text = read_jsonl(Path(args.data.prompt_dataset))[0]["prompt"] + "<search> x</search>"
@@ -181,8 +181,8 @@ def _other(key: str, value: Any) -> Any:
 def _effect(launch: Any, cfg: TrainConfig) -> tuple[Any, ...]:
     """What the run sees besides the flags: the prompt files, the exported model, and the envs the rollout
     actors build for each split."""
-    from rlf_train.model import load_tokenizer
     from rlf_train.openrlhf.executor import RlfAgentExecutor
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     ex = RlfAgentExecutor(cfg)
     ex._tokenizer = load_tokenizer(cfg.model)

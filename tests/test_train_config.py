@@ -129,7 +129,7 @@ def test_rl_starts_from_an_existing_sft_checkpoint(tmp_path: Path) -> None:
     import torch
     from test_train_signal import parity_cfg
 
-    from rlf_train.model import load_tokenizer
+    from rlf_train.policy.tokenizer import load_tokenizer
     from rlf_train.trainer import Trainer
 
     sft_run = Trainer(parity_cfg(tmp_path / "sft", 0, ["sft.enabled=true", "sft.steps=3", "sft.num_demos=4",

@@ -26,10 +26,11 @@ from safetensors.torch import load_file
 from test_train_crash import COMMON, STEPS, _run_until_parked_then_kill, rows
 from test_train_signal import parity_cfg
 
-from rlf_train import lora
 from rlf_train.config import ConfigError, LoraConfig, load_config
 from rlf_train.grpo import masked_logprobs
-from rlf_train.model import build_tiny_model, load_tokenizer
+from rlf_train.policy import lora
+from rlf_train.policy.model import build_tiny_model
+from rlf_train.policy.tokenizer import load_tokenizer
 from rlf_train.trainer import Trainer
 
 pytest.importorskip("peft")

@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 from test_train_lora import _perturb, _tiny
 from test_train_signal import parity_cfg
 
-from rlf_train import lora
 from rlf_train.config import LoraConfig
+from rlf_train.policy import lora
+from rlf_train.policy.load import export_merged
 from rlf_train.trainer import Trainer
 
 pytest.importorskip("peft")
@@ -64,7 +65,7 @@ def test_alpha_reaches_the_export_and_its_mode(tmp_path: Path) -> None:
     adapter = load_file(str(ckpt / lora.ADAPTER_WEIGHTS))
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # the update moved B
     base = _tiny_base(tr)
-    out = lora.export_merged(ckpt, tmp_path / "hf")
+    out = export_merged(ckpt, tmp_path / "hf")
     exported = load_file(str(out / "model.safetensors"))
     want = _by_hand(base, adapter)
     assert want and all(torch.allclose(exported[k], v, atol=1e-5) for k, v in want.items())

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlf_train.config import load_config
-from rlf_train.model import load_tokenizer
+from rlf_train.policy.tokenizer import load_tokenizer
 from rlf_train.trainer import make_envs
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,7 +11,8 @@ import pytest
 
 from rlf_envs.data.search import generate
 from rlf_train.config import ConfigError, ModelConfig, TinyModelConfig, load_config
-from rlf_train.model import QUICKSTART_INSTRUCTION, load_tokenizer, tokenizer_file_path
+from rlf_train.policy.tokenizer import load_tokenizer, tokenizer_file_path
+from rlf_train.policy.tokenizer_corpus import QUICKSTART_INSTRUCTION
 
 pytestmark = pytest.mark.train
 

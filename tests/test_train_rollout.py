@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from rlf_train.config import load_config
-from rlf_train.model import build_tiny_model, load_tokenizer
+from rlf_train.policy.model import build_tiny_model
+from rlf_train.policy.tokenizer import load_tokenizer
 from rlf_train.rollout import SamplingParams, StopChecker, generate, generate_batched, length_buckets
 
 ROOT = Path(__file__).resolve().parent.parent

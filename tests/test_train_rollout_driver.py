@@ -16,7 +16,8 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
 from rlf_train.config import load_config
-from rlf_train.model import build_tiny_model, load_tokenizer
+from rlf_train.policy.model import build_tiny_model
+from rlf_train.policy.tokenizer import load_tokenizer
 from rlf_train.rollout import SamplingParams, StopChecker, generate_batched, rollout
 from rlf_train.trainer import make_envs
 

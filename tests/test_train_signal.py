@@ -206,7 +206,8 @@ def test_eval_cli_em_is_the_greedy_success_on_the_eval_split(tmp_path: Path) -> 
     """`python -m rlf_train.eval` on a checkpoint: greedy EM equals the share of eval prompts whose argmax
     first token the verifier pays in full, computed here from the model directly."""
     from rlf_train.eval import main
-    from rlf_train.model import load_policy, load_tokenizer
+    from rlf_train.policy.load import load_policy
+    from rlf_train.policy.tokenizer import load_tokenizer
     from rlf_train.trainer import make_envs
 
     run = tmp_path / "c"

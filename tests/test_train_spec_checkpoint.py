@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from rlf_train.checkpoint import (
+from rlf_train.config import ConfigError
+from rlf_train.policy.checkpoint import (
     META,
     STATE,
     WEIGHTS,
@@ -33,7 +34,6 @@ from rlf_train.checkpoint import (
     save_checkpoint,
     save_weights,
 )
-from rlf_train.config import ConfigError
 
 
 def tiny(seed: int, tied: bool = True, layers: int = 1) -> Qwen3ForCausalLM:
@@ -132,7 +132,7 @@ def test_load_refuses_another_architecture(tmp_path: Path) -> None:
 
 def test_save_checkpoint_contents_latest_and_replace(tmp_path: Path) -> None:
     from rlf_train.config import load_config
-    from rlf_train.model import load_tokenizer
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     tok = load_tokenizer(load_config(None, []).model)
     run = tmp_path / "run"

@@ -22,7 +22,7 @@ import torch
 
 from rlf_train.config import load_config
 from rlf_train.grpo import sampling_logits
-from rlf_train.model import load_tokenizer
+from rlf_train.policy.tokenizer import load_tokenizer
 from rlf_train.rollout import SamplingParams, StopChecker, _sample, generate, generate_batched, length_buckets
 
 _CACHE: dict[str, Any] = {}

@@ -22,7 +22,8 @@ from rlf_train.grpo import (
     sampling_logits,
     token_advantages,
 )
-from rlf_train.model import build_tiny_model, load_tokenizer
+from rlf_train.policy.model import build_tiny_model
+from rlf_train.policy.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.train
 

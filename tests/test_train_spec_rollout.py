@@ -25,8 +25,8 @@ from test_train_spec_grpo import spec_cfg
 import rlf_train.rollout as rollout_mod
 from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.types import Task, Trajectory
-from rlf_train.checkpoint import read_checkpoint
 from rlf_train.config import TrainConfig, load_config
+from rlf_train.policy.checkpoint import read_checkpoint
 from rlf_train.rollout import SamplingParams, _sample
 from rlf_train.sft import sft_loss
 from rlf_train.trainer import Trainer, episode_stats, is_success
@@ -152,7 +152,8 @@ def test_eval_uses_the_eval_split_and_the_threshold(tmp_path: Path, monkeypatch:
 
 
 def test_sft_loss_is_token_mean_ce_on_policy_tokens() -> None:
-    from rlf_train.model import build_tiny_model, load_tokenizer
+    from rlf_train.policy.model import build_tiny_model
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     cfg = load_config(None, ["model.tiny.hidden_size=16", "model.tiny.intermediate_size=32", "model.tiny.num_layers=1"])
     tok = load_tokenizer(cfg.model)

@@ -180,7 +180,7 @@ def test_rl_stage_optimizer_scheduler_and_reference(tmp_path: Path, warm: int) -
     assert [r["step"] for r in rl] == [1, 2, 3]
     want = [1e-2 * (min(1.0, (k + 1) / warm) if warm else 1.0) for k in (1, 2, 3)]
     assert [r["lr"] for r in rl] == pytest.approx(want, rel=1e-9)
-    from rlf_train.checkpoint import read_checkpoint
+    from rlf_train.policy.checkpoint import read_checkpoint
 
     _, state = read_checkpoint(tmp_path / "run" / "checkpoints" / "step_3")
     g = state["optimizer"]["param_groups"][0]

@@ -41,7 +41,7 @@ from rlf_envs.env import ToolEnv
 from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.rewards.base import Verifier
 from rlf_envs.types import Score, Task, Trajectory, Turn
-from rlf_train.checkpoint import WEIGHTS, read_checkpoint
+from rlf_train.policy.checkpoint import WEIGHTS, read_checkpoint
 from rlf_train.rollout import SamplingParams
 from rlf_train.trainer import Trainer
 

@@ -1,7 +1,7 @@
 """`rollout.engine: vllm` with `model.lora`: the engine samples from base + adapter. It is built from the policy
 before RL (no adapter yet), then after each change of the adapter it reloads the merged weights
-(`rlf_train.lora.hf_state`) under the plain names; the log-probs vLLM sampled with equal the trainer's own forward
-of the LoRA policy (peft's unmerged forward), within the tolerance tests/test_vllm_rollout.py uses for full
+(`rlf_train.policy.lora.hf_state`) under the plain names; the log-probs vLLM sampled with equal the trainer's own
+forward of the LoRA policy (peft's unmerged forward), within the tolerance tests/test_vllm_rollout.py uses for full
 weights (measured: 1.4e-6 and 1.9e-6 in two runs)."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def trainer(bm25_index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def test_vllm_engine_samples_from_base_plus_adapter_after_every_update(trainer: Any) -> None:
-    from rlf_train import lora
+    from rlf_train.policy import lora
 
     r = trainer.cfg.rollout
     tasks = [p for p in range(r.prompts_per_step) for _ in range(r.samples_per_prompt)]

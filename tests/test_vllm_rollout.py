@@ -133,7 +133,7 @@ def test_vllm_engine_rollouts_are_on_policy_across_updates(trainer: Any) -> None
 
 def policy_like(trainer: Any, **tiny: Any) -> torch.nn.Module:
     """A tiny policy like the trainer's with some shape changed (model.tiny keys)."""
-    from rlf_train.model import build_tiny_model
+    from rlf_train.policy.model import build_tiny_model
 
     mc = trainer.cfg.model
     mc = mc.model_copy(update={"tiny": mc.tiny.model_copy(update=tiny)})

@@ -60,7 +60,8 @@ def tiny_model_config() -> Any:
 def export_tiny_model(out: Path, seed: int = 0) -> tuple[Path, Any, Any]:
     """(dir, tokenizer, model): the tiny policy in float32, its tokenizer with Qwen3's chat template, saved for
     vLLM. The returned model is the same weights in torch, for independent forwards."""
-    from rlf_train.model import build_tiny_model, load_tokenizer
+    from rlf_train.policy.model import build_tiny_model
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     cfg = tiny_model_config()
     tok = load_tokenizer(cfg)

@@ -469,7 +469,8 @@ def _process_main(spec: WorkerSpec, store: SharedWeights, out: Any, stop: Any) -
     try:
         from rlf_train.config import TrainConfig
         from rlf_train.envs import make_envs
-        from rlf_train.model import load_policy, load_tokenizer
+        from rlf_train.policy.load import load_policy
+        from rlf_train.policy.tokenizer import load_tokenizer
 
         cfg = TrainConfig.model_validate(spec.config)
         r = cfg.rollout

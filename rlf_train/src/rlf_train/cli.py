@@ -58,9 +58,10 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> list[str]:
     and the real run then says how to continue or move that run."""
     import os
 
-    from rlf_train.checkpoint import latest_checkpoint
     from rlf_train.envs import make_env
-    from rlf_train.model import load_tokenizer, resolve_device
+    from rlf_train.policy.checkpoint import latest_checkpoint
+    from rlf_train.policy.model import resolve_device
+    from rlf_train.policy.tokenizer import load_tokenizer
     from rlf_train.sft import load_demos
     from rlf_train.trainer import env_tasks
 
@@ -111,7 +112,7 @@ def export_main(argv: list[str]) -> int:
     p.add_argument("--checkpoint", type=Path, required=True, help="a checkpoint dir: RUN_DIR/checkpoints/step_N")
     p.add_argument("--out", type=Path, required=True, help="the model dir to write")
     args = p.parse_args(argv)
-    from rlf_train.lora import export_merged
+    from rlf_train.policy.load import export_merged
 
     try:
         out = export_merged(args.checkpoint, args.out)

@@ -45,8 +45,8 @@ QWEN3_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 
 
 class LoraConfig(_Section):
-    """LoRA through `peft` (`rlf_train.lora`): RL trains a low-rank adapter on the frozen policy; the KL reference
-    is the same model with the adapter switched off. Backend local only (see docs/guides/lora.md)."""
+    """LoRA through `peft` (`rlf_train.policy.lora`): RL trains a low-rank adapter on the frozen policy; the KL
+    reference is the same model with the adapter switched off. Backend local only (see docs/guides/lora.md)."""
 
     rank: int = Field(16, ge=1, description="r: the adapter's rank")
     alpha: float = Field(32.0, gt=0.0, description="the adapter's output is scaled by alpha / rank")

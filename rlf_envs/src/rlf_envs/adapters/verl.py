@@ -35,8 +35,8 @@ from typing import Any
 from uuid import uuid4
 
 from rlf_envs.adapters import require_trainer
-from rlf_envs.env.episodes import Generation, TokenEpisode, run_token_episode
 from rlf_envs.adapters.support import task_options
+from rlf_envs.env.episodes import Generation, TokenEpisode, run_token_episode
 from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.registration import make_tool_env
 

@@ -63,7 +63,8 @@ def export_tiny_model(cfg: TrainConfig, out: Path) -> Path:
     """The offline tiny policy (built from config, seeded) and its tokenizer as a HF model directory."""
     from transformers.utils import logging as hf_logging
 
-    from rlf_train.model import build_tiny_model, load_tokenizer
+    from rlf_train.policy.model import build_tiny_model
+    from rlf_train.policy.tokenizer import load_tokenizer
 
     if (out / "config.json").is_file():
         return out

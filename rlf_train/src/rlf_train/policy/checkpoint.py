@@ -1,4 +1,4 @@
-"""Checkpoints: model weights as safetensors (a LoRA policy: its adapter, `rlf_train.lora`), trainer state
+"""Checkpoints: model weights as safetensors (a LoRA policy: its adapter, `rlf_train.policy.lora`), trainer state
 (optimizer, RNG, data order) alongside.
 Each checkpoint is written to a temp dir and renamed into place (atomic); keep-last-N pruning."""
 
@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from rlf_train.config import ConfigError
+from rlf_train.policy import lora
 
 WEIGHTS = "model.safetensors"
 STATE = "trainer_state.pt"
@@ -67,9 +70,7 @@ def save_checkpoint(run_dir: Path, name: str, model: torch.nn.Module, trainer_st
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        from rlf_train import lora
-
-        if lora.is_lora(model):  # the adapter and the name of its frozen base (rlf_train.lora)
+        if lora.is_lora(model):  # the adapter and the name of its frozen base (rlf_train.policy.lora)
             lora.save_adapter(model, tmp)
         else:
             save_weights(model, tmp / WEIGHTS)
@@ -117,8 +118,6 @@ def remove_checkpoints(run_dir: Path, prefix: str) -> None:
 
 def prepare_run_dir(run_dir: Path) -> None:
     """Create the run dir and check it is writable (a ConfigError naming logging.run_dir if not)."""
-    from rlf_train.config import ConfigError
-
     probe = Path(run_dir) / f".write_test_{os.getpid()}"
     try:
         Path(run_dir).mkdir(parents=True, exist_ok=True)

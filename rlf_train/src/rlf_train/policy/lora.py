@@ -13,19 +13,18 @@ What the trainer gets from here:
 - `hf_state(model)`: the policy as a plain transformers state dict, adapter merged (W + scale * B @ A per adapted
   layer, peft's own `get_delta_weight`), without touching the model: what the vLLM engine reloads after each
   update (`rollout.engine: vllm`) and what `export_merged` writes.
-- checkpoints (`save_adapter` / `load_policy_from_adapter`): an RL checkpoint of a LoRA run holds the adapter
-  (`adapter_model.safetensors`, peft's `adapter_config.json`) and `lora_base.json`, which names the frozen base:
-  the run's `sft` checkpoint (when a warm start ran) or `model.name_or_path`'s own weights (the tiny model rebuilt
-  from the seed). The optimizer, scheduler, RNG and data order go in `trainer_state.pt` as for full weights, so
-  a SIGKILLed run resumes bit-identically.
-- `export_merged(ckpt, out)`: `python -m rlf_train export --checkpoint CKPT --out DIR`: a normal Hugging Face model
-  dir (config, safetensors, tokenizer) that `transformers` and vLLM load; for a full-weight checkpoint too.
+- checkpoints (`save_adapter`; `rlf_train.policy.load.load_policy` reads them): an RL checkpoint of a LoRA run holds
+  the adapter (`adapter_model.safetensors`, peft's `adapter_config.json`) and `lora_base.json`, which names the
+  frozen base: the run's `sft` checkpoint (when a warm start ran) or `model.name_or_path`'s own weights (the tiny
+  model rebuilt from the seed). The optimizer, scheduler, RNG and data order go in `trainer_state.pt` as for full
+  weights, so a SIGKILLed run resumes bit-identically.
+- `save_pretrained_merged(model, out)`: what `python -m rlf_train export --checkpoint CKPT --out DIR` writes
+  (`rlf_train.policy.load.export_merged`): a normal Hugging Face model dir that `transformers` and vLLM load.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,16 +34,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedModel
 
-    from rlf_train.config import LoraConfig, ModelConfig
+    from rlf_train.config import LoraConfig
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 BASE_FILE = "lora_base.json"
 ADAPTER = "default"  # peft's adapter name
 
 
-def _peft() -> Any:
+def require_peft() -> Any:
     try:
         import peft
     except ImportError as e:
@@ -68,7 +67,7 @@ def attach(model: PreTrainedModel, settings: LoraConfig, seed: int, base: str | 
     checkpoints ("sft": the run's sft checkpoint; None: model.name_or_path). A peft model is returned as is."""
     if is_lora(model):
         return model
-    peft = _peft()
+    peft = require_peft()
     conf = peft.LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                            target_modules=list(settings.target_modules), bias="none", task_type="CAUSAL_LM")
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
@@ -214,55 +213,3 @@ def base_checkpoint(ckpt_dir: Path) -> Path | None:
         raise FileNotFoundError(f"LoRA checkpoint {ckpt_dir} is an adapter on the checkpoint {name!r}, which is "
                                 f"missing ({base}); restore that directory to resume or export")
     return base
-
-
-def load_policy_from_adapter(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, seed: int,
-                             ckpt_dir: Path) -> Any:
-    """The policy of a LoRA checkpoint: its base (see `base_checkpoint`) with the saved adapter."""
-    from safetensors.torch import load_file
-
-    from rlf_train.model import load_policy
-
-    if cfg.lora is None:
-        raise ValueError(f"checkpoint {ckpt_dir} holds a LoRA adapter but the config has no model.lora; resume with "
-                         "the run's own config.yaml (or set model.lora as it was)")
-    base_dir = base_checkpoint(ckpt_dir)
-    model = load_policy(cfg.model_copy(update={"lora": None}), tokenizer, seed, weights_dir=base_dir)
-    wrapped = attach(model, cfg.lora, seed, base=None if base_dir is None else base_dir.name)
-    peft = _peft()
-    sd = load_file(str(Path(ckpt_dir) / ADAPTER_WEIGHTS), device=str(next(model.parameters()).device))
-    result = peft.set_peft_model_state_dict(wrapped, sd, adapter_name=ADAPTER)
-    bad = [k for k in [*getattr(result, "unexpected_keys", []), *getattr(result, "missing_keys", [])]
-           if ".lora_" in k]
-    if bad:
-        raise ValueError(f"checkpoint {ckpt_dir}: its adapter does not fit model.lora ({bad[:4]} unmatched); resume "
-                         "with the run's own config.yaml")
-    return wrapped
-
-
-def export_merged(ckpt_dir: Path, out_dir: Path) -> Path:
-    """Write checkpoint `ckpt_dir` (a run's `checkpoints/step_N`, `sft`, ...: LoRA or full) as a Hugging Face model
-    dir with the adapter merged: config.json, model.safetensors, the tokenizer. Uses the run's config.yaml."""
-    from rlf_train.config import load_config
-    from rlf_train.model import load_policy, load_tokenizer
-
-    ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / "checkpoint.json").is_file():
-        raise FileNotFoundError(f"{ckpt_dir} is not a checkpoint (no checkpoint.json); pass a run's "
-                                "checkpoints/step_N (or checkpoints/sft)")
-    run_cfg = ckpt_dir.parent.parent / "config.yaml"
-    if not run_cfg.is_file():
-        raise FileNotFoundError(f"{run_cfg} is missing: export reads the run's config next to its checkpoints")
-    cfg = load_config(run_cfg, ["model.device=cpu", "model.gradient_checkpointing=false"])
-    tok = load_tokenizer(cfg.model)
-    model = load_policy(cfg.model, tok, cfg.seed, weights_dir=ckpt_dir)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_pretrained_merged(model, out_dir)
-    tok.save_pretrained(str(out_dir))
-    # the weights get the mode of their siblings (the default umask's; safetensors writes them 0600)
-    umask = os.umask(0)
-    os.umask(umask)
-    for f in out_dir.glob("*.safetensors"):
-        f.chmod(0o666 & ~umask)
-    return out_dir
