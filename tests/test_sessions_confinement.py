@@ -458,6 +458,21 @@ def test_filling_every_writable_place_then_memory_is_the_policys_failure() -> No
     run(go)
 
 
+def test_sysv_shared_memory_is_bounded() -> None:
+    """A SysV shared memory segment outlives the processes that made it (no OOM kill frees it, and it is charged to
+    the session's cgroup): the session's ipc namespace allows 8 MiB in all."""
+    probe = ("import ctypes; libc = ctypes.CDLL(None); "
+             "print(libc.shmget(0, 64 << 20, 0o1000 | 0o600), libc.shmget(0, 4 << 20, 0o1000 | 0o600))")
+
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=FAST)) as s:
+            r = await s.exec(["python3", "-c", probe])
+            big, small = r.stdout.split()
+            assert int(big) == -1 and int(small) >= 0, r
+
+    run(go)
+
+
 def _events(dirs: list[str]) -> int:
     n = 0
     for d in dirs:
@@ -535,14 +550,15 @@ LEAK = textwrap.dedent("""
     if sys.argv[1] == "runtime":
         runtime.register_closer(runtime.run(go()))  # closed by the runtime's closers at interpreter exit
     else:
-        asyncio.run(go())
+        backend = asyncio.run(go())  # "exit": never closed, the interpreter just exits
 """)
 
 
-@pytest.mark.parametrize("how", ["close", "runtime"])
+@pytest.mark.parametrize("how", ["close", "runtime", "exit"])
 def test_a_clean_exit_leaves_no_label_and_no_cgroup(tmp_path: Path, how: str) -> None:
-    """A closed backend, and a backend left to the runtime's closers at interpreter exit (whose executor no longer
-    takes work then), remove every label and cgroup they made, their warm pool's included."""
+    """A closed backend, a backend left to the runtime's closers at interpreter exit (whose executor no longer takes
+    work then), and one nobody closed before the interpreter exits remove every label and cgroup they made, their
+    warm pool's included."""
     from rlf_envs.sandbox import _cgroup
 
     env = dict(os.environ, RLF_SESSIONS_DIR=str(tmp_path / "labels"))

@@ -19,6 +19,7 @@ concurrent episodes queue instead of timing out. Every session is labelled with 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import json
 import logging
@@ -473,6 +474,8 @@ class LocalBackend(SessionBackend):
         self._uids: set[int] = set()
         self._reaper: asyncio.Task[None] | None = None
         self._closed = False
+        self._pid = os.getpid()
+        _OPEN.add(self)
         self.root_mount = os.path.join(owners.label_dir(), ".mnt")
         os.makedirs(self.root_mount, mode=0o755, exist_ok=True)
         self.reaped_at_start = owners.reap("local")
@@ -601,6 +604,29 @@ class LocalBackend(SessionBackend):
         # failed, a clean-up cut short on a loaded host) names only what is left to kill and remove, bounded
         made, self._made = self._made, set()
         await _off_loop(_sweep_labels, made)
+        _OPEN.discard(self)
+
+
+#: the backends of this process not closed yet (held until they are, even if their owner drops them): what they made is
+#: swept at interpreter exit (`_sweep_at_exit`)
+_OPEN: set[LocalBackend] = set()
+
+
+@atexit.register
+def _sweep_at_exit() -> None:
+    """At interpreter exit, a backend nobody closed still leaves nothing: its agents are killed and its labels and
+    cgroups removed, bounded. Only in the process that made it (a forked child's exit never touches its parent's
+    sessions), and not for a backend the runtime's closers are about to close (atexit runs this before them)."""
+    runtime = sys.modules.get("rlf_envs.runtime")
+    pending = list(getattr(runtime, "_closers", ())) if runtime is not None else []
+    loop = getattr(runtime, "_loop", None)
+    closers_run = loop is not None and not loop.is_closed() and loop.is_running()
+    for b in list(_OPEN):
+        if b._pid != os.getpid() or (closers_run and any(c is b for c in pending)):
+            continue
+        b._closed = True
+        with contextlib.suppress(Exception):
+            _sweep_labels(set(b._made))
 
 
 def _sweep_labels(ids: set[str]) -> None:
