@@ -19,9 +19,8 @@ from rlf_envs import runtime
 from rlf_envs.data.swe.generate import unified_diff
 from rlf_envs.envs.swe.env import SweLimits, SweVerifier
 from rlf_envs.envs.swe.harbor_run import expected_reward_files, harbor_filter
-from rlf_envs.envs.swe.tasks import load_swe_rows
+from rlf_envs.envs.swe.tasks import load_swe_rows, swe_task_from_row
 from rlf_envs.envs.swe.verify import filter_patch, import_roots, shadowed_module, task_test_files
-from rlf_envs.envs.swe.tasks import swe_task_from_row
 
 pytestmark = pytest.mark.envs
 
