@@ -607,6 +607,8 @@ class LocalBackend(SessionBackend):
         _OPEN.discard(self)
 
 
+#: how long the interpreter's exit may wait for an unclosed backend's cgroups to empty
+EXIT_SWEEP_S = 5.0
 #: the backends of this process not closed yet (held until they are, even if their owner drops them): what they made is
 #: swept at interpreter exit (`_sweep_at_exit`)
 _OPEN: set[LocalBackend] = set()
@@ -626,12 +628,16 @@ def _sweep_at_exit() -> None:
             continue
         b._closed = True
         with contextlib.suppress(Exception):
-            _sweep_labels(set(b._made))
+            _sweep_labels(set(b._made), EXIT_SWEEP_S)
 
 
-def _sweep_labels(ids: set[str]) -> None:
-    for lab in owners.labels():
-        if lab.id in ids:
-            owners.kill_label(lab)
-            if _cgroup.remove_cgroups(lab.cgroups, CGROUP_GONE_S, kill=True):
-                lab.remove()
+def _sweep_labels(ids: set[str], wait_s: float = CGROUP_GONE_S) -> None:
+    """Kill what the labels `ids` name, then remove their cgroups and the labels, all within `wait_s` (a cgroup still
+    busy then keeps its label, for the reaper)."""
+    mine = [lab for lab in owners.labels() if lab.id in ids]
+    for lab in mine:
+        owners.kill_label(lab)
+    end = time.monotonic() + wait_s
+    for lab in mine:
+        if _cgroup.remove_cgroups(lab.cgroups, max(0.0, end - time.monotonic()), kill=True):
+            lab.remove()
