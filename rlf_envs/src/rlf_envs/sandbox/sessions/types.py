@@ -63,8 +63,9 @@ class SessionDiffTooLarge(SessionLimitExceeded):
 class SessionLimits:
     """Per-session limits. `memory_mb`: a memory cgroup per session where the host offers one (cgroup v2, or v1's
     memory controller, as root), else RLIMIT_AS per process. `pids`: processes of the session (a pids cgroup, or
-    RLIMIT_NPROC of the session's own uid). `disk_mb`: the workspace's size (a tmpfs of that size, and each
-    file's RLIMIT_FSIZE). `exec_timeout_s`: the default deadline of one exec; `session_timeout_s`: the session's wall
+    RLIMIT_NPROC of the session's own uid). `disk_mb`: every writable place of the session together (local: one tmpfs
+    of that size holds the workspace, /tmp, /var/tmp, /dev/shm and the overlay's upper layer), and each file's
+    RLIMIT_FSIZE. `exec_timeout_s`: the default deadline of one exec; `session_timeout_s`: the session's wall
     clock, after which it is killed. `output_bytes`: the cap of each of stdout and stderr of one exec."""
 
     memory_mb: int = 1024
