@@ -131,8 +131,15 @@ class TurnStats:
     errors: int = 0
     timeouts: int = 0
     truncated: int = 0
-    invalid: bool = False
+    invalid: bool = False  # the turn could not be parsed into an action (a malformed call): a correction was shown
+    unknown_tools: int = 0  # calls naming a tool the env does not declare
+    invalid_args: int = 0  # calls whose arguments failed the tool's schema
     tool_seconds: float = 0.0  # wall time of this turn's tool batch
+
+    @property
+    def unusable(self) -> bool:
+        """Nothing of the turn could run: unparsed, or every call named an undeclared tool or had bad arguments."""
+        return self.invalid or (self.calls > 0 and self.unknown_tools + self.invalid_args >= self.calls)
 
 
 @dataclass(slots=True)
@@ -158,6 +165,7 @@ class EndReason(enum.StrEnum):
     ANSWER = "answer"  # terminated: final answer given
     SUBMIT = "submit"  # terminated: a submit() tool call (envs whose answer is their state, e.g. rlf/SWE-v0)
     MAX_TURNS = "max_turns"  # truncated
+    INVALID_CALLS = "invalid_calls"  # truncated: `max_invalid_streak` unusable turns in a row
     TOKEN_BUDGET = "token_budget"  # truncated
 
 
@@ -205,6 +213,16 @@ class Trajectory:
     @property
     def num_tool_errors(self) -> int:
         return sum(t.stats.errors for t in self.turns)
+
+    @property
+    def num_invalid_turns(self) -> int:
+        """Turns that could not be parsed (malformed calls)."""
+        return sum(t.stats.invalid for t in self.turns)
+
+    @property
+    def num_unknown_tool_calls(self) -> int:
+        """Calls naming a tool the env does not declare."""
+        return sum(t.stats.unknown_tools for t in self.turns)
 
     @property
     def per_turn_rewards(self) -> list[float]:

@@ -159,6 +159,8 @@ class ToolEnv(gym.Env[Any, Any]):
         max_turns: policy turns per episode (truncation after that).
         max_total_tokens: budget for the whole trajectory (prompt + actions + observations).
         max_obs_tokens: cap for one observation (tool outputs are shortened with a visible marker).
+        max_invalid_streak: end the episode (truncated, `end_reason` "invalid_calls") after this many turns in a row
+            of which nothing could run (unparsed, or only undeclared tools / bad arguments); None: never.
         tokenizer: enables token mode (transformers tokenizer or tokenizers.Tokenizer).
         mcp_servers: an `mcpServers` config (dict or YAML/JSON path) whose tools are added.
         caller: tool-caller limits (CallerConfig or dict: timeout_s, max_retries, max_concurrency, ...).
@@ -184,6 +186,7 @@ class ToolEnv(gym.Env[Any, Any]):
         toolbox: Toolbox | None = None,
         format_kwargs: dict[str, Any] | None = None,
         render_mode: str | None = None,
+        max_invalid_streak: int | None = None,
     ) -> None:
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -212,6 +215,9 @@ class ToolEnv(gym.Env[Any, Any]):
             turn_rewarder = build_turn_rewarder(turn_rewarder)
         self.turn_rewarder = turn_rewarder
         self.max_turns = max_turns
+        if max_invalid_streak is not None and (not isinstance(max_invalid_streak, int) or max_invalid_streak < 1):
+            raise ValueError(f"max_invalid_streak must be a positive int or None, got {max_invalid_streak!r}")
+        self.max_invalid_streak = max_invalid_streak
         self.max_total_tokens = max_total_tokens
         self.max_obs_tokens = max_obs_tokens
         self.system_prompt = system_prompt
@@ -412,6 +418,8 @@ class ToolEnv(gym.Env[Any, Any]):
             st.errors += not r.ok
             st.timeouts += r.status is ToolStatus.TIMEOUT
             st.truncated += r.truncated
+            st.unknown_tools += r.status is ToolStatus.UNKNOWN_TOOL
+            st.invalid_args += r.status is ToolStatus.INVALID_ARGS
 
     def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:
         """The calls to run for this turn: the policy's. An env that binds per-episode state to its shared
@@ -450,6 +458,10 @@ class ToolEnv(gym.Env[Any, Any]):
             traj.end = EndReason.ANSWER
         elif len(traj.turns) >= self.max_turns:
             truncated, traj.end = True, EndReason.MAX_TURNS
+        elif self.max_invalid_streak is not None and len(traj.turns) >= self.max_invalid_streak and all(
+                t.stats.unusable for t in traj.turns[-self.max_invalid_streak:]):
+            truncated, traj.end = True, EndReason.INVALID_CALLS
+            obs_text, obs_ids = "", None
         else:
             n_obs = len(obs_ids) if obs_ids is not None else -(-len(obs_text) // CHARS_PER_TOKEN)
             if self._n_tokens + n_obs >= self.max_total_tokens:
