@@ -390,6 +390,26 @@ def test_diff_max_bytes_refuses_a_large_patch_before_building_it(tmp_path: Path)
     run(go)
 
 
+def test_a_pathological_diff_costs_the_session_not_the_trainer(tmp_path: Path) -> None:
+    """difflib is quadratic on alternating changed lines (20,000 lines: ~25 s of CPU): the diff runs in a child under
+    a CPU limit of exec_timeout_s, so it is the policy's failure (SessionDiffTooLarge) soon, not minutes of the
+    trainer's CPU and GIL."""
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / "big.txt").write_text("".join(f"l{i}\n" for i in range(20000)))
+
+    async def go(b: Any) -> None:
+        lim = SessionLimits(exec_timeout_s=2, session_timeout_s=300, memory_mb=512, pids=128, disk_mb=64)
+        async with await b.create(spec(seed_dir=str(seed), limits=lim)) as s:
+            await s.exec("awk 'NR % 2 { print \"x\" NR; next } { print }' big.txt > t && mv t big.txt")
+            t0 = time.monotonic()
+            with pytest.raises(SessionDiffTooLarge, match="CPU"):
+                await s.diff()
+            assert time.monotonic() - t0 < 60
+
+    run(go)
+
+
 def test_a_workdir_swapped_for_a_link_to_a_host_path_leaks_nothing(tmp_path: Path) -> None:
     """The diff unpacks the workdir on the host: a workdir replaced by a link (here to a host directory the session
     guessed) must not be followed there, nor a link inside it."""

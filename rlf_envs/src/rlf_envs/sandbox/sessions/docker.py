@@ -35,7 +35,8 @@ image's user, root in most images, so they can rewrite any file of the container
 
 Files go through put/get archive (paths validated first: a str without NUL); `diff` fetches the workdir as a tar
 (regular files, dirs and links only, `.git` left out, the content and the entry count bounded, a patch larger than
-`max_bytes` refused from the names alone where it can be) into a host temp dir and compares it with the seed. The
+`max_bytes` refused from the names alone where it can be) into a host temp dir and compares it with the seed in a
+child process under a CPU limit (`gitdiff.diff_trees`, the patch counted as it is built). The
 reaper removes this host's labelled containers whose owner process is gone, and the Harbor images (`rlf.image`)
 whose builder is gone; `aclose` removes the images this process built (unless built with RLF_KEEP_DOCKER_IMAGES=1).
 """
@@ -53,6 +54,8 @@ import os
 import posixpath
 import signal
 import socket
+import subprocess
+import sys
 import tarfile
 import tempfile
 import threading
@@ -356,37 +359,49 @@ class _Host:
 
 # --- the patch, bounded --------------------------------------------------------------------------------------------
 
-def _bounded_patch(old_root: str | None, new_root: str, max_bytes: int) -> str:
-    """gitdiff.diff_trees with the patch's size counted file by file: SessionDiffTooLarge as soon as it passes
-    `max_bytes` (the rest is never built)."""
-    old = gitdiff._entries(old_root or "", gitdiff.EXCLUDE)
-    new = gitdiff._entries(new_root, gitdiff.EXCLUDE)
-    budget = [DIFF_READ_BYTES]
-    out: list[str] = []
-    size = 0
+#: the diff's child: gitdiff loaded by its path into a bare interpreter (`-I -S`, an empty environment) under a CPU
+#: limit, so a pathological workspace (difflib is quadratic on some inputs: 20,000 alternating lines take ~25 s of
+#: CPU) costs at most that child's limit, never the trainer's CPU or its GIL
+DIFF_CHILD = r"""
+import importlib.util, resource, sys
+cpu, path, old, new, read, patch = sys.argv[1:7]
+resource.setrlimit(resource.RLIMIT_CPU, (int(cpu), int(cpu) + 1))
+spec = importlib.util.spec_from_file_location("rlf_gitdiff", path)
+m = importlib.util.module_from_spec(spec)
+sys.modules["rlf_gitdiff"] = m
+spec.loader.exec_module(m)
+try:
+    out = m.diff_trees(old or None, new, max_bytes=int(read), max_patch_bytes=int(patch))
+except m.DiffTooLarge as e:
+    sys.stderr.write(str(e))
+    sys.exit(3)
+except MemoryError:
+    sys.stderr.write("out of memory")
+    sys.exit(4)
+sys.stdout.buffer.write(out.encode("utf-8", "surrogateescape"))
+"""
+
+
+def _patch(old_root: str | None, new_root: str, max_bytes: int, cpu_s: float) -> str:
+    """gitdiff.diff_trees(old_root, new_root) in a child with `cpu_s` of CPU: SessionDiffTooLarge when the patch
+    passes `max_bytes` (counted as it is built: the rest is never made), the files DIFF_READ_BYTES, or the CPU."""
+    cpu = max(1, math.ceil(cpu_s))
     try:
-        for path in sorted(set(old) | set(new)):
-            o, n = old.get(path), new.get(path)
-            if o and n and o[0] == n[0] and o[0] != 0o120000:
-                with contextlib.suppress(OSError):
-                    if os.lstat(o[1]).st_size == os.lstat(n[1]).st_size and \
-                            gitdiff._read(o[0], o[1], budget) == gitdiff._read(n[0], n[1], budget):
-                        continue
-            try:
-                od = (o[0], gitdiff._read(o[0], o[1], budget)) if o else None
-                nd = (n[0], gitdiff._read(n[0], n[1], budget)) if n else None
-            except FileNotFoundError:
-                continue
-            if od == nd:
-                continue
-            lines = gitdiff._diff_file(path, od, nd)
-            size += sum(len(x.encode("utf-8", "surrogateescape")) + 1 for x in lines)
-            if size > max_bytes:
-                raise SessionDiffTooLarge(f"the workspace's patch is larger than max_bytes={max_bytes}")
-            out += lines
-    except gitdiff.DiffTooLarge:
-        raise SessionDiffTooLarge(f"the workspace holds more than {DIFF_READ_BYTES} bytes of files to diff") from None
-    return "\n".join(out) + "\n" if out else ""
+        p = subprocess.run([sys.executable, "-I", "-S", "-c", DIFF_CHILD, str(cpu), gitdiff.__file__, old_root or "",
+                            new_root, str(DIFF_READ_BYTES), str(max_bytes)], capture_output=True, env={},
+                           timeout=3 * cpu + 30, check=False)
+    except subprocess.TimeoutExpired:
+        raise SessionInfraError(f"the diff did not end within {3 * cpu + 30} s of wall clock (the host is "
+                                "overloaded)") from None
+    if p.returncode == 0:
+        return p.stdout.decode("utf-8", "surrogateescape")
+    why = p.stderr.decode("utf-8", "replace").strip()[-300:]
+    if p.returncode == 3:
+        raise SessionDiffTooLarge(f"{why} (max_bytes={max_bytes})")
+    if p.returncode == 4 or p.returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+        raise SessionDiffTooLarge(f"the workspace's diff ran out of {'memory' if p.returncode == 4 else 'CPU'} "
+                                  f"({cpu} s: too much changed data to diff)")
+    raise SessionInfraError(f"the diff's child failed (exit {p.returncode}): {why}")
 
 
 def _discard_when_done(fut: asyncio.Future[Any]) -> None:
@@ -711,13 +726,13 @@ class DockerSession(Session):
             try:
                 with _archive(self._b.client.api, self._c.id, wd) as (stream, _):
                     root = self._fetch(stream, tmp, seed, limit)
-                return _bounded_patch(self.spec.seed_dir, root, limit)
+                return _patch(self.spec.seed_dir, root, limit, self.spec.limits.exec_timeout_s)
             finally:
                 cleanup.discard(tmp)  # what the container held: any depth or mode, removed off the call's path
 
         async with self._lock:
             self._check()
-            patch: str = await self._api(get, timeout_s=API_TIMEOUT_S + self.spec.limits.exec_timeout_s)
+            patch: str = await self._api(get, timeout_s=API_TIMEOUT_S + 4 * self.spec.limits.exec_timeout_s + 30)
             return patch
 
     def _fetch(self, stream: Iterator[bytes], tmp: str, seed: set[str], limit: int) -> str:
