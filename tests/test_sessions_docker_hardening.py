@@ -260,6 +260,27 @@ def test_a_container_ends_at_its_wall_clock_with_its_owner_sigkilled_and_no_reap
                 c.remove(force=True)
 
 
+def test_the_pool_never_hands_out_a_container_older_than_its_idle_cap(client: Any) -> None:
+    """A warm container's pid 1 outlives a session's wall clock by the pool's idle cap, so an older one is refused
+    (removed) and a fresh one made: a leased container always outlives its session."""
+
+    async def go(b: Any) -> None:
+        await (await b.create(spec())).aclose()
+        key = b._key(spec())
+        for _ in range(600):
+            if b._pool.get(key):
+                break
+            await asyncio.sleep(0.05)
+        old = b._pool[key][0].id
+        await asyncio.sleep(2.5)
+        async with await b.create(spec()) as s:
+            assert s._c.id != old
+            assert (await s.exec("cat /proc/1/cmdline | tr '\\0' ' '")).stdout.startswith("/.rlf/sleep ")
+        assert not [c for c in client.containers.list(all=True, filters={"id": old}) if c.status == "running"]
+
+    run(go, pool_size=1, pool_idle_s=2)
+
+
 PTRACE = textwrap.dedent("""
     import ctypes, os
     os.kill(1, 9); os.kill(1, 19)
