@@ -397,6 +397,37 @@ def test_node_selection(nodes: Nodes) -> None:
         open_backend("ray", node_selector="resource:no_such_resource")
 
 
+def test_swe_env_on_the_ray_backend(nodes: Nodes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gym.make("rlf/SWE-v0", backend="ray")`: the episode's workspace and its hidden-test run are sessions on the
+    cluster's session nodes (the backend configured by environment variables, as a launcher would)."""
+    import gymnasium as gym
+
+    from rlf_envs.envs.swe import env as swe_env
+    from rlf_envs.sandbox.sessions.images import debian_test_image
+    from tests.test_envs_swe import call, run_episode, tiny_row
+
+    if debian_test_image() is None:
+        pytest.skip("no session image with pytest: run `python -m rlf_envs.sandbox.sessions.images build-debian`")
+    monkeypatch.setenv("RLF_RAY_SESSION_NODES", "rlf.role=sessions")
+    monkeypatch.setenv("RLF_RAY_SESSIONS_PER_NODE", "4")
+    env = gym.make("rlf/SWE-v0", tasks=[tiny_row(tmp_path)], backend="ray",
+                   limits={"exec_timeout_s": 20.0, "output_chars": 600}).unwrapped
+    shared = swe_env._BACKENDS["ray"]
+    try:
+        assert isinstance(shared, RayBackend)
+        assert {h.node_id for h in shared.hosts()} == {nodes.node_id("a"), nodes.node_id("b")}
+        r, info, _ = run_episode(env, [call("edit", path="calc/__init__.py", old="if x < hi:", new="if x > hi:"),
+                                       call("submit")])
+        assert r == 1.0 and info["infra_failed"] is False
+        assert shared.counters["creates"] >= 2  # the agent's workspace and the fresh copy the hidden tests ran in
+    finally:
+        env.close()
+        with swe_env._LOCK:
+            swe_env._BACKENDS.pop("ray", None)
+        runtime.unregister_closer(shared)
+        go(shared.aclose())
+
+
 # --------------------------------------------------------------------------------------------------- no leftovers
 
 

@@ -602,7 +602,7 @@ class SweEnv(ToolEnv):
                 pass
 
 
-BACKENDS = ("local", "docker")
+BACKENDS = ("local", "docker", "ray")  # ray: RLF_RAY_ADDRESS, default "auto" (docs/guides/coding-agent-cluster.md)
 
 
 def swe_limits(limits: SweLimits | dict[str, Any] | None) -> SweLimits:
