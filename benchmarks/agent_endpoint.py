@@ -39,12 +39,13 @@ from rlf_envs.env.tokens import TokenizerAdapter
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec
 from rlf_train.config import ModelConfig, TinyModelConfig
-from rlf_train.endpoint.engine import EngineFront
-from rlf_train.endpoint.server import ChatRequest, PolicyServer, to_messages
-from rlf_train.endpoint.sessions import Session, SessionLimits
 from rlf_train.policy.load import load_policy
 from rlf_train.policy.tokenizer import load_tokenizer
-from rlf_train.rollout import SamplingParams, local_generate_batch
+from rlf_train.rollout.batch import SamplingParams
+from rlf_train.rollout.endpoint.engine import EngineFront
+from rlf_train.rollout.endpoint.server import ChatRequest, PolicyServer, to_messages
+from rlf_train.rollout.endpoint.sessions import EndpointLimits, Session
+from rlf_train.rollout.local import local_generate_batch
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search.", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]
@@ -79,7 +80,7 @@ class Bench:
         self.engine = engine
         self.front = EngineFront(engine, self.codec.stop_strings)
         self.server = PolicyServer(self.front, self.adapter.decode)
-        self.limits = SessionLimits(max_total_tokens=4096, max_new_tokens=NEW_TOKENS, timeout_s=600)
+        self.limits = EndpointLimits(max_total_tokens=4096, max_new_tokens=NEW_TOKENS, timeout_s=600)
         self.n = 0
 
     def session(self) -> Session:

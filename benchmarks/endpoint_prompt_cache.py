@@ -20,8 +20,8 @@ from rlf_envs.env.tokens import TokenizerAdapter
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec, ChatMessage
 from rlf_train.config import ModelConfig, TinyModelConfig
-from rlf_train.endpoint.sessions import PromptCache, Session, SessionLimits, tools_key
 from rlf_train.policy.tokenizer import load_tokenizer
+from rlf_train.rollout.endpoint.sessions import EndpointLimits, PromptCache, Session, tools_key
 
 TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search the encyclopedia for a "
           "query; returns the top passages.", "parameters": {"type": "object", "properties": {
@@ -30,7 +30,7 @@ SYSTEM = "You are a careful researcher. Search before you answer; answer in <ans
 
 
 def per_call_us(codec: ChatCodec, encode: Any, cache: PromptCache | None, n: int, start: int) -> float:
-    limits = SessionLimits(max_total_tokens=1 << 16, max_new_tokens=8, timeout_s=600)
+    limits = EndpointLimits(max_total_tokens=1 << 16, max_new_tokens=8, timeout_s=600)
     tkey = tools_key(TOOLS)
     t0 = time.perf_counter()
     for k in range(start, start + n):

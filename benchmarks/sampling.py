@@ -37,7 +37,7 @@ QWEN3_VOCAB = 151_669  # len(Qwen3's tokenizer): 151,643 BPE tokens + 26 special
 def old_sample(logits: torch.Tensor, temperature: float, top_p: float, seeds: torch.Tensor, step: int,
                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """The sampler before issue 37 (rollout._sample at 8039ab9): a host copy, torch.multinomial, a full log-softmax."""
-    from rlf_train.grpo import sampling_logits
+    from rlf_train.rollout.sampling import sampling_logits
 
     if temperature == 0.0:
         tok = logits.argmax(dim=-1)
@@ -68,8 +68,9 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, list[list[int]]]:
 
 
 def run_mode(mode: str, model: torch.nn.Module, ctx: list[list[int]], args: argparse.Namespace) -> float:
-    import rlf_train.rollout as rollout
-    from rlf_train.rollout import SamplingParams, StopChecker, generate
+    import rlf_train.rollout.local as rollout
+    from rlf_train.rollout.batch import SamplingParams
+    from rlf_train.rollout.local import StopChecker, generate
 
     class NoStop(StopChecker):
         def __init__(self) -> None:
@@ -97,7 +98,7 @@ def run_mode(mode: str, model: torch.nn.Module, ctx: list[list[int]], args: argp
 
 def sampler_alone(args: argparse.Namespace) -> dict[str, float]:
     """Milliseconds per [batch, vocab] step of logits: argmax, rlf's sampler, the old one (median of 5)."""
-    from rlf_train.sampling import row_seeds, sample
+    from rlf_train.rollout.sampling import row_seeds, sample
 
     dev = torch.device(args.device)
     g = torch.Generator().manual_seed(3)

@@ -14,9 +14,9 @@ from rlf_envs.env.episodes import Generation
 from rlf_envs.env.tokens import TokenizerAdapter
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec
-from rlf_train.endpoint.engine import EngineFront
-from rlf_train.endpoint.server import PolicyServer
-from rlf_train.endpoint.sessions import Session, SessionLimits
+from rlf_train.rollout.endpoint.engine import EngineFront
+from rlf_train.rollout.endpoint.server import PolicyServer
+from rlf_train.rollout.endpoint.sessions import EndpointLimits, Session
 
 SEARCH_TOOL = {"type": "function", "function": {
     "name": "search", "description": "Search the encyclopedia.",
@@ -61,7 +61,7 @@ class Endpoint:
     codec: ChatCodec
     opened: int = 0
 
-    def open(self, limits: SessionLimits | None = None) -> Session:
+    def open(self, limits: EndpointLimits | None = None) -> Session:
         self.opened += 1
         s = Session(f"t{self.opened}", self.codec, self.engine.adapter.encode, limits or LIMITS, meta=None)
         self.server.sessions.add(s)
@@ -78,7 +78,7 @@ async def _remove(server: PolicyServer, s: Session) -> None:
     server.sessions.remove(s)
 
 
-LIMITS = SessionLimits(max_total_tokens=4096, max_new_tokens=64, timeout_s=60.0)
+LIMITS = EndpointLimits(max_total_tokens=4096, max_new_tokens=64, timeout_s=60.0)
 
 
 @contextmanager

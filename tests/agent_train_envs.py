@@ -32,7 +32,7 @@ if AGENT_QA_ID not in gymnasium.registry:
 
 
 async def two_calls(task: Task, client: Any) -> float:
-    from rlf_train.agent import AgentResult
+    from rlf_train.rollout.agent_runner import AgentResult
 
     messages = [SYSTEM, {"role": "user", "content": task.question}]
     r = await client.chat.completions.create(model=client.model, messages=messages)

@@ -18,13 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlf_envs.formats import Qwen3Format
-from rlf_train.endpoint.sessions import SessionLimits
+from rlf_train.rollout.endpoint.sessions import EndpointLimits
 
 pytestmark = pytest.mark.train
 
 QUESTION = [{"role": "system", "content": "You are a careful researcher."},
             {"role": "user", "content": "What is the capital of Zorbania?"}]
-LIMITS = SessionLimits(max_total_tokens=4096, max_new_tokens=32, timeout_s=60.0)
+LIMITS = EndpointLimits(max_total_tokens=4096, max_new_tokens=32, timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,9 @@ from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec
 from rlf_envs.rewards.rules import ExactMatch
 from rlf_envs.types import Task
-from rlf_train.agent import AgentEpisodes, AgentRunner
-from rlf_train.endpoint.engine import EngineFront
-from rlf_train.endpoint.sessions import SessionLimits
+from rlf_train.rollout.agent_runner import AgentEpisodes, AgentRunner
+from rlf_train.rollout.endpoint.engine import EngineFront
+from rlf_train.rollout.endpoint.sessions import EndpointLimits
 
 pytestmark = pytest.mark.hf
 
@@ -50,7 +50,7 @@ def run(agent: Any, qwen3: Any, n: int = 1) -> tuple[AgentEpisodes, ScriptedEngi
     engine = ScriptedEngine(qwen3, policy)
 
     async def main() -> AgentEpisodes:
-        runner = AgentRunner(agent, codec, qwen3, SessionLimits(4096, 64, 120.0), 8,
+        runner = AgentRunner(agent, codec, qwen3, EndpointLimits(4096, 64, 120.0), 8,
                              EngineFront(engine, codec.stop_strings, window_s=0.001))
         await runner.start()
         try:

@@ -26,7 +26,7 @@ from agent_support import (
 
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec, ChatMessage, ChatToolCall
-from rlf_train.endpoint.sessions import SessionLimits
+from rlf_train.rollout.endpoint.sessions import EndpointLimits
 
 pytestmark = pytest.mark.hf
 
@@ -243,7 +243,7 @@ def test_max_tokens_honoured_and_the_default_is_the_config(qwen3: Any) -> None:
         c.chat.completions.create(model="m", messages=QUESTION, temperature=0.1, top_p=0.5, seed=3, stop=["x"])
         assert s.ignored == {"temperature": 1, "top_p": 1, "seed": 1, "stop": 1}
         # a budget smaller than the conversation: OpenAI's context_length_exceeded
-        small = ep.open(SessionLimits(max_total_tokens=20, max_new_tokens=8, timeout_s=60))
+        small = ep.open(EndpointLimits(max_total_tokens=20, max_new_tokens=8, timeout_s=60))
         with pytest.raises(openai.BadRequestError, match="context_length_exceeded|rollout.max_total_tokens"):
             client(ep, small).chat.completions.create(model="m", messages=QUESTION)
 
@@ -302,7 +302,7 @@ def test_wire_errors_are_json_4xx(qwen3: Any) -> None:
         status, got = asyncio.run(post(url, {"messages": QUESTION}))
         assert (status, got["error"]["code"]) == (410, "session_closed") and s.calls == 0
         # a session past its timeout refuses
-        late = ep.open(SessionLimits(max_total_tokens=4096, max_new_tokens=8, timeout_s=0.05))
+        late = ep.open(EndpointLimits(max_total_tokens=4096, max_new_tokens=8, timeout_s=0.05))
         time.sleep(0.1)
         status, got = asyncio.run(post(f"{ep.base_url(late)}/chat/completions", {"messages": QUESTION}))
         assert (status, got["error"]["code"]) == (408, "session_timeout") and late.calls == 0

@@ -25,9 +25,9 @@ import pytest
 from test_agent_train import agent_cfg, ask, run_agent
 
 from rlf_envs.types import Task
-from rlf_train.agent import AgentResult
 from rlf_train.cli import main
 from rlf_train.config import dump_config
+from rlf_train.rollout.agent_runner import AgentResult
 
 pytestmark = pytest.mark.train
 HERE = Path(__file__).resolve().parent
@@ -162,7 +162,7 @@ def test_an_agents_own_reward_is_taken_whatever_its_value(result: Any, reward: f
 
 
 def test_failure_lines_are_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
-    from rlf_train.agent import _Reporter
+    from rlf_train.rollout.agent_runner import _Reporter
 
     rep = _Reporter(every_s=0.2)
     for k in range(50):

@@ -31,9 +31,9 @@ from rlf_envs.env.episodes import Generation
 from rlf_envs.env.tokens import TokenizerAdapter
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec
-from rlf_train.endpoint.engine import EngineFront
-from rlf_train.endpoint.server import PolicyServer
-from rlf_train.endpoint.sessions import Session, SessionLimits
+from rlf_train.rollout.endpoint.engine import EngineFront
+from rlf_train.rollout.endpoint.server import PolicyServer
+from rlf_train.rollout.endpoint.sessions import EndpointLimits, Session
 
 pytestmark = pytest.mark.train
 QUESTION = [{"role": "user", "content": "What is the capital of Zorbania?"}]
@@ -121,7 +121,7 @@ def test_every_generation_is_labelled_with_the_version_that_sampled_it() -> None
             bumper = asyncio.ensure_future(bump())
 
             async def agent(k: int) -> None:
-                s = Session(f"s{k}", codec, adapter.encode, SessionLimits(4096, 16, 60), None)
+                s = Session(f"s{k}", codec, adapter.encode, EndpointLimits(4096, 16, 60), None)
                 server.sessions.add(s)
                 sessions.append(s)
                 msgs: list[dict[str, Any]] = [*QUESTION]
@@ -220,8 +220,8 @@ def test_the_async_agent_worker_labels_with_the_weights_it_loaded() -> None:
     """`AgentWorker._refresh` (run on the engine's thread before each batch) returns the version of the weights it
     loaded into the engine's model: when the learner publishes again right after the load, the label stays the
     loaded version (a label that is newer, even within the staleness bound, is wrong)."""
-    from rlf_train.agent import AgentWorker
-    from rlf_train.async_rollout import WeightStore
+    from rlf_train.rollout.agent_source import AgentWorker
+    from rlf_train.rollout.weights import WeightStore
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:

@@ -15,7 +15,7 @@ from agent_support import SEARCH_TOOL, qwen3_tokenizer, running_endpoint
 from rlf_envs.env.tokens import TokenizerAdapter
 from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec, ChatMessage, ChatToolCall
-from rlf_train.endpoint.sessions import PromptCache, tools_key
+from rlf_train.rollout.endpoint.sessions import PromptCache, tools_key
 
 pytestmark = pytest.mark.train
 

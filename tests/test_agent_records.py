@@ -16,11 +16,11 @@ from rlf_envs.formats.chat import ChatCodec
 from rlf_envs.records import sample_records
 from rlf_envs.rewards.rules import ExactMatch
 from rlf_envs.types import Task, ToolStatus
-from rlf_train.agent import NO_TOOL_MESSAGE, AgentRunner
-from rlf_train.endpoint.engine import EngineFront
-from rlf_train.endpoint.sessions import SessionLimits
 from rlf_train.policy.tokenizer import build_tiny_tokenizer
-from rlf_train.rollout import episode_stats
+from rlf_train.rollout.agent_runner import NO_TOOL_MESSAGE, AgentRunner
+from rlf_train.rollout.batch import episode_stats
+from rlf_train.rollout.endpoint.engine import EngineFront
+from rlf_train.rollout.endpoint.sessions import EndpointLimits
 
 pytestmark = pytest.mark.train
 RESULT = "Vell is the capital of Zorbania."
@@ -32,7 +32,7 @@ def run(agent: Any) -> Any:
     engine = ScriptedEngine(tok, search_then_answer)  # a tool call, then (after a tool response) an answer
 
     async def main() -> Any:
-        runner = AgentRunner(agent, codec, tok, SessionLimits(2048, 64, 30.0), 4,
+        runner = AgentRunner(agent, codec, tok, EndpointLimits(2048, 64, 30.0), 4,
                              EngineFront(engine, codec.stop_strings, window_s=0.001))
         await runner.start()
         try:

@@ -20,11 +20,11 @@ from rlf_envs.formats import Qwen3Format
 from rlf_envs.formats.chat import ChatCodec
 from rlf_envs.rewards.rules import ExactMatch
 from rlf_envs.types import Task
-from rlf_train.agent import AgentResult, AgentRunner, load_agent
 from rlf_train.config import ConfigError, load_config
-from rlf_train.endpoint.engine import EngineFront
-from rlf_train.endpoint.sessions import SessionLimits
 from rlf_train.policy.tokenizer import build_tiny_tokenizer
+from rlf_train.rollout.agent_runner import AgentResult, AgentRunner, load_agent
+from rlf_train.rollout.endpoint.engine import EngineFront
+from rlf_train.rollout.endpoint.sessions import EndpointLimits
 from rlf_train.trainer import Trainer
 
 pytestmark = pytest.mark.train
@@ -121,7 +121,7 @@ def run_agent(agent: Any, timeout_s: float = 30.0) -> Any:
     engine = ScriptedEngine(tok, lambda ctx: "<answer>Vell</answer><|im_end|>")
 
     async def main() -> Any:
-        runner = AgentRunner(agent, codec, tok, SessionLimits(512, 16, timeout_s), 4,
+        runner = AgentRunner(agent, codec, tok, EndpointLimits(512, 16, timeout_s), 4,
                              EngineFront(engine, codec.stop_strings, window_s=0.001))
         await runner.start()
         try:

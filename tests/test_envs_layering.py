@@ -1,5 +1,8 @@
-"""Package layering of rlf_envs: module-level imports form no cycle, and shared data types flow one way
-(formats read `ToolSpec` from `rlf_envs.types`, never from `rlf_envs.tools`)."""
+"""Package layering of rlf_envs and rlf_train, read from the source (no import, so no torch: it runs in the envs
+env): the imports of both packages, at module level and inside functions alike (TYPE_CHECKING blocks included), form
+no circle; rlf_envs never imports rlf_train; rlf_train's wings (`rollout/`, `policy/`) never import the learner on
+top of them, and `policy/` never imports `rollout/`; nothing imports the modules kept only for old import paths; and
+shared data types flow one way (formats read `ToolSpec` from `rlf_envs.types`, never from `rlf_envs.tools`)."""
 
 from __future__ import annotations
 
@@ -10,35 +13,49 @@ import pytest
 
 pytestmark = pytest.mark.envs
 
-SRC = Path(__file__).resolve().parents[1] / "rlf_envs" / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRCS = (ROOT / "rlf_envs" / "src", ROOT / "rlf_train" / "src")
+OURS = ("rlf_envs", "rlf_verifiers", "rlf_train")
+
+#: rlf_train's learner, on top of its wings
+LEARNER = ("rlf_train.trainer", "rlf_train.grpo", "rlf_train.sft", "rlf_train.eval", "rlf_train.cli",
+           "rlf_train.group_reward", "rlf_train.logging_utils", "rlf_train.openrlhf", "rlf_train.__main__")
+#: modules kept for one release so that old import paths work: re-exports that nothing of ours may import
+COMPAT = ("rlf_train.agent", "rlf_train.model", "rlf_train.vllm_engine", "rlf_train.endpoint", "rlf_train.view",
+          "rlf_envs.adapters.episode")
 
 
 def _modules() -> dict[str, Path]:
     mods: dict[str, Path] = {}
-    for f in SRC.rglob("*.py"):
-        parts = list(f.relative_to(SRC).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts = parts[:-1]
-        mods[".".join(parts)] = f
+    for src in SRCS:
+        for f in src.rglob("*.py"):
+            parts = list(f.relative_to(src).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = f
     return mods
 
 
 def _import_graph() -> dict[str, set[str]]:
-    """Module -> rlf_envs modules it imports at module level (TYPE_CHECKING blocks included: a cycle there
-    is still a cycle of the design; imports inside functions are deliberate lazy imports)."""
+    """Module -> the modules of ours it imports anywhere in its file (`from pkg import name` counts as pkg.name when
+    that is a module, else as pkg)."""
     mods = _modules()
     graph: dict[str, set[str]] = {}
     for name, path in mods.items():
         edges: set[str] = set()
-        body = ast.parse(path.read_text(encoding="utf-8")).body
-        nodes = [n for stmt in body for n in (stmt.body if isinstance(stmt, ast.If) else [stmt])]
-        for node in nodes:
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rlf_envs"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            assert not (isinstance(node, ast.ImportFrom) and node.level), f"{name}: a relative import (use absolute)"
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in OURS:
                 for alias in node.names:
                     target = f"{node.module}.{alias.name}"
                     edges.add(target if target in mods else node.module)
             elif isinstance(node, ast.Import):
-                edges.update(a.name for a in node.names if a.name.startswith("rlf_envs"))
+                for alias in node.names:
+                    target = alias.name
+                    while target not in mods and "." in target:
+                        target = target.rpartition(".")[0]
+                    if target.split(".")[0] in OURS:
+                        edges.add(target)
         graph[name] = edges - {name}
     return graph
 
@@ -78,14 +95,47 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _within(mod: str, prefixes: tuple[str, ...]) -> bool:
+    return any(mod == p or mod.startswith(p + ".") for p in prefixes)
+
+
 def test_no_import_cycles() -> None:
     graph = _import_graph()
-    assert graph.get("rlf_envs.rewards.config")  # the walk sees imports
+    assert graph.get("rlf_envs.rewards.config")  # the walk sees module-level imports
+    assert "rlf_train.policy.checkpoint" in graph["rlf_train.policy.load"]  # ... of both packages
     assert _cycles(graph) == []
+
+
+def test_the_walk_sees_imports_inside_functions() -> None:
+    graph = _import_graph()
+    assert "rlf_train.rollout.env_source" in graph["rlf_train.rollout.source"]  # make_source imports it inside
 
 
 def test_cycle_finder_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_rlf_envs_never_imports_rlf_train() -> None:
+    graph = _import_graph()
+    bad = {m: sorted(e for e in edges if _within(e, ("rlf_train",))) for m, edges in graph.items()
+           if not _within(m, ("rlf_train",))}
+    assert {m: e for m, e in bad.items() if e} == {}
+
+
+def test_rlf_train_wings_stay_below_the_learner() -> None:
+    graph = _import_graph()
+    for mod, edges in graph.items():
+        if _within(mod, ("rlf_train.rollout", "rlf_train.policy")):
+            assert not {e for e in edges if _within(e, LEARNER)}, f"{mod} imports the learner"
+        if _within(mod, ("rlf_train.policy",)):
+            assert not {e for e in edges if _within(e, ("rlf_train.rollout",))}, f"{mod} imports rollout/"
+
+
+def test_nothing_imports_the_old_paths() -> None:
+    graph = _import_graph()
+    for mod, edges in graph.items():
+        if not _within(mod, COMPAT):
+            assert not {e for e in edges if _within(e, COMPAT)}, f"{mod} imports a module kept for old paths"
 
 
 def test_formats_take_shared_types_from_types_not_tools() -> None:

@@ -18,15 +18,18 @@ import torch
 from test_train_crash import COMMON, STEPS, _run_until_parked_then_kill, final_weights, rows
 from test_train_signal import action_logprob, parity_cfg
 
-import rlf_train.async_rollout as async_mod
+import rlf_train.rollout.env_source as async_mod
 import rlf_train.trainer as trainer_mod
 from rlf_envs.records import TrajectoryRecord
-from rlf_train.async_rollout import Admission, AsyncRollout, WeightStore
 from rlf_train.config import ConfigError, load_config
 from rlf_train.grpo import masked_logprobs, policy_loss
-from rlf_train.rollout import SamplingParams
+from rlf_train.rollout.async_worker import Admission
+from rlf_train.rollout.batch import SamplingParams
+from rlf_train.rollout.env_factory import make_envs
+from rlf_train.rollout.env_source import AsyncRollout
+from rlf_train.rollout.weights import WeightStore
 from rlf_train.sft import pad_batch
-from rlf_train.trainer import Trainer, make_envs
+from rlf_train.trainer import Trainer
 
 pytestmark = pytest.mark.train
 

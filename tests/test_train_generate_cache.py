@@ -11,7 +11,8 @@ import pytest
 import torch
 from test_train_spec_generate import setup as tiny
 
-from rlf_train.rollout import SamplingParams, StopChecker, cache_kwarg, generate
+from rlf_train.rollout.batch import SamplingParams
+from rlf_train.rollout.local import StopChecker, cache_kwarg, generate
 
 pytestmark = pytest.mark.train
 

@@ -9,11 +9,18 @@ import torch
 
 from rlf_envs.types import Action, ActionKind, Task, Trajectory, Turn
 from rlf_train.config import load_config
-from rlf_train.grpo import group_advantages, k3_kl, masked_logprobs, policy_loss, token_advantages, token_logprobs
+from rlf_train.grpo import (
+    group_advantages,
+    k3_kl,
+    masked_logprobs,
+    policy_loss,
+    token_advantages,
+    token_logprobs,
+    token_returns,
+)
 from rlf_train.policy.model import build_tiny_model
 from rlf_train.policy.tokenizer import load_tokenizer
 from rlf_train.sft import pad_batch, sft_loss
-from rlf_train.trainer import token_returns
 
 pytestmark = pytest.mark.train
 

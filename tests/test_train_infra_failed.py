@@ -14,7 +14,7 @@ from test_train_spec_grpo import G, N, spec_cfg
 
 import rlf_train.trainer as trainer_mod
 from rlf_envs.types import Task, Trajectory
-from rlf_train.rollout import drop_infra_failed
+from rlf_train.rollout.batch import drop_infra_failed
 from rlf_train.trainer import Trainer
 
 pytestmark = pytest.mark.train
@@ -44,7 +44,7 @@ def _step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failed_rows: set[int]
         torch.Tensor], bool]:
     tr = Trainer(spec_cfg(tmp_path / "run"))
     before = copy.deepcopy(tr.model.state_dict())
-    orig_rollouts, orig_loss = tr.rollouts, trainer_mod.policy_loss
+    orig_rollouts, orig_loss = tr.source.rollouts, trainer_mod.policy_loss
     advs: list[torch.Tensor] = []
 
     def rollouts(venv: Any, idx: Any, params: Any, seed_base: int, gen: Any) -> Any:
@@ -58,7 +58,7 @@ def _step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failed_rows: set[int]
         advs.append(adv.clone())
         return orig_loss(logp, old, adv, mask, **kw)
 
-    monkeypatch.setattr(tr, "rollouts", rollouts)
+    monkeypatch.setattr(tr.source, "rollouts", rollouts)
     monkeypatch.setattr(trainer_mod, "policy_loss", policy_loss)
     opt = torch.optim.AdamW(tr.model.parameters(), lr=5e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

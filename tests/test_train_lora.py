@@ -130,7 +130,8 @@ def test_trainer_optimizer_holds_adapter_state_only_and_samples_from_the_adapter
     assert saved and all(".lora_" in k for k in saved) and any(v.abs().sum() > 0 for k, v in saved.items()
                                                                 if "lora_B" in k)
     # greedy episodes of the policy (base + adapter in peft's forward) == those of the merged plain model
-    from rlf_train.rollout import SamplingParams, rollout
+    from rlf_train.rollout.batch import SamplingParams
+    from rlf_train.rollout.local import rollout
 
     venv = tr.eval_envs()
     params = SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=4)

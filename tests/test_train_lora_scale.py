@@ -98,7 +98,7 @@ class RecordingLLM:
 
 
 def test_the_vllm_reload_sends_the_merged_policy_under_plain_names(tmp_path: Path) -> None:
-    from rlf_train.vllm_engine import VllmRollout, VllmWorkerExtension
+    from rlf_train.rollout.vllm import VllmRollout, VllmWorkerExtension
 
     plain = _tiny()
     base = {k: v.detach().clone() for k, v in plain.state_dict().items()}

@@ -14,7 +14,7 @@ import pytest
 
 from rlf_train.config import load_config
 from rlf_train.policy.tokenizer import load_tokenizer
-from rlf_train.trainer import make_envs
+from rlf_train.rollout.env_factory import make_envs
 
 ROOT = Path(__file__).resolve().parent.parent
 

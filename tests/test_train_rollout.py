@@ -17,7 +17,8 @@ import torch
 from rlf_train.config import load_config
 from rlf_train.policy.model import build_tiny_model
 from rlf_train.policy.tokenizer import load_tokenizer
-from rlf_train.rollout import SamplingParams, StopChecker, generate, generate_batched, length_buckets
+from rlf_train.rollout.batch import SamplingParams
+from rlf_train.rollout.local import StopChecker, generate, generate_batched, length_buckets
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,8 +18,9 @@ from rlf_envs.types import Trajectory
 from rlf_train.config import load_config
 from rlf_train.policy.model import build_tiny_model
 from rlf_train.policy.tokenizer import load_tokenizer
-from rlf_train.rollout import SamplingParams, StopChecker, generate_batched, rollout
-from rlf_train.trainer import make_envs
+from rlf_train.rollout.batch import SamplingParams
+from rlf_train.rollout.env_factory import make_envs
+from rlf_train.rollout.local import StopChecker, generate_batched, rollout
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -22,11 +22,11 @@ import torch
 from test_train_spec_generate import contexts, setup
 from test_train_spec_rollout import exact_dist
 
-import rlf_train.sampling as sampling
-from rlf_train.grpo import sampling_logits
-from rlf_train.rollout import SamplingParams, StopChecker, generate, generate_batched, local_generate_batch
-from rlf_train.sampling import BLOCK, row_seeds, sample, sample_from_logits, uniforms
-from rlf_train.seeds import mix_seed
+import rlf_train.rollout.sampling as sampling
+from rlf_train.rollout.batch import SamplingParams
+from rlf_train.rollout.local import StopChecker, generate, generate_batched, local_generate_batch
+from rlf_train.rollout.sampling import BLOCK, row_seeds, sample, sample_from_logits, sampling_logits, uniforms
+from rlf_train.rollout.seeds import mix_seed
 
 pytestmark = pytest.mark.train
 
@@ -194,7 +194,7 @@ def test_generation_per_row_seed_whatever_the_batch() -> None:
 def test_endpoint_requests_sample_from_their_own_seed_whatever_the_arrival_order() -> None:
     """The agent endpoint's engine front: requests carrying seeds get the same tokens whichever requests share
     their batch and in whatever order they arrive (issue 42 item 8)."""
-    from rlf_train.endpoint.engine import EngineFront
+    from rlf_train.rollout.endpoint.engine import EngineFront
 
     tok, model = setup()
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=5)
@@ -282,9 +282,9 @@ def test_agent_sessions_sample_the_same_tokens_whatever_the_arrival_order() -> N
     from rlf_envs import runtime
     from rlf_envs.formats import Qwen3Format
     from rlf_envs.formats.chat import ChatCodec
-    from rlf_train.endpoint.engine import EngineFront
-    from rlf_train.endpoint.server import PolicyServer
-    from rlf_train.endpoint.sessions import Session
+    from rlf_train.rollout.endpoint.engine import EngineFront
+    from rlf_train.rollout.endpoint.server import PolicyServer
+    from rlf_train.rollout.endpoint.sessions import Session
 
     tok = qwen3_tokenizer()
     qc = Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -341,7 +341,7 @@ def test_agent_sessions_sample_the_same_tokens_whatever_the_arrival_order() -> N
 def test_nucleus_from_candidates_equals_the_full_sort() -> None:
     """`grpo.nucleus` (a top-k of candidates, a full sort only for rows whose nucleus is longer) keeps exactly the
     tokens the one-sort definition keeps, for peaked rows (nucleus among the candidates) and flat ones (longer)."""
-    from rlf_train.grpo import NUCLEUS_CANDIDATES, nucleus
+    from rlf_train.rollout.sampling import NUCLEUS_CANDIDATES, nucleus
 
     g = torch.Generator().manual_seed(12)
     V = 3 * NUCLEUS_CANDIDATES + 77

@@ -20,8 +20,9 @@ import rlf_train.trainer as trainer_mod
 from rlf_envs.types import Task, Trajectory
 from rlf_train.config import TrainConfig, load_config
 from rlf_train.grpo import masked_logprobs
+from rlf_train.rollout.batch import episode_stats, is_success
 from rlf_train.sft import pad_batch
-from rlf_train.trainer import Trainer, episode_stats, is_success
+from rlf_train.trainer import Trainer
 
 pytestmark = pytest.mark.train
 
@@ -48,7 +49,7 @@ class Spy:
         self.train: list[tuple[list[Trajectory], dict[str, torch.Tensor]]] = []
         self.eval: list[tuple[list[int], list[Trajectory]]] = []
         self.losses: list[dict[str, torch.Tensor]] = []
-        orig_rollouts, orig_loss = tr.rollouts, trainer_mod.policy_loss
+        orig_rollouts, orig_loss = tr.source.rollouts, trainer_mod.policy_loss
 
         def rollouts(venv: Any, task_indices: Any, params: Any, seed_base: int, gen: Any) -> Any:
             weights = copy.deepcopy(tr.model.state_dict())
@@ -65,7 +66,7 @@ class Spy:
                                 "mask": mask.detach().clone()})
             return orig_loss(logp, old_logp, advantages, mask, **kw)
 
-        monkeypatch.setattr(tr, "rollouts", rollouts)
+        monkeypatch.setattr(tr.source, "rollouts", rollouts)
         monkeypatch.setattr(trainer_mod, "policy_loss", policy_loss)
 
     def rows(self, key: str) -> list[torch.Tensor]:
@@ -208,7 +209,7 @@ def test_eval_cli_em_is_the_greedy_success_on_the_eval_split(tmp_path: Path) -> 
     from rlf_train.eval import main
     from rlf_train.policy.load import load_policy
     from rlf_train.policy.tokenizer import load_tokenizer
-    from rlf_train.trainer import make_envs
+    from rlf_train.rollout.env_factory import make_envs
 
     run = tmp_path / "c"
     cfg = parity_cfg(run, 2, ["optim.lr=0.1"])  # a large step: the greedy first tokens differ across prompts

@@ -42,12 +42,16 @@ from train_envs import PARITY_ID, FirstTokenParity
 
 from rlf_envs.env import ToolEnv
 from rlf_envs.records import TrajectoryRecord, read_records, step_path
-from rlf_train.async_rollout import Admission, AsyncRollout, WeightStore, seed_base
 from rlf_train.config import TrainConfig, load_config
 from rlf_train.grpo import masked_logprobs
-from rlf_train.rollout import SamplingParams
+from rlf_train.rollout.async_worker import Admission
+from rlf_train.rollout.batch import SamplingParams
+from rlf_train.rollout.env_factory import make_envs
+from rlf_train.rollout.env_source import AsyncRollout
+from rlf_train.rollout.seeds import seed_base
+from rlf_train.rollout.weights import WeightStore
 from rlf_train.sft import pad_batch
-from rlf_train.trainer import Trainer, make_envs
+from rlf_train.trainer import Trainer
 
 pytestmark = pytest.mark.train
 

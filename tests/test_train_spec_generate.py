@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from rlf_train.config import load_config
-from rlf_train.grpo import sampling_logits
 from rlf_train.policy.tokenizer import load_tokenizer
-from rlf_train.rollout import SamplingParams, StopChecker, _sample, generate, generate_batched, length_buckets
+from rlf_train.rollout.batch import SamplingParams
+from rlf_train.rollout.local import StopChecker, _sample, generate, generate_batched, length_buckets
+from rlf_train.rollout.sampling import sampling_logits
 
 _CACHE: dict[str, Any] = {}
 

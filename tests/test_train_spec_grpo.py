@@ -86,7 +86,7 @@ class Step:
         self.calls: list[dict[str, Any]] = []
         self.grads: list[list[torch.Tensor]] = []
         self.stepped: list[dict[str, torch.Tensor]] = []  # the weights each optimizer step's gradient was taken at
-        orig_rollouts, orig_loss = tr.rollouts, trainer_mod.policy_loss
+        orig_rollouts, orig_loss = tr.source.rollouts, trainer_mod.policy_loss
 
         def rollouts(venv: Any, idx: Any, params: Any, seed_base: int, gen: Any) -> Any:
             self.weights.append(copy.deepcopy(tr.model.state_dict()))
@@ -110,7 +110,7 @@ class Step:
                                "kw": dict(kw)})
             return out
 
-        monkeypatch.setattr(tr, "rollouts", rollouts)
+        monkeypatch.setattr(tr.source, "rollouts", rollouts)
         monkeypatch.setattr(trainer_mod, "policy_loss", policy_loss)
         opt = torch.optim.AdamW(tr.model.parameters(), lr=tr.cfg.optim.lr if lr is None else lr)
 

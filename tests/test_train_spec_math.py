@@ -19,11 +19,11 @@ from rlf_train.grpo import (
     group_advantages,
     masked_logprobs,
     policy_loss,
-    sampling_logits,
     token_advantages,
 )
 from rlf_train.policy.model import build_tiny_model
 from rlf_train.policy.tokenizer import load_tokenizer
+from rlf_train.rollout.sampling import sampling_logits
 
 pytestmark = pytest.mark.train
 

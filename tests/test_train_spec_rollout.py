@@ -22,14 +22,15 @@ import pytest
 import torch
 from test_train_spec_grpo import spec_cfg
 
-import rlf_train.rollout as rollout_mod
+import rlf_train.rollout.local as rollout_mod
 from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.types import Task, Trajectory
 from rlf_train.config import TrainConfig, load_config
 from rlf_train.policy.checkpoint import read_checkpoint
-from rlf_train.rollout import SamplingParams, _sample
+from rlf_train.rollout.batch import SamplingParams, episode_stats, is_success
+from rlf_train.rollout.local import _sample
 from rlf_train.sft import sft_loss
-from rlf_train.trainer import Trainer, episode_stats, is_success
+from rlf_train.trainer import Trainer
 
 pytestmark = pytest.mark.train
 
@@ -97,7 +98,8 @@ def test_every_generated_token_is_in_the_next_turn_context(tmp_path: Path, monke
 
     monkeypatch.setattr(rollout_mod, "generate_batched", spy)
     params = SamplingParams(temperature=1.0, max_new_tokens=3)
-    trajs, _ = tr.rollouts(tr.train_envs, [0, 0, 1, 1], params, seed_base=0, gen=torch.Generator().manual_seed(0))
+    trajs, _ = tr.source.rollouts(tr.train_envs, [0, 0, 1, 1], params, seed_base=0,
+                                  gen=torch.Generator().manual_seed(0))
     assert len(turns) >= 2, "the env ended every episode after one turn: no next-turn context to check"
     for k, (contexts, outs) in enumerate(turns):
         active = [i for i, t in enumerate(trajs) if len(t.turns) > k]  # episodes still running at turn k
@@ -121,14 +123,14 @@ def test_every_generated_token_is_in_the_next_turn_context(tmp_path: Path, monke
 def test_eval_uses_the_eval_split_and_the_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tr = Trainer(rollout_cfg(tmp_path / "run", ["rollout.max_turns=1", "env.kwargs={max_turns: 1}"]))
     seen: list[tuple[Any, list[int], list[Trajectory]]] = []
-    orig = tr.rollouts
+    orig = tr.source.rollouts
 
     def spy(venv: Any, idx: Any, params: Any, seed_base: int, gen: Any) -> Any:
         trajs, st = orig(venv, idx, params, seed_base, gen)
         seen.append((params, list(idx), trajs))
         return trajs, st
 
-    monkeypatch.setattr(tr, "rollouts", spy)
+    monkeypatch.setattr(tr.source, "rollouts", spy)
     res = tr.evaluate(0)
     assert res["num_tasks"] == 3
     assert [p.temperature for p, _, _ in seen] == [0.0, tr.cfg.eval.temperature]
@@ -206,7 +208,7 @@ def test_resume_restores_optimizer_and_scheduler(tmp_path: Path, capsys: pytest.
 
 
 def test_group_layout_check() -> None:
-    from rlf_train.trainer import check_groups
+    from rlf_train.grpo import check_groups
 
     check_groups(["a", "a", "b", "b"], 2)
     check_groups(["a", "a", "a", "a"], 2)  # the same prompt drawn twice in a row is two valid groups

@@ -22,7 +22,9 @@ from test_train_spec_grpo import spec_cfg
 
 from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.types import Action, ActionKind, Task, Trajectory, Turn
-from rlf_train.trainer import Trainer, episode_stats, is_success, token_returns
+from rlf_train.grpo import token_returns
+from rlf_train.rollout.batch import episode_stats, is_success
+from rlf_train.trainer import Trainer
 
 
 def random_traj(rng: random.Random, T: int) -> Trajectory:
@@ -119,7 +121,7 @@ def test_update_refuses_trajectories_out_of_prompt_order(tmp_path: Path) -> None
 
 
 def test_group_check_names_the_mixed_groups() -> None:
-    from rlf_train.trainer import check_groups
+    from rlf_train.grpo import check_groups
 
     ids = ["a", "b", "c", "c", "d", "e", "f", "g", "h", "i", "j", "k"]  # groups 0, 2, 3, 4, 5 mix tasks
     msg = ("GRPO group layout broken: 12 rows, group size 2, groups [0, 2, 3, 4] mix tasks ([['a', 'b'], "

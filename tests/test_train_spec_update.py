@@ -42,7 +42,7 @@ from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.rewards.base import Verifier
 from rlf_envs.types import Score, Task, Trajectory, Turn
 from rlf_train.policy.checkpoint import WEIGHTS, read_checkpoint
-from rlf_train.rollout import SamplingParams
+from rlf_train.rollout.batch import SamplingParams
 from rlf_train.trainer import Trainer
 
 pytestmark = pytest.mark.train
@@ -243,7 +243,7 @@ def test_logged_record_of_an_update(per_turn: Any, monkeypatch: pytest.MonkeyPat
     single-row micro-batches with one policy token, per-turn rewards off, KL to a reference."""
     tr = per_turn[0]
     tr.policy_version = version = 5
-    orig = tr.rollouts
+    orig = tr.source.rollouts
 
     def one_token_rows(*a: Any, **k: Any) -> Any:
         trajs, st = orig(*a, **k)
@@ -252,7 +252,7 @@ def test_logged_record_of_an_update(per_turn: Any, monkeypatch: pytest.MonkeyPat
             t.loss_mask = [int(p == first) for p in range(len(t.loss_mask))]  # type: ignore[arg-type]
         return trajs, st
 
-    monkeypatch.setattr(tr, "rollouts", one_token_rows)
+    monkeypatch.setattr(tr.source, "rollouts", one_token_rows)
     t0 = time.perf_counter()
     s = Step(per_turn, monkeypatch, ["algorithm.micro_batch_size=5", "algorithm.mini_batches=2",
                                      "algorithm.ppo_epochs=2", "rollout.temperature=0.7", "optim.lr=5e-2",
@@ -436,7 +436,7 @@ def test_eval_split_order_batches_and_threshold(tmp_path: Path, monkeypatch: pyt
     tr = Trainer(cfg)
     assert tr.eval_envs().num_envs == 2
     seen: list[tuple[Any, list[int], int, list[Trajectory]]] = []
-    orig = tr.rollouts
+    orig = tr.source.rollouts
 
     def spy(venv: Any, idx: Any, params: Any, seed_base: int, gen: Any) -> Any:
         assert venv is tr.eval_envs()
@@ -444,7 +444,7 @@ def test_eval_split_order_batches_and_threshold(tmp_path: Path, monkeypatch: pyt
         seen.append((params, list(idx), seed_base, trajs))
         return trajs, st
 
-    monkeypatch.setattr(tr, "rollouts", spy)
+    monkeypatch.setattr(tr.source, "rollouts", spy)
     res = tr.evaluate(7)
     assert [(i, sb) for _, i, sb, _ in seen] == [([0, 1], 0), ([2, 3], 2)] * 2
     assert [p for p, _, _, _ in seen] == [SamplingParams(temperature=0.0, top_p=1.0, max_new_tokens=3)] * 2 + [

@@ -199,7 +199,7 @@ def check_the_engine_is_built_to_report_what_it_sampled_from(run: FakeRun) -> No
     the configured memory share) and reports the log-prob of each sampled token under the distribution it sampled
     from (`processed_logprobs`: after temperature and top-p, one per token), with rlf's weight-reload extension and
     a prefix cache (reset on every reload)."""
-    from rlf_train.vllm_engine import WORKER_EXTENSION
+    from rlf_train.rollout.vllm import WORKER_EXTENSION
 
     kw = dict(run.kw)
     r = run.tr.cfg.rollout
@@ -213,7 +213,7 @@ def check_the_engine_is_built_to_report_what_it_sampled_from(run: FakeRun) -> No
 
 
 def test_a_seeded_engine_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from rlf_train.async_rollout import seed_base
+    from rlf_train.rollout.seeds import seed_base
 
     """Three runs on the stand-in engine with `seeded` on (as on a GPU): two with seed 7, one with seed 8. (One test,
     not a shared fixture: a mutation tool selects the tests that run the code, and a fixture runs it once.)"""
@@ -255,14 +255,14 @@ def test_the_real_engine_samples_at_the_rollout_temperature_and_takes_a_seed_per
     Switched to `seeded` (the GPU setting), each request carries a fresh seed from the trainer's generator across
     turns and two rollouts, and the engine takes them."""
     from rlf_train.grpo import masked_logprobs
-    from rlf_train.rollout import SamplingParams
+    from rlf_train.rollout.batch import SamplingParams
     from rlf_train.sft import pad_batch
 
     tr = engine_trainer
     r = tr.cfg.rollout
     params = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens_per_turn)
     tasks = [p for p in range(P) for _ in range(G)]
-    trajs, _ = tr.rollouts(tr.train_envs, tasks, params, seed_base=0, gen=tr.gen)
+    trajs, _ = tr.source.rollouts(tr.train_envs, tasks, params, seed_base=0, gen=tr.gen)
     v = tr.vllm
     assert v is not None and v.seeded is False
     seen: list[list[Any]] = []
@@ -273,7 +273,7 @@ def test_the_real_engine_samples_at_the_rollout_temperature_and_takes_a_seed_per
         return real(reqs, sps, **kw)
 
     v.llm.generate = recording
-    trajs, _ = tr.rollouts(tr.train_envs, tasks, params, seed_base=0, gen=tr.gen)
+    trajs, _ = tr.source.rollouts(tr.train_envs, tasks, params, seed_base=0, gen=tr.gen)
     assert seen and all(sp.seed is None and (sp.temperature, sp.top_p) == (TEMP, TOP_P) for c in seen for sp in c)
     ids, attn, tgt, mask = pad_batch(trajs, tr.pad_id, torch.device("cpu"))
     with torch.no_grad():
@@ -291,7 +291,7 @@ def test_the_real_engine_samples_at_the_rollout_temperature_and_takes_a_seed_per
     seen.clear()
     v.seeded = True
     for k in range(2):
-        tr.rollouts(tr.train_envs, tasks, params, seed_base=100 * (k + 1), gen=tr.gen)
+        tr.source.rollouts(tr.train_envs, tasks, params, seed_base=100 * (k + 1), gen=tr.gen)
     assert len(seen) >= 2
     seeds = [sp.seed for c in seen for sp in c]
     assert all(isinstance(s, int) and 0 <= s < SEED_RANGE for s in seeds)

@@ -42,7 +42,7 @@ def test_vllm_engine_samples_from_base_plus_adapter_after_every_update(trainer: 
     r = trainer.cfg.rollout
     tasks = [p for p in range(r.prompts_per_step) for _ in range(r.samples_per_prompt)]
     sp = params(trainer)
-    trajs, _ = trainer.rollouts(trainer.train_envs, tasks, sp, seed_base=0, gen=trainer.gen)  # plain policy
+    trajs, _ = trainer.source.rollouts(trainer.train_envs, tasks, sp, seed_base=0, gen=trainer.gen)  # plain policy
     base_lp = action_logprobs(trainer, trainer.model, trajs)
     assert worst(behaviour(trajs), base_lp) < LOGPROB_TOL
     trainer.model = lora.attach(trainer.model, trainer.cfg.model.lora, trainer.cfg.seed)  # as run_rl does
@@ -54,7 +54,7 @@ def test_vllm_engine_samples_from_base_plus_adapter_after_every_update(trainer: 
         for n, p in trainer.model.named_parameters():
             if ".lora_" in n:
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
-    trajs2, _ = trainer.rollouts(trainer.train_envs, tasks, sp, seed_base=100, gen=trainer.gen)
+    trajs2, _ = trainer.source.rollouts(trainer.train_envs, tasks, sp, seed_base=100, gen=trainer.gen)
     assert trainer.vllm.reloads == 1
     new_lp = action_logprobs(trainer, trainer.model, trajs2)  # peft's forward: base + adapter, unmerged
     err = worst(behaviour(trajs2), new_lp)

@@ -80,7 +80,7 @@ def trainer(bm25_index_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 def params(trainer: Any) -> Any:
-    from rlf_train.rollout import SamplingParams
+    from rlf_train.rollout.batch import SamplingParams
 
     r = trainer.cfg.rollout
     return SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=r.max_new_tokens_per_turn)
@@ -89,7 +89,7 @@ def params(trainer: Any) -> Any:
 def engine(trainer: Any) -> Any:
     """The trainer's VllmRollout, started by a one-episode rollout if no test before started it."""
     if trainer.vllm is None:
-        trainer.rollouts(trainer.train_envs, [0], params(trainer), seed_base=0, gen=trainer.gen)
+        trainer.source.rollouts(trainer.train_envs, [0], params(trainer), seed_base=0, gen=trainer.gen)
     return trainer.vllm
 
 
@@ -98,7 +98,7 @@ def test_vllm_engine_rollouts_are_on_policy_across_updates(trainer: Any) -> None
     r = cfg.rollout
     tasks = [p for p in range(r.prompts_per_step) for _ in range(r.samples_per_prompt)]
     sp = params(trainer)
-    trajs, stats = trainer.rollouts(trainer.train_envs, tasks, sp, seed_base=0, gen=trainer.gen)
+    trajs, stats = trainer.source.rollouts(trainer.train_envs, tasks, sp, seed_base=0, gen=trainer.gen)
     assert trainer.vllm is not None and trainer.vllm.reloads == 0
     assert [t.task.id for t in trajs] == [trainer.train_tasks[i].id for i in tasks]
     assert stats.gen_tokens == sum(e - s for t in trajs for (s, e) in (x.action_span for x in t.turns))
@@ -116,13 +116,13 @@ def test_vllm_engine_rollouts_are_on_policy_across_updates(trainer: Any) -> None
         for p in trainer.model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
 
-    trajs2, _ = trainer.rollouts(trainer.train_envs, tasks, sp, seed_base=100, gen=trainer.gen)
+    trajs2, _ = trainer.source.rollouts(trainer.train_envs, tasks, sp, seed_base=100, gen=trainer.gen)
     assert trainer.vllm.reloads == 1  # one reload for the new version ...
     new_lp = action_logprobs(trainer, trainer.model, trajs2)
     assert worst(behaviour(trajs2), new_lp) < LOGPROB_TOL  # ... and it is exact
     assert worst(action_logprobs(trainer, old, trajs2), new_lp) > 1e-3  # the update did move the policy
     assert all(x.policy_version == 1 for t in trajs2 for x in t.turns)
-    trainer.rollouts(trainer.train_envs, tasks[:4], sp, seed_base=200, gen=trainer.gen)
+    trainer.source.rollouts(trainer.train_envs, tasks[:4], sp, seed_base=200, gen=trainer.gen)
     assert trainer.vllm.reloads == 1  # same version: no reload
 
     # greedy eval through the engine: the same episodes twice
@@ -154,7 +154,8 @@ def test_vllm_sync_refuses_a_policy_of_another_shape_before_touching_the_engine(
         v.sync(policy_like(trainer, intermediate_size=192), version + 1)
     assert (v.version, v.reloads) == (version, reloads)
     # the engine still holds the trainer's policy: what it samples is on-policy for it
-    trajs, _ = trainer.rollouts(trainer.train_envs, [0, 1, 2, 3], params(trainer), seed_base=300, gen=trainer.gen)
+    trajs, _ = trainer.source.rollouts(trainer.train_envs, [0, 1, 2, 3], params(trainer), seed_base=300,
+                                       gen=trainer.gen)
     assert worst(behaviour(trajs), action_logprobs(trainer, trainer.model, trajs)) < LOGPROB_TOL
     assert v.reloads == reloads
 
@@ -184,8 +185,8 @@ def test_vllm_sync_stops_when_vllm_refuses_to_reset_its_prefix_cache(trainer: An
 
 def test_vllm_engine_config_is_checked_before_any_work(bm25_index_dir: Path, tmp_path: Path) -> None:
     from rlf_train.config import ConfigError
+    from rlf_train.rollout.vllm import check_policy_shape
     from rlf_train.trainer import Trainer
-    from rlf_train.vllm_engine import check_policy_shape
 
     with pytest.raises((ConfigError, ValueError), match="rollout.engine: vllm runs with rollout.mode: sync"):
         search_config(bm25_index_dir, tmp_path / "a", backend="local",
@@ -249,9 +250,9 @@ def test_agent_endpoint_generates_with_the_vllm_engine(trainer: Any) -> None:
     log-prob for every generated token."""
     import asyncio
 
-    from rlf_train.agent import AgentRunner
-    from rlf_train.endpoint.engine import EngineFront
-    from rlf_train.endpoint.sessions import SessionLimits
+    from rlf_train.rollout.agent_runner import AgentRunner
+    from rlf_train.rollout.endpoint.engine import EngineFront
+    from rlf_train.rollout.endpoint.sessions import EndpointLimits
 
     env = trainer.train_envs.envs[0]
     codec_stop = list(env.format.stop_strings)
@@ -274,7 +275,7 @@ def test_agent_endpoint_generates_with_the_vllm_engine(trainer: Any) -> None:
     codec = ChatCodec(env.format)
 
     async def main() -> Any:
-        runner = AgentRunner(agent, codec, trainer.tokenizer, SessionLimits(512, 8, 300), 4,
+        runner = AgentRunner(agent, codec, trainer.tokenizer, EndpointLimits(512, 8, 300), 4,
                              EngineFront(spy, codec.stop_strings))
         await runner.start()
         try:
@@ -297,7 +298,7 @@ def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: A
     kernel would) while the trainer's workers and sockets stay up: the generate call would wait forever."""
     import psutil
 
-    from rlf_train.vllm_engine import VllmTimeoutError, engine_core_processes
+    from rlf_train.rollout.vllm import VllmTimeoutError, engine_core_processes
 
     v = engine(trainer)
     assert [p.pid for p in v.procs] == [p.pid for p in engine_core_processes(v.llm)] and len(v.procs) == 1
@@ -310,7 +311,7 @@ def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: A
     t0 = time.monotonic()
     try:
         with pytest.raises(VllmTimeoutError, match=killed_at_deadline("generate (4 requests, max_tokens <= 12)")):
-            trainer.rollouts(trainer.train_envs, [0, 1, 2, 3], params(trainer), seed_base=400, gen=trainer.gen)
+            trainer.source.rollouts(trainer.train_envs, [0, 1, 2, 3], params(trainer), seed_base=400, gen=trainer.gen)
         elapsed = time.monotonic() - t0
         left, left_vllm = [p.pid for p in tree if running(p)], live_vllm_descendants()
     finally:
@@ -323,7 +324,7 @@ def test_vllm_engine_hang_ends_at_the_deadline_with_the_engine_killed(trainer: A
     assert engine_threads(wait_s=10) == []  # the abandoned call's thread was woken (vLLM's output queue got an error)
     assert v.llm is None
     with pytest.raises(RuntimeError, match="killed after a timeout"):  # the dead engine is not used again
-        trainer.rollouts(trainer.train_envs, [0], params(trainer), seed_base=500, gen=trainer.gen)
+        trainer.source.rollouts(trainer.train_envs, [0], params(trainer), seed_base=500, gen=trainer.gen)
 
 
 def test_vllm_engine_start_up_hang_ends_at_the_deadline_with_the_engine_killed(trainer: Any, tmp_path: Path) -> None:
@@ -333,7 +334,7 @@ def test_vllm_engine_start_up_hang_ends_at_the_deadline_with_the_engine_killed(t
 
     import psutil
 
-    from rlf_train.vllm_engine import VllmRollout, VllmTimeoutError
+    from rlf_train.rollout.vllm import VllmRollout, VllmTimeoutError
 
     before = set(multiprocessing.active_children())
     stopped: list[psutil.Process] = []

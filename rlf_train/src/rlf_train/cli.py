@@ -58,12 +58,11 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> list[str]:
     and the real run then says how to continue or move that run."""
     import os
 
-    from rlf_train.envs import make_env
     from rlf_train.policy.checkpoint import latest_checkpoint
     from rlf_train.policy.model import resolve_device
     from rlf_train.policy.tokenizer import load_tokenizer
+    from rlf_train.rollout.env_factory import env_tasks, make_env
     from rlf_train.sft import load_demos
-    from rlf_train.trainer import env_tasks
 
     notes: list[str] = []
     tokenizer = load_tokenizer(cfg.model)
@@ -79,7 +78,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> list[str]:
     train_env = make_env(cfg, tokenizer, "train")
     train_tasks = env_tasks(train_env)
     if cfg.rollout.agent is not None:
-        from rlf_train.agent import AgentSource
+        from rlf_train.rollout.agent_source import AgentSource
 
         AgentSource.check(cfg.rollout.agent, train_env.format)
     env_tasks(make_env(cfg, tokenizer, "eval"))
@@ -97,7 +96,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> list[str]:
         raise ConfigError(f"logging.run_dir: cannot write to {run_dir} ({existing} is not a writable directory); "
                           "set logging.run_dir (or name) to a writable directory")
     if cfg.rollout.engine == "vllm" and cfg.model.name_or_path == "tiny":
-        from rlf_train.vllm_engine import check_policy_shape
+        from rlf_train.rollout.vllm import check_policy_shape
 
         check_policy_shape(cfg.model.tiny.hidden_size, cfg.model.tiny.num_heads, device.type == "cpu")
     return notes
@@ -158,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         for note in notes:
             print(f"note: {note}")
         return 0
-    from rlf_train.agent import AgentFailed
+    from rlf_train.rollout.agent_source import AgentFailed
     from rlf_train.trainer import Trainer
 
     try:

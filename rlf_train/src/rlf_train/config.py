@@ -98,6 +98,9 @@ class EnvConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    """How episodes are made: prompts and group size per step, sampling, the budgets each episode gets, the engine,
+    the source (`agent`) and the async mode."""
+
     prompts_per_step: int = Field(8, ge=1)
     samples_per_prompt: int = Field(8, ge=1, description="G: the group size for GRPO")
     temperature: float = Field(1.0, gt=0.0)
@@ -129,7 +132,7 @@ class RolloutConfig(_Section):
     engine: Literal["local", "vllm"] = Field(
         "local", description="what generates the local backend's rollouts and evals: local (rlf's KV-cache sampler) "
                              "or vllm (a vllm.LLM in the trainer's process, weights reloaded after every update; "
-                             "needs vLLM, rollout.mode sync; rlf_train.vllm_engine)")
+                             "needs vLLM, rollout.mode sync; rlf_train.rollout.vllm)")
     vllm_gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="engine vllm on a GPU: the share of "
                                                                                   "GPU memory vLLM may take")
     vllm_timeout_s: float = Field(600.0, gt=0.0, description="engine vllm: the deadline of every call into the "
@@ -175,6 +178,8 @@ class SFTConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
+    """The RL update: GRPO / Dr.GRPO (PPO-clip on group-normalised advantages) or PPO, and its knobs."""
+
     name: Literal["grpo", "dr_grpo", "ppo"] = Field(
         "grpo", description="grpo | dr_grpo (both backends) | ppo (GAE with a critic; backend openrlhf only)")
     steps: int = Field(100, ge=0)
@@ -202,6 +207,8 @@ class AlgorithmConfig(_Section):
 
 
 class OptimConfig(_Section):
+    """AdamW for the RL stage (the warm start has its own `sft.lr`)."""
+
     lr: float = Field(3e-4, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -210,6 +217,8 @@ class OptimConfig(_Section):
 
 
 class EvalConfig(_Section):
+    """Held-out evaluation during the run: how often, on how many tasks, greedy and/or sampled."""
+
     every: int = Field(0, ge=0, description="evaluate every N RL steps (0: only at the end)")
     num_tasks: int = Field(128, ge=1)
     greedy: bool = True
@@ -219,6 +228,8 @@ class EvalConfig(_Section):
 
 
 class LoggingConfig(_Section):
+    """Where a run writes (run dir, checkpoints, trajectories) and what it logs to (JSONL, TensorBoard, W&B)."""
+
     run_dir: str = "runs/{name}"
     tensorboard: bool = True
     wandb_project: str | None = None
@@ -273,6 +284,9 @@ class OpenRLHFConfig(_Section):
 
 
 class TrainConfig(_Section):
+    """The one training config (`python -m rlf_train --config X.yaml`): every section, so one YAML file says all a run
+    does and the run dir's config.yaml is enough to resume or evaluate it."""
+
     name: str = "run"
     seed: int = 0
     backend: Literal["local", "openrlhf"] = "local"

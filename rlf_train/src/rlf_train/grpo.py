@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from rlf_envs.types import Trajectory
+from rlf_train.rollout.sampling import sampling_logits
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
@@ -56,6 +57,8 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class LossOut:
+    """One micro-batch's loss (to backpropagate) and its statistics (for the logs)."""
+
     loss: torch.Tensor  # this micro-batch's share of the mini-batch loss (sum over micro-batches = total)
     pg_loss: float
     kl: float
@@ -143,53 +146,6 @@ def policy_loss(
         ratio_mean = float((ratio * m).sum() / n)
     return LossOut(loss=loss, pg_loss=float(aggregate(pg.detach(), m, agg, total_tokens, total_seqs, norm_len)),
                    kl=kl_val, clip_frac=clip_frac, ratio_mean=ratio_mean, is_weight_mean=is_weight_mean)
-
-
-def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
-                    keep: torch.Tensor | None = None) -> torch.Tensor:
-    """The logits of the distribution the rollout samples from: divided by `temperature`, and with every
-    token outside the top-p nucleus set to -inf when `top_p` < 1 (the nucleus: the most likely tokens whose
-    preceding cumulative probability is below top_p, so it is never empty). Float32.
-
-    `keep` ([..., V] bool, optional) forces tokens into the nucleus: the update passes the sampled token,
-    so its log-prob stays finite when a parameter update (or a rounding difference between the rollout's
-    cached decode and the update's full forward) moves it just outside. `rollout._sample` samples from
-    exactly this distribution, and the GRPO update's log-probs/ratios/KL are computed under it."""
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    if top_p < 1.0:
-        with torch.no_grad():
-            inside = nucleus(torch.softmax(logits, dim=-1), top_p)
-            if keep is not None:
-                inside = inside | keep
-        logits = logits.masked_fill(~inside, float("-inf"))
-    return logits
-
-
-#: top-p looks for the nucleus among this many most likely tokens first (a top-k: far cheaper than sorting a 151k
-#: vocabulary on a CPU); only rows whose nucleus is longer are sorted whole
-NUCLEUS_CANDIDATES = 1024
-
-
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """[..., V] bool: the most likely tokens whose preceding cumulative probability (in descending order) is below
-    `top_p`. Exact: when the last of the `NUCLEUS_CANDIDATES` candidates is outside, every less likely token is
-    too; otherwise that row is sorted whole."""
-    shape = probs.shape
-    probs = probs.reshape(-1, shape[-1])
-    V = probs.shape[-1]
-
-    def inside_of(p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        vals, idx = p.topk(k, dim=-1) if k < V else p.sort(dim=-1, descending=True)
-        keep_sorted = vals.cumsum(-1) - vals < top_p
-        return torch.zeros_like(p, dtype=torch.bool).scatter(-1, idx, keep_sorted), keep_sorted[:, -1]
-
-    inside, open_end = inside_of(probs, min(V, NUCLEUS_CANDIDATES))
-    if V > NUCLEUS_CANDIDATES and bool(open_end.any()):
-        rows = open_end.nonzero().flatten()
-        inside[rows] = inside_of(probs[rows], V)[0]
-    return inside.reshape(shape)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -332,8 +288,8 @@ def check_groups(task_ids: Sequence[str], group_size: int) -> None:
 
 def row_advantages(episode_returns: torch.Tensor, episode_of_row: Sequence[int], T: int, group_size: int,
                    std_normalize: bool, eps: float = 1e-6) -> torch.Tensor:
-    """[N, T] advantages when rows are segments of episodes (an agent's sessions, `rlf_train.agent`): row i gets
-    its episode's group advantage (`token_advantages` over the episodes, groups of `group_size` episodes)."""
+    """[N, T] advantages when rows are segments of episodes (an agent's sessions, `rlf_train.rollout.agent_source`):
+    row i gets its episode's group advantage (`token_advantages` over the episodes, groups of `group_size` episodes)."""
     ep_adv = token_advantages(episode_returns.unsqueeze(1), episode_returns, group_size, std_normalize, eps)
     return ep_adv[torch.tensor(list(episode_of_row), dtype=torch.long)].expand(len(episode_of_row), T).clone()
 

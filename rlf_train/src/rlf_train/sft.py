@@ -25,6 +25,8 @@ from rlf_envs.types import Task, Trajectory
 
 @dataclass(frozen=True)
 class Demo:
+    """One warm-start demonstration: a train task and the policy turns to replay on it."""
+
     task_index: int
     actions: tuple[str, ...]  # policy turns as text, in order
     kind: str = "scripted"

@@ -1,5 +1,6 @@
-"""The local backend: optional SFT warm start, then GRPO on rollouts from the env, with eval,
-checkpoints, exact resume, metrics (JSONL + TensorBoard [+ W&B]), progress bar and reward curve."""
+"""The local backend's loop: optional SFT warm start, then GRPO on the episodes a rollout source gives
+(`rlf_train.rollout`), with eval, checkpoints, exact resume, metrics (JSONL + TensorBoard [+ W&B]), progress bar
+and reward curve."""
 
 from __future__ import annotations
 
@@ -18,20 +19,7 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
-from rlf_train.agent import AgentSource, AgentWorker
-from rlf_train.async_rollout import (
-    Admission,
-    AsyncRollout,
-    ProcessRollout,
-    SharedWeights,
-    WeightStore,
-    WorkerSpec,
-    sampler_seed,
-    seed_base,
-)
 from rlf_train.config import ConfigError, TrainConfig, dump_config
-from rlf_train.endpoint.sessions import SessionLimits
-from rlf_train.envs import Stage, env_tasks, make_envs
 from rlf_train.group_reward import GroupReward
 from rlf_train.grpo import (
     behaviour_logprobs,
@@ -56,21 +44,30 @@ from rlf_train.policy.checkpoint import (
 from rlf_train.policy.load import load_policy
 from rlf_train.policy.model import num_parameters, resolve_device
 from rlf_train.policy.tokenizer import load_tokenizer
-from rlf_train.rollout import (
+from rlf_train.rollout.async_worker import Admission, AsyncPlan, RolloutWorker
+from rlf_train.rollout.batch import (
     Rollouts,
-    RolloutStats,
     SamplingParams,
     drop_infra_failed,
     episode_stats,
     is_success,
     reward_stats,
 )
+from rlf_train.rollout.env_factory import Stage, env_tasks, make_envs
+from rlf_train.rollout.seeds import seed_base
+from rlf_train.rollout.source import Source, make_source
+from rlf_train.rollout.vllm import VllmRollout, check_policy_shape
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
-from rlf_train.sources import EnvSource
-from rlf_train.vllm_engine import VllmRollout, check_policy_shape
 
 
 class Trainer:
+    """The local backend (`backend: local`): one process that runs SFT, then GRPO, on one device.
+
+    It holds the learner's state (policy, optimizer, RNG streams, data order) and the loop: draw prompts, ask the
+    rollout source (`self.source`, built by `rlf_train.rollout.make_source`) for their episodes, update, log, eval,
+    checkpoint. Where the episodes come from (the env with the local or vLLM engine, or an agent's own code) is the
+    source's business, so the loop is the same for all of them, and a killed run resumes bit-identically."""
+
     def __init__(self, cfg: TrainConfig, run_dir: Path | None = None, resume: bool = False) -> None:
         """Everything that can be checked before training work starts is checked here (tokenizer, device,
         env ids/kwargs/splits, demos, run dir): a mistake raises ConfigError naming the key."""
@@ -120,22 +117,17 @@ class Trainer:
         if r.engine == "vllm":
             mc = self.model.config
             check_policy_shape(mc.hidden_size, mc.num_attention_heads, self.device.type == "cpu")
-        envs = {"train": self.train_envs, "eval": self._eval_envs}
-        # where episodes come from (rlf_train.sources): the env with the configured engine, or the agent's code
-        self.engine = EnvSource(cfg, self.tokenizer, envs, self.run_dir, lambda: self.model,
-                                lambda: self.policy_version)
-        self.agent: AgentSource | None = None
-        if r.agent is not None:  # the env gives tasks, format and verifier; the agent's code makes the episodes
-            self.agent = AgentSource(r.agent, self.tokenizer, envs, self.engine,
-                                     SessionLimits(r.max_total_tokens, r.max_new_tokens_per_turn, r.agent_timeout_s,
-                                                   r.agent_max_calls), r.agent_concurrency)
+        envs: dict[Stage, ToolVectorEnv] = {"train": self.train_envs, "eval": self._eval_envs}
+        # where episodes come from: the env with the configured engine, or the agent's code (rlf_train.rollout)
+        self.source: Source = make_source(cfg, self.tokenizer, envs, self.run_dir, lambda: self.model,
+                                          lambda: self.policy_version)
         self.gen = torch.Generator().manual_seed(cfg.seed + 1)
         self.data_rng = np.random.default_rng(cfg.seed + 2)
         self.order: list[int] = []
         self.order_pos = 0
         self.ref_model: torch.nn.Module | lora.AdapterOff | None = None
         self.admission: Admission | None = None  # async RL: the staleness bound, with a log of every start
-        self.async_worker: AsyncRollout | ProcessRollout | AgentWorker | None = None
+        self.async_worker: RolloutWorker | None = None
         # applied to the train envs before RL (in the async worker process too; must then be picklable): e.g.
         # benchmarks/async_training.py's slow-search wrapper
         self.train_env_hook: Callable[[ToolVectorEnv], None] | None = None
@@ -224,22 +216,12 @@ class Trainer:
     @property
     def vllm(self) -> VllmRollout | None:
         """rollout.engine vllm's engine, once the first rollout built it."""
-        return self.engine.vllm
-
-    def rollouts(self, venv: ToolVectorEnv, task_indices: Sequence[int], params: SamplingParams,
-                 seed_base: int, gen: torch.Generator | None) -> tuple[list[Trajectory], RolloutStats]:
-        """Env-driven episodes (env i of `venv` on task_indices[i]) with the configured engine."""
-        return self.engine.rollouts(venv, task_indices, params, seed_base, gen)
+        return self.source.vllm
 
     def collect(self, stage: Stage, task_indices: Sequence[int], params: SamplingParams, seed_base: int,
                 gen: torch.Generator | None) -> Rollouts:
-        """The episodes of `task_indices` (of `stage`'s split) as GRPO rows: env-driven (`rollouts`), or with
-        rollout.agent the agent's sessions (one row per segment; `rlf_train.sources`)."""
-        if self.agent is not None:
-            return self.agent.collect(stage, task_indices, params, seed_base, gen)
-        venv = self.train_envs if stage == "train" else self._eval_envs
-        trajs, stats = self.rollouts(venv, task_indices, params, seed_base, gen)
-        return Rollouts(trajs, list(range(len(trajs))), stats, {})
+        """The episodes of `task_indices` (of `stage`'s split) as GRPO rows, from the rollout source."""
+        return self.source.collect(stage, task_indices, params, seed_base, gen)
 
     def store_trajectories(self, step: int, trajs: Sequence[Trajectory], source: str) -> None:
         """Sampled episodes for the viewer (run_dir/trajectories/step_K.jsonl); evals also get a TensorBoard
@@ -264,20 +246,21 @@ class Trainer:
             params = SamplingParams(temperature=temp, top_p=1.0,
                                     max_new_tokens=self.cfg.rollout.max_new_tokens_per_turn)
             gen = torch.Generator().manual_seed(10_000 + self.cfg.seed)  # same eval samples at every eval
-            if self.agent is not None:
-                self.agent.take_eval()
+            self.source.eval_metrics()  # (counts of earlier eval batches: not these)
             trajs: list[Trajectory] = []
             rewards: list[float] = []
+            segments = False
             for s in range(0, n_tasks, envs.num_envs):
                 idx = list(range(s, min(s + envs.num_envs, n_tasks)))
                 got = self.collect("eval", idx, params, seed_base=s, gen=gen)
                 trajs.extend(got.trajectories)
                 rewards.extend(got.episode_rewards())
+                segments = segments or got.rewards is not None
             self.store_trajectories(step, trajs, f"eval_{mode}")
             st = episode_stats(trajs)
-            if self.agent is not None:  # rows are segments: success and reward are per episode
+            if segments:  # rows are an agent's segments: success and reward are per episode
                 st.update(reward_stats(rewards))
-                st.update(self.agent.take_eval().metrics())  # errors, timeouts, ... of these eval episodes
+            st.update(self.source.eval_metrics())  # what the source counted (an agent's errors, timeouts, ...)
             result[mode] = st
             result[f"success_{mode}"] = st["success_rate"]
         return result
@@ -370,7 +353,7 @@ class Trainer:
         got = self.collect("train", task_indices, self._sampling(), seed_base=self._seed_base(step), gen=self.gen)
         rstats = got.stats
         rec = self.update(step, got.trajectories, task_indices, optimizer, scheduler, behaviour=False,
-                          episodes=got if self.agent is not None else None)
+                          episodes=got if got.rewards is not None else None)
         rec.update(got.metrics)
         rec.update({"gen_tokens": rstats.gen_tokens, "time_rollout": rstats.total_seconds,
                     "time_generate": rstats.gen_seconds, "time_env": rstats.env_seconds,
@@ -537,11 +520,10 @@ class Trainer:
 
     def _run_rl_async(self, progress: Progress, start_step: int, optimizer: torch.optim.Optimizer,
                       scheduler: Any) -> None:
-        """`rollout.mode: async`: the worker (`async_rollout.AsyncRollout` with its own copy of the policy, in a
-        process of its own or on rlf's loop thread: `rollout.async_worker`) generates while this thread
-        updates; after each update the weights are published as
-        version = step. `time_wait` is the learner's idle time (waiting for a batch), `rollout_busy` the
-        worker's generation time since the previous row."""
+        """`rollout.mode: async`: the source's worker (`Source.async_worker`: with its own copy of the policy, in a
+        process of its own or on rlf's loop thread, `rollout.async_worker`) generates while this thread updates;
+        after each update the weights are published as version = step. `time_wait` is the learner's idle time
+        (waiting for a batch), `rollout_busy` the worker's generation time since the previous row."""
         cfg, r = self.cfg, self.cfg.rollout
         steps = cfg.algorithm.steps
         if start_step >= steps:
@@ -565,31 +547,11 @@ class Trainer:
                                  f"of versions {list(need)} in the checkpoint, which was not written by a fixed-"
                                  "schedule run with this max_staleness; resume with rollout.async_schedule: free")
             history = {v: saved[v] for v in need}
-        worker: AsyncRollout | ProcessRollout | AgentWorker
-        store: WeightStore | SharedWeights
-        if self.agent is not None:  # agent episodes ahead of the learner, against an endpoint of their own
-            store = WeightStore(keep=keep)
-            worker = AgentWorker(self.agent, self._frozen_copy(), self._sampling(), store=store,
-                                 admission=self.admission, prompts_for=prompts.__getitem__,
-                                 group_size=r.samples_per_prompt, first_update=start_step + 1, last_update=steps,
-                                 batch_size=r.batch_size, gen=self.gen)
-        elif r.async_worker == "process":
-            import torch.multiprocessing as tmp
-
-            ctx = tmp.get_context("spawn")
-            store = SharedWeights(self.model, ctx, slots=keep)
-            spec = WorkerSpec(cfg.model_dump(mode="json"), prompts, start_step + 1, steps, self.train_env_hook)
-            worker = ProcessRollout(spec, store, self.admission, ctx)
-        else:
-            store = WeightStore(keep=keep)
-            worker = AsyncRollout(
-                self.train_envs, self._frozen_copy(), self.tokenizer, self._sampling(), store=store,
-                admission=self.admission, prompts_for=prompts.__getitem__,
-                seed_for=lambda u, row: self._seed_base(u) + row,
-                gen_seed_for=lambda u: sampler_seed(cfg.seed, u),
-                group_size=r.samples_per_prompt, first_update=start_step + 1, last_update=steps,
-                batch_size=r.batch_size, gen=self.gen, partial_rollouts=r.partial_rollouts,
-                schedule=r.async_schedule)
+        worker = self.source.async_worker(AsyncPlan(
+            self.model, self._sampling(), self.admission, prompts, first_update=start_step + 1, last_update=steps,
+            keep=keep, group_size=r.samples_per_prompt, batch_size=r.batch_size, gen=self.gen,
+            env_hook=self.train_env_hook))
+        store = worker.store
 
         def publish(version: int) -> None:
             store.publish(version, self.model)
@@ -630,13 +592,6 @@ class Trainer:
         finally:
             worker.stop()
 
-    def _frozen_copy(self) -> torch.nn.Module:
-        """A copy of the policy for a rollout worker (no gradients)."""
-        worker_model = copy.deepcopy(self.model)
-        for p in worker_model.parameters():
-            p.requires_grad_(False)
-        return worker_model
-
     def _reference_model(self) -> torch.nn.Module | lora.AdapterOff:
         if lora.is_lora(self.model):  # the base: the same weights with the adapter switched off, no copy
             return lora.AdapterOff(self.model)
@@ -653,10 +608,8 @@ class Trainer:
 
     # ---------------------------------------------------------------- entry
     def close_engine(self) -> None:
-        """Shut rollout.engine vllm's engine down (no-op otherwise)."""
-        if self.agent is not None:
-            self.agent.close()
-        self.engine.close()
+        """Close what the rollout source started (rollout.engine vllm's engine, an agent's endpoint)."""
+        self.source.close()
 
     def _run_stages(self, progress: Progress) -> None:
         """SFT (unless done), the eval before RL, then RL, each resumed from where the checkpoint left it."""
@@ -692,8 +645,9 @@ class Trainer:
                 self._run_stages(progress)
             finally:  # rollout.engine vllm: the engine may have started in any stage that rolls out
                 self.close_engine()
-                if self.agent is not None:  # how the agent's episodes went, failures included (also on Ctrl-C)
-                    progress.print(self.agent.summary())
+                line = self.source.summary()  # e.g. how an agent's episodes went, failures included (also on Ctrl-C)
+                if line is not None:
+                    progress.print(line)
                 if self.group_reward is not None:
                     self.group_reward.close()
         self.logger.close()

@@ -1,5 +1,5 @@
 """OpenAI-shaped chat messages <-> the exact text a format's policy sees: what the agent endpoint
-(`rlf_train.endpoint`) renders prompts with and parses replies with.
+(`rlf_train.rollout.endpoint`) renders prompts with and parses replies with.
 
 A `ChatCodec` wraps one rlf `Format`, so an agent talking to the endpoint sees the same prompt text an rlf
 env of that format would show (tools in the system turn for Qwen3, Search-R1's tags for `search_r1`), and

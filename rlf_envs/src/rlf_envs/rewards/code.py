@@ -69,6 +69,9 @@ class CodeConfig(VerifierConfig, SandboxLimits):
 
 
 class CodeVerifier(ConfiguredVerifier[CodeConfig]):
+    """Code judged by tests it cannot touch: the solution runs in the sandbox, the tests in a trusted supervisor
+    that decides each verdict (see the module docstring); the score is the fraction of tests passed."""
+
     config_cls = CodeConfig
 
     def __init__(self, config: CodeConfig | None = None, **kwargs: Any) -> None:

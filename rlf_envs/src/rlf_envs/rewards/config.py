@@ -104,13 +104,10 @@ def register_verifier(cls: type[C]) -> type[C]:
 
 
 def registered_types() -> list[str]:
-    """The verifier type names that configs may use."""
-    _ensure_builtins()
+    """The verifier type names that configs may use. (The built-in types are registered by the modules that
+    define them, which the package `rlf_envs.rewards` imports: Python runs it before this module, so they are
+    registered before anything here can be called.)"""
     return sorted(_REGISTRY)
-
-
-def _ensure_builtins() -> None:
-    import rlf_envs.rewards  # noqa: F401 - registers the built-in verifier types
 
 
 def _dispatch(value: Any) -> Any:
@@ -119,7 +116,6 @@ def _dispatch(value: Any) -> Any:
         return value
     if not isinstance(value, dict):
         raise ValueError(f"expected a verifier mapping with a 'type' key, got {type(value).__name__}")
-    _ensure_builtins()
     kind = value.get("type")
     allowed = ", ".join(sorted(_REGISTRY))
     if kind is None:

@@ -426,6 +426,10 @@ class SqlConfig(VerifierConfig):
 
 
 class SqlVerifier(ConfiguredVerifier[SqlConfig]):
+    """Execution match for text-to-SQL: the predicted and the gold query run read-only on the task's database and
+    their result sets are compared, so any query that returns the right rows scores (see the module docstring for
+    what a query may not do)."""
+
     config_cls = SqlConfig
 
     def __init__(self, config: SqlConfig | None = None, **kwargs: Any) -> None:

@@ -1,7 +1,1 @@
-"""The policy endpoint: an OpenAI-compatible server in front of the rollout engine, one token-exact session
-per episode, so agent code written against the OpenAI API is a rollout source (`rlf_train.agent`).
-
-- `sessions`: matching each request to the conversation so far; segments of exact ids and loss masks.
-- `engine`: requests of many sessions batched into the engine's calls.
-- `server`: the aiohttp app (`/v1/chat/completions`, `/v1/models`, streaming, errors).
-"""
+"""Kept for one release: the policy endpoint lives in `rlf_train.rollout.endpoint`; import it from there."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from openrlhf.trainer.ray.vllm_worker_wrap import WorkerWrap
 
-from rlf_train.vllm_engine import VllmWorkerExtension, retie_lm_head
+from rlf_train.rollout.vllm import VllmWorkerExtension, retie_lm_head
 
 WORKER_EXTENSION = f"{__name__}.CpuWorkerWrap"
 SYNC_TIMEOUT_S = 120.0

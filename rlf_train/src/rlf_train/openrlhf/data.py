@@ -13,7 +13,7 @@ from rlf_envs.records import atomic_write_text
 from rlf_envs.tasks import task_from_dict
 from rlf_envs.types import Task
 from rlf_train.config import ConfigError, TrainConfig
-from rlf_train.envs import Stage
+from rlf_train.rollout.env_factory import Stage
 
 
 def task_to_label(task: Task, stage: Stage) -> str:
@@ -34,7 +34,7 @@ def task_from_label(label: Any) -> tuple[Task, Stage]:
 
 def write_prompts(cfg: TrainConfig, data_dir: Path) -> tuple[Path, Path | None, int]:
     """The train and eval prompt files (see the module docstring); returns (train, eval, #train prompts)."""
-    from rlf_train.envs import make_env
+    from rlf_train.rollout.env_factory import make_env
 
     def lines(kind: Stage, n: int | None, shuffle: bool) -> list[str]:
         env = make_env(cfg, None, kind)  # text mode: the observation after reset is the rendered prompt

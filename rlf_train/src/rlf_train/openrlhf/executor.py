@@ -35,8 +35,8 @@ from rlf_envs.env.tool_env import ToolEnv
 from rlf_envs.records import SUCCESS_THRESHOLD
 from rlf_envs.types import EndReason, Trajectory
 from rlf_train.config import TrainConfig, config_from_dict, load_config
-from rlf_train.envs import Stage, make_env
 from rlf_train.openrlhf.data import task_from_label
+from rlf_train.rollout.env_factory import Stage, make_env
 
 log = logging.getLogger("rlf_train.openrlhf")
 

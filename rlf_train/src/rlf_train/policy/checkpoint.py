@@ -26,6 +26,8 @@ _STEP_RE = re.compile(r"^(step_|sft_)(\d+)$")
 
 @dataclass
 class CheckpointMeta:
+    """Which stage and step a checkpoint was written at: what a resumed run continues from."""
+
     stage: str  # "sft" | "rl"
     step: int  # RL steps completed (or SFT steps for stage sft)
     sft_done: bool

@@ -1,29 +1,7 @@
-"""Asynchronous rollouts for the local backend (`rollout.mode: async`, docs/guides/async-rl.md).
-
-Three pieces, each usable on its own:
-
-- `WeightStore`: the learner publishes versioned weights (a CPU copy of the state dict, version = number
-  of updates done); the rollout side picks up the newest between turns. Nothing in it assumes the two
-  sides share a device or a process: on a GPU box the rollout model may live on another device (the copy
-  is loaded with `load_state_dict`), and a process boundary only has to carry (version, state dict).
-- `Admission`: the staleness bound. Group k (the k-th GRPO group of the run, in data order) belongs to
-  update u(k) = k // groups_per_update + 1, which trains starting from weights version u(k) - 1. A group
-  may start only when the rollout's weights version v satisfies v >= u(k) - 1 - max_staleness; versions
-  only grow while an episode runs, so no token of it is more than max_staleness versions behind the policy
-  that trains on it. Nothing is ever discarded: work that would be too stale is never started.
-- `AsyncRollout`: the worker. It runs on rlf's event-loop thread (where the tools live), generating with
-  its own copy of the policy while the learner (the caller's thread) updates; torch ops release the GIL,
-  so the two overlap on two cores. Episodes of different groups are in flight at once and each env steps
-  on its own (one slow tool holds only its episode); every generation call batches all episodes that
-  are ready. Partial rollouts: weights are refreshed before every generation call, so an episode in flight
-  at an update continues with the new weights; each turn records the version and the behaviour log-probs
-  it was sampled with (`Turn.policy_version`, `Turn.behaviour_logprobs`).
-
-`SharedWeights` and `ProcessRollout` carry the same worker over a process boundary (`rollout.async_worker:
-process`): the worker process builds its own envs and policy copy from the config, the learner publishes
-into shared-memory tensors, finished batches come back over a queue. Threads share one GIL, and a tiny
-policy's generation is mostly Python overhead, so on CPU the two sides contend for it; processes do not.
-This is also the shape of "rollout on one device, learner on another".
+"""The env source: env-driven episodes, the default way a run gets them. The configured engine generates (rlf's
+local sampler, or a `vllm.LLM` given the current weights before every rollout: `rollout.engine`) and the env steps,
+through the token-episode driver (`rlf_train.rollout.batch.drive_episodes`). With `rollout.mode: async` its worker
+(`AsyncRollout`, in the trainer's process, or `ProcessRollout`, a process of its own) generates ahead of the learner.
 """
 
 from __future__ import annotations
@@ -32,109 +10,119 @@ import asyncio
 import copy
 import os
 import queue
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlf_envs import runtime
-from rlf_envs.env.episodes import obs_ids
+from rlf_envs.env.episodes import GenerateBatchFn, obs_ids
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.types import Trajectory
-from rlf_train.rollout import SamplingParams, StopChecker, generate_batched
+from rlf_train.config import TrainConfig
+from rlf_train.policy.load import load_policy
+from rlf_train.policy.tokenizer import load_tokenizer
+from rlf_train.rollout.async_worker import (
+    Admission,
+    AsyncBatch,
+    AsyncPlan,
+    AsyncWorker,
+    RolloutWorker,
+    WorkerTimes,
+    frozen_copy,
+)
+from rlf_train.rollout.batch import Rollouts, RolloutStats, SamplingParams
+from rlf_train.rollout.env_factory import Stage, make_envs
+from rlf_train.rollout.local import StopChecker, generate_batched, local_generate_batch, rollout
+from rlf_train.rollout.seeds import sampler_seed, seed_base
+from rlf_train.rollout.vllm import VllmRollout
+from rlf_train.rollout.weights import SharedWeights, WeightStore
 
 
-class WeightStore:
-    """Versioned weights from the learner to the rollout side (thread-safe)."""
+class EnvSource:
+    """Where a run's episodes come from by default: the env steps, the configured engine generates (a `Source`,
+    `rlf_train.rollout.source`). `model()` is the current policy and `version()` its version (the vLLM engine
+    reloads its weights when the version moved on). The agent source generates through it too (`generate_batch`)."""
 
-    def __init__(self, keep: int = 1) -> None:
-        """`keep`: how many of the newest versions stay retrievable by `get` (the fixed schedule needs
-        max_staleness + 1)."""
-        self._cond = threading.Condition()
-        self._version = -1
-        self._state: dict[str, torch.Tensor] | None = None
-        self._keep = keep
-        self._history: dict[int, dict[str, torch.Tensor]] = {}
+    def __init__(self, cfg: TrainConfig, tokenizer: Any, envs: dict[Stage, ToolVectorEnv], run_dir: Path,
+                 model: Callable[[], torch.nn.Module], version: Callable[[], int]) -> None:
+        self.cfg, self.tokenizer, self.envs, self.run_dir = cfg, tokenizer, envs, run_dir
+        self.model, self.version = model, version
+        self.vllm: VllmRollout | None = None
 
-    def publish(self, version: int, model: torch.nn.Module) -> None:
-        """Publish `model`'s weights as `version` (a CPU copy: the learner may go on updating in place)."""
-        state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-        with self._cond:
-            if version <= self._version:
-                raise ValueError(f"weights version {version} published after version {self._version}: "
-                                 "versions must grow")
-            self._version, self._state = version, state
-            self._history[version] = state
-            for old in [v for v in self._history if v <= version - self._keep]:
-                del self._history[old]
-            self._cond.notify_all()
+    def collect(self, stage: Stage, task_indices: Sequence[int], params: SamplingParams, seed_base: int,
+                gen: torch.Generator | None) -> Rollouts:
+        """The episodes of `task_indices` (of `stage`'s split) as GRPO rows, one per episode (`rollouts`)."""
+        trajs, stats = self.rollouts(self.envs[stage], task_indices, params, seed_base, gen)
+        return Rollouts(trajs, list(range(len(trajs))), stats, {})
 
-    @property
-    def version(self) -> int:
-        with self._cond:
-            return self._version
+    def vllm_engine(self) -> VllmRollout:
+        """rollout.engine vllm: built at the first rollout, given the current weights on every call."""
+        r = self.cfg.rollout
+        if self.vllm is None:
+            self.vllm = VllmRollout(self.model(), self.tokenizer, self.run_dir / "vllm", version=self.version(),
+                                    seed=self.cfg.seed, max_model_len=r.max_total_tokens,
+                                    gpu_memory_utilization=r.vllm_gpu_memory_utilization, timeout_s=r.vllm_timeout_s)
+        self.vllm.sync(self.model(), self.version())
+        return self.vllm
 
-    def newer_than(self, version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest (version, state dict) if newer than `version`, else None."""
-        with self._cond:
-            if self._version > version and self._state is not None:
-                return self._version, self._state
-            return None
+    def generate_batch(self, params: SamplingParams, gen: torch.Generator | None,
+                       stop_strings: Sequence[str]) -> GenerateBatchFn:
+        """The configured engine, with these sampling settings, recording each token's log-prob."""
+        if self.cfg.rollout.engine == "vllm":
+            return self.vllm_engine().generate_batch(params, gen)
+        return local_generate_batch(self.model(), self.tokenizer, params, stop_strings,
+                                    batch_size=self.cfg.rollout.batch_size, gen=gen, logprobs=True)
 
-    def get(self, version: int) -> dict[str, torch.Tensor] | None:
-        """Exactly `version`'s state dict, if it is one of the `keep` newest published; else None."""
-        with self._cond:
-            return self._history.get(version)
+    def rollouts(self, venv: ToolVectorEnv, task_indices: Sequence[int], params: SamplingParams,
+                 seed_base: int, gen: torch.Generator | None) -> tuple[list[Trajectory], RolloutStats]:
+        """One episode on each of the first len(task_indices) envs of `venv` (env i on task_indices[i])."""
+        seeds = [seed_base + i for i in range(len(task_indices))]
+        if self.cfg.rollout.engine == "vllm":
+            trajs, stats = self.vllm_engine().rollout(venv, task_indices, params, seeds, gen)
+        else:
+            trajs, stats = rollout(venv, task_indices, self.model(), self.tokenizer, params, seeds=seeds,
+                                   batch_size=self.cfg.rollout.batch_size, gen=gen)
+        return [copy.copy(t) for t in trajs], stats
 
+    def async_worker(self, plan: AsyncPlan) -> RolloutWorker:
+        """The env worker for `rollout.mode: async`: on rlf's loop with a frozen copy of the policy
+        (`rollout.async_worker: thread`), or in a process of its own that rebuilds envs and policy from the config
+        (`process`)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        if r.async_worker == "process":
+            import torch.multiprocessing as tmp
 
-@dataclass(frozen=True)
-class AdmissionEvent:
-    group: int  # k: the group's index in the run's data order
-    update: int  # u(k): the update that trains on it
-    version: int  # the rollout's weights version when it started
+            ctx = tmp.get_context("spawn")
+            shared = SharedWeights(plan.model, ctx, slots=plan.keep)
+            spec = WorkerSpec(cfg.model_dump(mode="json"), plan.prompts, plan.first_update, plan.last_update,
+                              plan.env_hook)
+            return ProcessRollout(spec, shared, plan.admission, ctx)
+        store = WeightStore(keep=plan.keep)
+        return AsyncRollout(
+            self.envs["train"], frozen_copy(plan.model), self.tokenizer, plan.params, store=store,
+            admission=plan.admission, prompts_for=plan.prompts.__getitem__,
+            seed_for=lambda u, row: seed_base(cfg.seed, u) + row,
+            gen_seed_for=lambda u: sampler_seed(cfg.seed, u),
+            group_size=plan.group_size, first_update=plan.first_update, last_update=plan.last_update,
+            batch_size=plan.batch_size, gen=plan.gen, partial_rollouts=r.partial_rollouts,
+            schedule=r.async_schedule)
 
+    def eval_metrics(self) -> dict[str, float]:
+        """Nothing beyond the episodes' own statistics."""
+        return {}
 
-@dataclass
-class Admission:
-    """The staleness bound as admission control (see the module docstring). `events` logs every start."""
+    def summary(self) -> str | None:
+        return None
 
-    groups_per_update: int
-    max_staleness: int
-    events: list[AdmissionEvent] = field(default_factory=list)
-
-    def update_of(self, group: int) -> int:
-        return group // self.groups_per_update + 1
-
-    def allows(self, group: int, version: int) -> bool:
-        return version >= self.update_of(group) - 1 - self.max_staleness
-
-    def admit(self, group: int, version: int) -> None:
-        if not self.allows(group, version):
-            raise RuntimeError(f"admission: group {group} (update {self.update_of(group)}) may not start at "
-                               f"weights version {version} with max_staleness {self.max_staleness}")
-        self.events.append(AdmissionEvent(group, self.update_of(group), version))
-
-
-@dataclass
-class AsyncBatch:
-    """The finished groups of one update, rows in data order (G samples of a prompt contiguous)."""
-
-    update: int
-    trajectories: list[Trajectory]
-    gen_tokens: int
-    episodes: Any = None  # rlf_train.rollout.Rollouts when rows are agent segments (rlf_train.agent.AgentWorker)
-
-
-@dataclass
-class WorkerTimes:
-    """Where the rollout worker's wall time went (seconds since `start`)."""
-
-    generate: float = 0.0  # generating (the worker's busy time)
-    wall: float = 0.0
+    def close(self) -> None:
+        """Shut rollout.engine vllm's engine down (no-op otherwise)."""
+        if self.vllm is not None:
+            self.vllm.close()
+            self.vllm = None
 
 
 @dataclass
@@ -145,8 +133,14 @@ class _Episode:
     context: list[int]
 
 
-class AsyncRollout:
-    """The rollout worker: start(), then next_batch(u) for u = first_update, first_update + 1, ...; stop()."""
+class AsyncRollout(AsyncWorker):
+    """The env worker of `rollout.mode: async` (`rollout.async_worker: thread`): env-driven episodes generated ahead
+    of the learner, with its own copy of the policy, on rlf's loop (torch ops release the GIL, so generating and
+    updating overlap on two cores). Episodes of different groups are in flight at once and each env steps on its
+    own (one slow tool holds only its episode); every generation call batches all episodes that are ready. Partial
+    rollouts: weights are refreshed before every generation call, so an episode in flight at an update continues
+    with the new weights; each turn records the version and the behaviour log-probs it was sampled with
+    (`Turn.policy_version`, `Turn.behaviour_logprobs`)."""
 
     def __init__(
         self,
@@ -181,53 +175,27 @@ class AsyncRollout:
             raise ValueError(f"async schedule {schedule!r}: use 'free' or 'fixed'")
         if venv.num_envs % group_size:
             raise ValueError(f"{venv.num_envs} envs cannot hold whole groups of {group_size}")
+        super().__init__(store, admission)
         self.venv, self.model, self.tokenizer, self.params = venv, model, tokenizer, params
-        self.store, self.admission = store, admission
         self.prompts_for, self.seed_for = prompts_for, seed_for
         self.G, self.first_update, self.last_update = group_size, first_update, last_update
         self.batch_size, self.gen, self.partial = batch_size, gen, partial_rollouts
         self.gen_seed_for = gen_seed_for
         self.schedule = schedule
         self.version = -1
-        self.times = WorkerTimes()
-        self._cond = threading.Condition()
-        self._done: dict[int, dict[int, Trajectory]] = {}  # update -> row -> finished trajectory
-        self._tokens: dict[int, int] = {}
-        self._error: BaseException | None = None
-        self._stop = False
-        self._future: Any = None
+        self._tokens: dict[int, int] = {}  # update -> tokens generated for it
+        self._t_start = 0.0
 
-    # ------------------------------------------------------------------ learner side
-    def start(self) -> None:
-        self._future = asyncio.run_coroutine_threadsafe(self._main(), runtime.get_loop())
+    # ------------------------------------------------------------------ the batches (AsyncWorker)
+    def _parts(self, update: int) -> int:
+        return self.admission.groups_per_update * self.G  # rows: one finished trajectory each
 
-    def next_batch(self, update: int, timeout: float = 3600.0) -> AsyncBatch:
-        """Wait until every group of `update` has finished; a worker error is raised here."""
-        need = self.admission.groups_per_update * self.G
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while len(self._done.get(update, {})) < need:
-                if self._error is not None:
-                    raise RuntimeError(f"the async rollout worker failed: {self._error!r}") from self._error
-                if self._future is not None and self._future.done() and self._error is None:
-                    raise RuntimeError(f"the async rollout worker stopped before update {update}'s batch was done")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"update {update}'s rollouts not done after {timeout:.0f} s")
-                self._cond.wait(min(left, 0.5))
-            rows = self._done.pop(update)
-            tokens = self._tokens.pop(update, 0)
-        return AsyncBatch(update, [rows[i] for i in range(need)], tokens)
+    def _take(self, update: int) -> tuple[dict[int, Trajectory], int]:
+        return self._done.pop(update), self._tokens.pop(update, 0)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Stop the worker (episodes in flight are abandoned: a resumed run starts them again)."""
-        self._stop = True
-        fut, self._future = self._future, None
-        if fut is not None:
-            try:
-                fut.result(timeout)
-            except BaseException:
-                fut.cancel()
+    def _batch(self, update: int, parts: tuple[dict[int, Trajectory], int]) -> AsyncBatch:
+        rows, tokens = parts
+        return AsyncBatch(update, [rows[i] for i in range(self._parts(update))], tokens)
 
     # ------------------------------------------------------------------ worker (rlf's loop thread)
     def _refresh_weights(self) -> None:
@@ -236,21 +204,15 @@ class AsyncRollout:
             self.version, state = got
             self.model.load_state_dict(state)
 
-    async def _main(self) -> None:
-        t_start = time.perf_counter()
-        try:
-            await (self._work_fixed() if self.schedule == "fixed" else self._work())
-        except BaseException as e:
-            with self._cond:
-                self._error = e
-                self._cond.notify_all()
-            raise
-        finally:
-            self.times.wall = time.perf_counter() - t_start
-            with self._cond:
-                self._cond.notify_all()
-
     async def _work(self) -> None:
+        self._t_start = time.perf_counter()
+        await (self._work_fixed() if self.schedule == "fixed" else self._work_free())
+
+    async def _finish(self) -> None:
+        self.times.wall = time.perf_counter() - self._t_start
+
+    async def _work_free(self) -> None:
+        """The free schedule: groups start whenever the bound and free envs allow, episodes finish in any order."""
         venv, G = self.venv, self.G
         B = self.admission.groups_per_update
         stop = StopChecker(self.tokenizer, list(venv.envs[0].format.stop_strings), self.tokenizer.eos_token_id)
@@ -318,10 +280,7 @@ class AsyncRollout:
                 if res.done:
                     traj = copy.copy(traj)  # the env's next reset starts a new Trajectory; keep this one
                     free.append(ep.slot)
-                    u = self.admission.update_of(ep.group)
-                    with self._cond:
-                        self._done.setdefault(u, {})[ep.row] = traj
-                        self._cond.notify_all()
+                    self._put(self.admission.update_of(ep.group), ep.row, traj)
                 else:
                     ep.context.extend(obs_ids(res.obs))
                     ready.append(ep)
@@ -399,48 +358,6 @@ class AsyncRollout:
                 self._cond.notify_all()
 
 
-class SharedWeights:
-    """A `WeightStore` across processes: the state dicts live in shared memory (`slots` of them: version v in
-    slot v % slots, so the `slots` newest versions stay retrievable by `get`), the newest version in a shared
-    counter whose lock also guards the tensors. Hand it to the worker process as a `Process` argument."""
-
-    def __init__(self, model: torch.nn.Module, ctx: Any, slots: int = 1) -> None:
-        self.slots = [{k: v.detach().to("cpu", copy=True).share_memory_() for k, v in model.state_dict().items()}
-                      for _ in range(slots)]
-        self._slot_version = ctx.Array("q", [-1] * slots, lock=False)
-        self._version = ctx.Value("q", -1)
-
-    def publish(self, version: int, model: torch.nn.Module) -> None:
-        with self._version.get_lock():
-            if version <= self._version.value:
-                raise ValueError(f"weights version {version} published after version {self._version.value}: "
-                                 "versions must grow")
-            i = version % len(self.slots)
-            with torch.no_grad():
-                for k, v in model.state_dict().items():
-                    self.slots[i][k].copy_(v.detach())
-            self._slot_version[i] = version
-            self._version.value = version
-
-    @property
-    def version(self) -> int:
-        return int(self._version.value)
-
-    def newer_than(self, version: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-        with self._version.get_lock():
-            v = int(self._version.value)
-            if v > version:
-                return v, {k: t.clone() for k, t in self.slots[v % len(self.slots)].items()}
-        return None
-
-    def get(self, version: int) -> dict[str, torch.Tensor] | None:
-        with self._version.get_lock():
-            i = version % len(self.slots)
-            if version >= 0 and self._slot_version[i] == version:
-                return {k: t.clone() for k, t in self.slots[i].items()}
-        return None
-
-
 @dataclass(frozen=True)
 class WorkerSpec:
     """What the worker process needs to rebuild the rollout side (picklable)."""
@@ -452,26 +369,11 @@ class WorkerSpec:
     env_hook: Callable[[ToolVectorEnv], None] | None = None  # applied to the worker's envs (benchmarks)
 
 
-def seed_base(seed: int, update: int) -> int:
-    """The env seed of row 0 of `update`'s batch (sync and async runs alike)."""
-    return (seed * 1_000_003 + update * 10_007) % (2**31)
-
-
-def sampler_seed(seed: int, update: int) -> int:
-    """The async worker's sampler seed when `update`'s first group starts."""
-    return seed_base(seed, update) + 7_919
-
-
 def _process_main(spec: WorkerSpec, store: SharedWeights, out: Any, stop: Any) -> None:
     """The worker process: rebuild envs and policy from the config, run `AsyncRollout`, send each finished
     update's batch (with the admission events and generation time so far) to the learner."""
     parent = os.getppid()
     try:
-        from rlf_train.config import TrainConfig
-        from rlf_train.envs import make_envs
-        from rlf_train.policy.load import load_policy
-        from rlf_train.policy.tokenizer import load_tokenizer
-
         cfg = TrainConfig.model_validate(spec.config)
         r = cfg.rollout
         torch.set_num_threads(cfg.threads or 1)

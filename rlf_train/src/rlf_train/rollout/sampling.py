@@ -1,29 +1,8 @@
 """The one token sampler of every local engine path (sync rollout, async workers, the agent endpoint's engine,
-eval): an exact draw from `grpo.sampling_logits` (temperature, top-p), on the logits' own device, with no host
-copy per step and no per-vocabulary-entry random numbers.
-
-**How.** A two-stage inverse-CDF draw. The vocabulary is cut into blocks of `BLOCK` tokens; a block is drawn by
-its probability mass (a cumulative sum over ~300 block masses), then a token inside it by its probability within
-the block (a cumulative sum over `BLOCK` values). P(token) = P(block) x P(token | block) is the token's
-probability, so the draw is exact; the sums are short, so they are exact enough in float64 (each block's mass is
-a float32 sum of `BLOCK` values). A token of probability 0 (outside the top-p nucleus, or a masked logit) is never
-drawn: its cumulative-sum interval is empty and the target is kept strictly below the total. The whole draw costs
-a few passes over the logits (the exponentials and the block sums) instead of `torch.multinomial`'s host copy and
-full cumulative sum.
-
-**Precision.** Probabilities are exp(logit - max) in float32 (bf16 logits are promoted first, by
-`sampling_logits`); each block's mass is a float32 sum of at most `BLOCK` values (relative error ~1e-7), and both
-cumulative sums run in float64 over at most ~300 blocks and `BLOCK` tokens, against a 53-bit uniform. A token's
-drawn probability is therefore its float32 softmax probability to about 1e-7 relative; the only tokens never
-drawn although not masked are those whose probability underflows float32 (below ~1e-38 of the most likely one).
-The log-prob returned is logit - max - log(total mass), equal to `log_softmax` to float32 rounding.
-
-**Random numbers.** Two uniforms per row and step come from a counter-based hash of (row seed, step, k),
-computed with torch integer ops on the logits' device (`uniforms`): a row's draws depend on its own seed and its
-step only, never on which rows share its batch, how the batch is split, or the order requests arrived in. Row
-seeds come from the run's seed (`row_seeds`: a base drawn from the caller's `torch.Generator`, or one seed per
-agent-endpoint request, see `rlf_train.endpoint`).
-"""
+eval): an exact draw from `sampling_logits` (temperature, top-p), on the logits' own device, with no host copy per
+step. Each row's draws depend on its own seed and step only (`uniforms`, `row_seeds`), never on its batch mates, so
+runs are reproducible whatever the batching. How the two-stage draw works and how precise it is:
+docs/guides/trainer-internals.md."""
 
 from __future__ import annotations
 
@@ -31,12 +10,58 @@ from collections.abc import Sequence
 
 import torch
 
-from rlf_train.grpo import sampling_logits
-from rlf_train.seeds import mix_seed
+from rlf_train.rollout.seeds import mix_seed
 
 #: tokens per block of the two-stage draw (about sqrt of a 151k vocabulary: both stages' sums stay short)
 BLOCK = 512
 _M32 = 0xFFFFFFFF
+
+
+def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The logits of the distribution the rollout samples from: divided by `temperature`, and with every
+    token outside the top-p nucleus set to -inf when `top_p` < 1 (the nucleus: the most likely tokens whose
+    preceding cumulative probability is below top_p, so it is never empty). Float32.
+
+    `keep` ([..., V] bool, optional) forces tokens into the nucleus: the update passes the sampled token,
+    so its log-prob stays finite when a parameter update (or a rounding difference between the rollout's
+    cached decode and the update's full forward) moves it just outside. `sample` draws from exactly this
+    distribution, and the GRPO update's log-probs/ratios/KL are computed under it (`rlf_train.grpo`)."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_p < 1.0:
+        with torch.no_grad():
+            inside = nucleus(torch.softmax(logits, dim=-1), top_p)
+            if keep is not None:
+                inside = inside | keep
+        logits = logits.masked_fill(~inside, float("-inf"))
+    return logits
+
+
+#: top-p looks for the nucleus among this many most likely tokens first (a top-k: far cheaper than sorting a 151k
+#: vocabulary on a CPU); only rows whose nucleus is longer are sorted whole
+NUCLEUS_CANDIDATES = 1024
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """[..., V] bool: the most likely tokens whose preceding cumulative probability (in descending order) is below
+    `top_p`. Exact: when the last of the `NUCLEUS_CANDIDATES` candidates is outside, every less likely token is
+    too; otherwise that row is sorted whole."""
+    shape = probs.shape
+    probs = probs.reshape(-1, shape[-1])
+    V = probs.shape[-1]
+
+    def inside_of(p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vals, idx = p.topk(k, dim=-1) if k < V else p.sort(dim=-1, descending=True)
+        keep_sorted = vals.cumsum(-1) - vals < top_p
+        return torch.zeros_like(p, dtype=torch.bool).scatter(-1, idx, keep_sorted), keep_sorted[:, -1]
+
+    inside, open_end = inside_of(probs, min(V, NUCLEUS_CANDIDATES))
+    if V > NUCLEUS_CANDIDATES and bool(open_end.any()):
+        rows = open_end.nonzero().flatten()
+        inside[rows] = inside_of(probs[rows], V)[0]
+    return inside.reshape(shape)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -100,7 +100,7 @@ def make_env(cfg: TrainConfig, tokenizer: Any, stage: Stage) -> ToolEnv:
 
 
 def make_envs(cfg: TrainConfig, tokenizer: Any, stage: Stage, n: int) -> ToolVectorEnv:
-    """A ToolVectorEnv of `n` envs made by `rlf_train.envs.make_env` for training or eval."""
+    """A ToolVectorEnv of `n` envs made by `make_env` for training or eval."""
     envs = [make_env(cfg, tokenizer, stage) for _ in range(n)]
     return ToolVectorEnv([(lambda e=e: e) for e in envs])
 
