@@ -1,12 +1,14 @@
 """Package layering of rlf_envs and rlf_train, read from the source (no import, so no torch: it runs in the envs
 env): the imports of both packages, at module level and inside functions alike (TYPE_CHECKING blocks included), form
 no circle; rlf_envs never imports rlf_train; rlf_train's wings (`rollout/`, `policy/`) never import the learner on
-top of them, and `policy/` never imports `rollout/`; nothing imports the modules kept only for old import paths; and
-shared data types flow one way (formats read `ToolSpec` from `rlf_envs.types`, never from `rlf_envs.tools`)."""
+top of them, and `policy/` never imports `rollout/`; nothing imports the modules kept only for old import paths; every
+named error derives from `rlf_envs.errors.RlfError`; and shared data types flow one way (formats read `ToolSpec` from
+`rlf_envs.types`, never from `rlf_envs.tools`)."""
 
 from __future__ import annotations
 
 import ast
+import builtins
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,23 @@ LEARNER = ("rlf_train.trainer", "rlf_train.grpo", "rlf_train.sft", "rlf_train.ev
 #: modules kept for one release so that old import paths work: re-exports that nothing of ours may import
 COMPAT = ("rlf_train.agent", "rlf_train.model", "rlf_train.vllm_engine", "rlf_train.endpoint", "rlf_train.view",
           "rlf_envs.adapters.episode")
+
+
+#: exception classes outside the one root, and why: they run on a bare interpreter where rlf is not importable (the
+#: sandbox's supervisor and in-session agent), or they are signals caught inside rlf, never raised to a caller
+OUTSIDE_THE_ROOT = {
+    "Deadline": "sandbox supervisor (bare interpreter; a BaseException, like KeyboardInterrupt)",
+    "SolutionError": "sandbox supervisor (bare interpreter)",
+    "SolutionDied": "sandbox supervisor (bare interpreter)",
+    "SolutionRaised": "sandbox supervisor (bare interpreter)",
+    "UserError": "the in-session agent (bare interpreter)",
+    "LimitError": "the in-session agent (bare interpreter)",
+    "ImageError": "sessions/images.py runs as a script on a bare interpreter",
+    "OverBudget": "a signal between run_readonly_query_async and the SQL env, caught there",
+    # still to join the root (the sandbox's files are another change's): a plain base class change each
+    "DiffTooLarge": "sandbox/sessions/gitdiff.py",
+    "PoolUnavailable": "sandbox/pool.py",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -136,6 +155,28 @@ def test_nothing_imports_the_old_paths() -> None:
     for mod, edges in graph.items():
         if not _within(mod, COMPAT):
             assert not {e for e in edges if _within(e, COMPAT)}, f"{mod} imports a module kept for old paths"
+
+
+def test_named_errors_share_one_root() -> None:
+    """Every exception class of both packages derives from `RlfError` (through its bases, by name), but the private
+    ones (`_Name`: control flow inside one module) and those listed, with their reason, in OUTSIDE_THE_ROOT."""
+    bases: dict[str, set[str]] = {}
+    for path in _modules().values():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                named = [b for b in node.bases if isinstance(b, ast.Name | ast.Attribute)]
+                bases.setdefault(node.name, set()).update(b.id if isinstance(b, ast.Name) else b.attr for b in named)
+    builtin_errors = {n for n, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, BaseException)}
+
+    def roots(name: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        if name in builtin_errors or name == "RlfError":
+            return {name}
+        return {r for b in bases.get(name, ()) if b not in seen for r in roots(b, seen | {name})}
+
+    errors = {n for n in bases if roots(n) and n != "RlfError"}
+    assert {"ConfigError", "SessionError", "ToolError", "EndpointError", "AgentFailed"} <= errors
+    outside = {n for n in errors if "RlfError" not in roots(n) and not n.startswith("_")}
+    assert outside == set(OUTSIDE_THE_ROOT), sorted(outside ^ set(OUTSIDE_THE_ROOT))
 
 
 def test_formats_take_shared_types_from_types_not_tools() -> None:

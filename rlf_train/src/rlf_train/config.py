@@ -8,8 +8,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from rlf_envs.errors import RlfError
 
-class ConfigError(ValueError):
+
+class ConfigError(RlfError, ValueError):
     """A config problem, with the dotted key and what is allowed."""
 
 

@@ -23,13 +23,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from rlf_envs.errors import RlfError
 from rlf_envs.extras import pip_install
 
 MODULE = "openrlhf.cli.train_ppo_ray"
 _lock = threading.Lock()
 
 
-class OpenRLHFFlagError(ValueError):
+class OpenRLHFFlagError(RlfError, ValueError):
     """OpenRLHF's parser or its validation refused the flags."""
 
 
