@@ -2,6 +2,7 @@
 the same run.
 
     python benchmarks/sessions.py [--runs 40] [--levels 16 64 256] [--docker-levels 16 64 256] [--json out.json]
+                                  [--ray-levels 16 64] [--ray-nodes 2] [--ray-address ADDR]
 
 Measured:
   bare      `subprocess.run(["true"])` (fork+exec from the benchmark process, no isolation): the baseline
@@ -13,8 +14,14 @@ Measured:
             (the CLI, what the goal compares with) and the SDK's raw `exec_run` on the same container
   episodes/s at each concurrency: N episodes at once, each create + 3 execs + write_file + read_file + diff + close;
             the bare baseline runs the same 3 commands per episode as plain subprocesses at the same concurrency
+  ray       the ray backend (a host actor per node, each running the local backend there) on a multi-raylet
+            cluster started here (`ray.cluster_utils.Cluster`: a head without sessions and --ray-nodes session
+            nodes, all on this machine) or on --ray-address; beside a local backend in the same run: the hop's
+            overhead per exec (["true"], ray and local calls interleaved, p50/p99), create p50 (warm pools of 8 on
+            both sides), episodes/s at each of --ray-levels concurrent (the same episode as above; ray and local
+            back to back at each level)
 Docker runs when an engine answers (DOCKER_HOST honoured) and the image (--docker-image, default
-rlf-debian-test:12) is there; otherwise it says why and skips.
+rlf-debian-test:12) is there; otherwise it says why and skips. Ray runs when it is installed (the `ray` extra).
 """
 
 from __future__ import annotations
@@ -183,6 +190,77 @@ async def docker(runs: int, levels: list[int], image: str, seed: str) -> dict[st
     return res
 
 
+async def ray_bench(runs: int, levels: list[int], seed: str, address: str | None, n_nodes: int) -> dict[str, Any]:
+    import ray
+
+    from rlf_envs.sandbox.sessions.ray import RayBackend
+
+    res: dict[str, Any] = {}
+    cluster = None
+    if address is None:
+        from ray.cluster_utils import Cluster
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        small = {"object_store_memory": 100 << 20, "num_cpus": 1}
+        cluster = Cluster(initialize_head=True, head_node_args={**small, "include_dashboard": False})
+        for _ in range(n_nodes):
+            cluster.add_node(wait=False, **small, resources={"rlf_sessions": 1})
+        cluster.wait_for_nodes()
+        address = cluster.address
+        res["cluster"] = f"{n_nodes} session raylets + a head, on this machine"
+    else:
+        res["cluster"] = address
+    ray.init(address=address, log_to_driver=False, logging_level="warning")
+    spec = SessionSpec(limits=LIM, seed_dir=seed)
+    top = max(levels or [16])
+    rb = RayBackend(node_selector="resource:rlf_sessions" if cluster is not None else None,
+                    per_node_cap=max(8, top), creates_per_node_s=0, inner_kwargs={"pool_size": 8, "creates_per_s": 0})
+    lb = LocalBackend(pool_size=8, creates_per_s=0)
+    try:
+        res["hosts"] = len([h for h in rb.hosts() if h.state == "up"])
+        await (await rb.create(spec)).aclose()  # the seed shipped, the warm pools filling
+        await (await lb.create(spec)).aclose()
+        await asyncio.sleep(2.0)
+        n = max(runs * 5, 200)
+        async with await rb.create(spec) as rs, await lb.create(spec) as ls:
+            t_ray, t_loc = [], []
+            for _ in range(n):
+                t = time.perf_counter()
+                await ls.exec(["true"])
+                t_loc.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                await rs.exec(["true"])
+                t_ray.append(time.perf_counter() - t)
+        res["exec_p50_s"], res["exec_p99_s"] = statistics.median(t_ray), pct(t_ray, 0.99)
+        res["local_exec_p50_s"], res["local_exec_p99_s"] = statistics.median(t_loc), pct(t_loc, 0.99)
+        c_ray, c_loc = [], []
+        for _ in range(runs):
+            await asyncio.sleep(0.05)  # the warm pools refill between creates
+            t = time.perf_counter()
+            s = await rb.create(spec)
+            c_ray.append(time.perf_counter() - t)
+            await s.aclose()
+            t = time.perf_counter()
+            s2 = await lb.create(spec)
+            c_loc.append(time.perf_counter() - t)
+            await s2.aclose()
+        res["create_p50_s"], res["local_create_p50_s"] = statistics.median(c_ray), statistics.median(c_loc)
+        for lvl in levels:
+            eps, fail = await episodes(rb, spec, lvl)
+            res[f"episodes_per_s_{lvl}"], res[f"failures_{lvl}"] = eps, fail
+            eps, fail = await episodes(lb, spec, lvl)
+            res[f"local_episodes_per_s_{lvl}"], res[f"local_failures_{lvl}"] = eps, fail
+        spread = [h.load for h in rb.hosts()]
+        res["hosts_load_after"] = spread
+    finally:
+        await lb.aclose()
+        await rb.aclose()
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+    return res
+
+
 def docker_reason(image: str) -> str | None:
     try:
         import docker as sdk
@@ -200,6 +278,42 @@ def docker_reason(image: str) -> str | None:
     return None
 
 
+def print_local(L: dict[str, Any], b50: float, levels: list[int], bare: dict[str, Any]) -> None:
+    print(f"local  create warm p50 {L['create_warm_p50_s'] * 1e3:.1f} ms  p99 {L['create_warm_p99_s'] * 1e3:.1f} ms"
+          f"  cold p50 {L['create_cold_p50_s'] * 1e3:.1f} ms  p99 {L['create_cold_p99_s'] * 1e3:.1f} ms")
+    print(f"local  exec ['true'] p50 {L['exec_argv_p50_s'] * 1e3:.1f} ms ({L['exec_argv_p50_s'] / b50:.2f}x bare)"
+          f"  exec 'true' (bash -lc) p50 {L['exec_shell_p50_s'] * 1e3:.1f} ms")
+    for n in levels:
+        print(f"local  {n:4d} concurrent episodes: {L[f'episodes_per_s_{n}']:.1f}/s "
+              f"(bare commands {bare[f'episodes_per_s_{n}']:.1f}/s), failures {L[f'failures_{n}']}")
+
+
+def ray_reason() -> str | None:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "Ray is not installed (pip install -e './rlf_envs[ray]')"
+    if os.geteuid() != 0:
+        return "the local backend under the ray hosts needs root"
+    return None
+
+
+def print_ray(R: dict[str, Any]) -> None:
+    over50 = R["exec_p50_s"] - R["local_exec_p50_s"]
+    print(f"ray    ({R['cluster']}, {R['hosts']} hosts) exec ['true'] p50 {R['exec_p50_s'] * 1e3:.1f} ms = "
+          f"{R['exec_p50_s'] / R['local_exec_p50_s']:.2f}x local ({R['local_exec_p50_s'] * 1e3:.1f} ms; the hop "
+          f"+{over50 * 1e3:.1f} ms), p99 {R['exec_p99_s'] * 1e3:.1f} ms = "
+          f"{R['exec_p99_s'] / R['local_exec_p99_s']:.2f}x local ({R['local_exec_p99_s'] * 1e3:.1f} ms)")
+    print(f"ray    create p50 {R['create_p50_s'] * 1e3:.1f} ms = {R['create_p50_s'] / R['local_create_p50_s']:.2f}x "
+          f"local ({R['local_create_p50_s'] * 1e3:.1f} ms), warm pools")
+    for k in sorted((k for k in R if k.startswith("episodes_per_s_")), key=lambda k: int(k.rsplit("_", 1)[1])):
+        n = k.rsplit("_", 1)[1]
+        print(f"ray    {int(n):4d} concurrent episodes: {R[k]:.1f}/s = {R[k] / R[f'local_episodes_per_s_{n}']:.2f}x "
+              f"local ({R[f'local_episodes_per_s_{n}']:.1f}/s), failures {R[f'failures_{n}']} "
+              f"(local {R[f'local_failures_{n}']})")
+    print(f"ray    hosts' load after the run: {R['hosts_load_after']}")
+
+
 async def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=40)
@@ -207,6 +321,10 @@ async def main() -> None:
     ap.add_argument("--docker-levels", type=int, nargs="*", default=[16, 64, 256])
     ap.add_argument("--docker-image", default="rlf-debian-test:12")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ray-levels", type=int, nargs="*", default=[16, 64])
+    ap.add_argument("--ray-nodes", type=int, default=2, help="session raylets of the cluster started here")
+    ap.add_argument("--ray-address", default=None, help="an existing cluster instead (its nodes without GPUs)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["local", "docker", "ray"])
     a = ap.parse_args()
     out: dict[str, Any] = {"machine": f"{platform.node()} {os.cpu_count()} cpus", "runs": a.runs}
     with tempfile.TemporaryDirectory() as seed:
@@ -216,22 +334,22 @@ async def main() -> None:
         out["bare"] = {"subprocess_run_true_p50_s": statistics.median(bare)}
         for n in sorted(set(a.levels) | set(a.docker_levels)):
             out["bare"][f"episodes_per_s_{n}"] = await bare_episodes(n)
-        out["local"] = await local(a.runs, a.levels, seed)
-        why = docker_reason(a.docker_image)
+        out["local"] = {"skipped": "--skip"} if "local" in a.skip else await local(a.runs, a.levels, seed)
+        why = "--skip" if "docker" in a.skip else docker_reason(a.docker_image)
         if why:
             out["docker"] = {"skipped": why}
         else:
             out["docker"] = await docker(a.runs, a.docker_levels, a.docker_image, seed)
+        why = "--skip" if "ray" in a.skip else ray_reason()
+        if why:
+            out["ray"] = {"skipped": why}
+        else:
+            out["ray"] = await ray_bench(a.runs, a.ray_levels, seed, a.ray_address, a.ray_nodes)
     b50 = out["bare"]["subprocess_run_true_p50_s"]
-    L = out["local"]
     print(f"bare subprocess.run(['true']) p50 {b50 * 1e3:.1f} ms")
-    print(f"local  create warm p50 {L['create_warm_p50_s'] * 1e3:.1f} ms  p99 {L['create_warm_p99_s'] * 1e3:.1f} ms"
-          f"  cold p50 {L['create_cold_p50_s'] * 1e3:.1f} ms  p99 {L['create_cold_p99_s'] * 1e3:.1f} ms")
-    print(f"local  exec ['true'] p50 {L['exec_argv_p50_s'] * 1e3:.1f} ms ({L['exec_argv_p50_s'] / b50:.2f}x bare)"
-          f"  exec 'true' (bash -lc) p50 {L['exec_shell_p50_s'] * 1e3:.1f} ms")
-    for n in a.levels:
-        print(f"local  {n:4d} concurrent episodes: {L[f'episodes_per_s_{n}']:.1f}/s "
-              f"(bare commands {out['bare'][f'episodes_per_s_{n}']:.1f}/s), failures {L[f'failures_{n}']}")
+    L = out["local"]
+    if "skipped" not in L:
+        print_local(L, b50, a.levels, out["bare"])
     D = out["docker"]
     if "skipped" in D:
         print(f"docker skipped: {D['skipped']}")
@@ -243,6 +361,11 @@ async def main() -> None:
               f"({D['sdk_exec_run_p50_s'] * 1e3:.1f} ms)")
         for n in a.docker_levels:
             print(f"docker {n:4d} concurrent episodes: {D[f'episodes_per_s_{n}']:.1f}/s, failures {D[f'failures_{n}']}")
+    R = out["ray"]
+    if "skipped" in R:
+        print(f"ray skipped: {R['skipped']}")
+    else:
+        print_ray(R)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(out, indent=1))
