@@ -65,8 +65,8 @@ def go(coro: Awaitable[Any], timeout: float = 120) -> Any:
 
 
 class Nodes:
-    """The module's cluster: the head (the driver's node, no sessions), session nodes a and b, and g (a "GPU" node,
-    num_gpus=1, so the default selector must avoid it)."""
+    """The module's cluster: the head (the driver's node; it declares a GPU, num_gpus=1, so the default selector
+    must avoid it) and the session nodes a and b."""
 
     def __init__(self, labels_dir: str) -> None:
         from ray.cluster_utils import Cluster
@@ -74,15 +74,14 @@ class Nodes:
         self.labels_dir = labels_dir
         small = {"object_store_memory": 80 * MB, "num_cpus": 1}
         self.cluster = Cluster(initialize_head=True, head_node_args={
-            **small, "include_dashboard": False, "resources": {"rlf_node_head": 1},
+            **small, "num_gpus": 1, "include_dashboard": False, "resources": {"rlf_node_head": 1},
             # a dead raylet is noticed in ~2 s (the default is ~30 s)
             "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3,
                                "health_check_initial_delay_ms": 0}})
         self.node = {"head": self.cluster.head_node}
-        for name, extra in (("a", {}), ("b", {}), ("g", {"num_gpus": 1})):
-            self.node[name] = self.cluster.add_node(wait=False, **small, **extra, resources={
-                f"rlf_node_{name}": 1, **({"rlf_sessions": 1} if name in "ab" else {})},
-                labels={"rlf.role": "sessions" if name in "ab" else "other"})
+        for name in ("a", "b"):
+            self.node[name] = self.cluster.add_node(wait=False, **small, resources={
+                f"rlf_node_{name}": 1, "rlf_sessions": 1}, labels={"rlf.role": "sessions"})
         self.cluster.wait_for_nodes()
         ray.init(address=self.cluster.address, log_to_driver=False, logging_level="warning")
 
@@ -326,7 +325,7 @@ def _ancestors(pid: int) -> list[int]:
 def test_sessions_land_where_placement_says_spread_and_respect_the_cap(nodes: Nodes, rb: RayBackend) -> None:
     want = {name: nodes.node_id(name) for name in ("a", "b")}
     host_nodes = {h.node_id for h in rb.hosts() if h.state == "up"}
-    assert host_nodes == set(want.values())  # resource:rlf_sessions: a and b, not the head nor g
+    assert host_nodes == set(want.values())  # resource:rlf_sessions: a and b, not the head
 
     async def t() -> None:
         ss = await asyncio.gather(*(rb.create(SessionSpec(limits=FAST)) for _ in range(2 * CAP)))
@@ -381,12 +380,13 @@ def test_capacity_a_host_frees_itself_is_counted(nodes: Nodes, rb: RayBackend) -
 
 def test_node_selection(nodes: Nodes) -> None:
     real = [NodeInfo.from_ray(d) for d in ray.nodes()]
-    ids = {name: nodes.node_id(name) for name in ("head", "a", "b", "g")}
+    ids = {name: nodes.node_id(name) for name in ("head", "a", "b")}
     chosen = {n.node_id for n in NodeSelector().select(real)}
-    assert chosen == {ids["head"], ids["a"], ids["b"]}  # the default: nodes without GPUs when there are any
+    assert chosen == {ids["a"], ids["b"]}  # the default: the nodes without GPUs when there are any
     assert {n.node_id for n in NodeSelector.parse("rlf.role=sessions").select(real)} == {ids["a"], ids["b"]}
-    assert {n.node_id for n in NodeSelector.parse("resource:rlf_node_g").select(real)} == {ids["g"]}  # only g
-    assert NodeSelector.parse("resource:rlf_node_g,gpus:exclude").select(real) == []
+    assert {n.node_id for n in NodeSelector.parse("gpus:allow").select(real)} == set(ids.values())
+    assert {n.node_id for n in NodeSelector.parse("resource:rlf_node_head").select(real)} == {ids["head"]}
+    assert NodeSelector.parse("resource:rlf_node_head,gpus:exclude").select(real) == []
     gpu_only = [n for n in real if n.gpus]
     assert NodeSelector().select(gpu_only) == gpu_only  # GPUs everywhere: they are used
     with pytest.raises(ValueError, match="node selector term"):
@@ -395,6 +395,39 @@ def test_node_selection(nodes: Nodes) -> None:
         NodeSelector.parse("gpus:sometimes")
     with pytest.raises(SessionInfraError, match="no Ray node matches"):
         open_backend("ray", node_selector="resource:no_such_resource")
+
+
+def test_a_host_that_cannot_start_is_refused_when_the_backend_opens(nodes: Nodes) -> None:
+    with pytest.raises(SessionInfraError, match="no session host started on the 2 selected node.*no docker engine"):
+        ray_backend(nodes, inner="docker", inner_kwargs={"base_url": "unix:///nonexistent/docker.sock"})
+
+
+def test_a_client_its_hosts_stop_hearing_from_loses_only_its_sessions(nodes: Nodes, rb: RayBackend) -> None:
+    """A client that goes silent (died without closing, cut off) has its sessions closed by the hosts once its
+    lease runs out; the sessions of the others go on."""
+
+    async def t() -> None:
+        mine = await rb.create(SessionSpec(limits=FAST))
+        quiet = RayBackend(attach=rb.group, lease_s=2.0, health_every_s=1000.0)  # pings once, then never
+        s = await quiet.create(SessionSpec(limits=FAST))
+        h = next(x for x in rb._hosts.values() if x.node_id == s.node_id)  # type: ignore[attr-defined]
+
+        async def live() -> int:  # the host's count, asked without a client (so no lease is renewed)
+            return int((await rb._ask(h, h.actor.stats.remote(), 10, "stats"))[1]["live"])
+
+        before = await live()
+        deadline = time.monotonic() + 60
+        while await live() == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        assert await live() == before - 1
+        with pytest.raises(SessionInfraError, match="its client was silent"):
+            await s.exec("true")
+        assert (await mine.exec("echo ok")).stdout == "ok\n"
+        await s.aclose()
+        await quiet.aclose()
+        await mine.aclose()
+
+    go(t())
 
 
 def test_swe_env_on_the_ray_backend(nodes: Nodes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

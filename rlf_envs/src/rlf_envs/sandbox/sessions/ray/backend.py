@@ -149,7 +149,7 @@ class HostInfo:
 
     node_id: str
     hostname: str
-    state: str  # "up" | "cooldown" | "gone"
+    state: str  # "starting" | "up" | "cooldown" (down, to be started again) | "gone" (its node left)
     cap: int
     load: int  # sessions live, starting and closing on the host (all its clients), as it last said, + our creates
     sessions: int  # this backend's open sessions there
@@ -187,8 +187,8 @@ class _Host:
         return self.n + self.inflight
 
     def info(self) -> HostInfo:
-        return HostInfo(self.node_id, self.hostname, "up" if self.state == "up" else self.state, self.cap,
-                        self.load(), len(self.sessions), self.failures, self.last_error, self.pid)
+        return HostInfo(self.node_id, self.hostname, self.state, self.cap, self.load(), len(self.sessions),
+                        self.failures, self.last_error, self.pid)
 
 
 def _pack(path: str) -> bytes:
@@ -398,7 +398,7 @@ class RayBackend(SessionBackend):
             except Exception as e:
                 raise SessionInfraError(
                     f"no Ray cluster at address={self.address!r}: {e} (start one with `ray start --head` and join "
-                    "nodes with `ray start --address=HEAD:6379`, pass address='ray://...' or the head's host:port, or "
+                    "nodes with `ray start --address=HEAD:6379`, pass the head's address='HOST:6379', or "
                     "set RLF_RAY_ADDRESS=local to start a one-machine cluster in this process)") from None
         nodes = self._list_nodes()
         chosen = self._targets(nodes)
@@ -459,7 +459,7 @@ class RayBackend(SessionBackend):
             h.actor = _actor_class().options(**opts).remote(self._config(h.cap))
             return h.actor.start.remote()
         h.actor = ray.get_actor(h.name, namespace=NAMESPACE)
-        return h.actor.stats.remote(self.client_id)
+        return h.actor.stats.remote(self.client_id, self.lease_s)
 
     def _started(self, h: _Host, reply: Reply) -> None:
         if reply[0] != "ok":
@@ -654,7 +654,7 @@ class RayBackend(SessionBackend):
             h.inflight += 1
             h.pending.add(rid)
             try:
-                ref = h.actor.create.remote(self.client_id, rid, spec, seed)
+                ref = h.actor.create.remote(self.client_id, rid, spec, seed, self.lease_s)
                 reply = await self._ask(h, ref, max(1.0, left), "create")
             except SessionInfraError as e:
                 self._close_there(h, rid)  # in case it was created after all
@@ -707,7 +707,7 @@ class RayBackend(SessionBackend):
         if h.state != "up" or h.actor is None:
             return
         try:
-            reply = await self._ask(h, h.actor.stats.remote(self.client_id), PING_TIMEOUT_S, "stats")
+            reply = await self._ask(h, h.actor.stats.remote(self.client_id, self.lease_s), PING_TIMEOUT_S, "stats")
         except SessionInfraError as e:
             if h.state == "up":
                 h.missed += 1

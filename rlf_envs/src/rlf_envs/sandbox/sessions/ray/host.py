@@ -6,10 +6,11 @@ is the authority on its node's load: it refuses a create past its cap (`("full",
 own rate limit, counts live, starting and closing sessions, and tells each client which sessions it holds for it
 (so a create whose reply was lost is closed, not leaked).
 
-What a host does on its own, every second: closes the sessions of a client it has not heard from for `lease_s` (a
-client that died without closing, one cut off from the cluster), and those past their wall clock (their later
-calls raise SessionExpired, as on the backend underneath). At start it spawns the node's watchdog (`watch.py`),
-which reaps what the host leaves if its process dies (a SIGKILLed driver takes its owned actors with it).
+What a host does on its own, every second: closes the sessions of a client it has not heard from for its lease
+(`lease_s`, each client's own: one that died without closing, one cut off from the cluster), and those past their
+wall clock (their later calls raise SessionExpired, as on the backend underneath). At start it spawns the node's
+watchdog (`watch.py`), which reaps what the host leaves if its process dies (a SIGKILLed driver takes its owned
+actors with it).
 
 Seeds: a `SessionSpec.seed_dir` names a directory on the driver's machine; the client ships it once as a tar in
 Ray's object store (keyed by its digest) and the host unpacks it once into its node-local cache
@@ -167,12 +168,12 @@ class SessionHost:
         self.closing = 0
         self.cancelled: set[str] = set()
         self.tombs: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        self.clients: dict[str, float] = {}
+        self.clients: dict[str, tuple[float, float]] = {}  # client -> (last heard of, its lease)
         self.rate = CreateRate(cfg.creates_per_s, 8)
         self.seeds: SeedCache | None = None
         self.created = 0
         self._task: asyncio.Task[None] | None = None
-        self._start_error: Reply | None = None
+        self._images: dict[str, asyncio.Lock] = {}
 
     # ----------------------------------------------------------------------------------------------- lifecycle
 
@@ -233,13 +234,13 @@ class SessionHost:
             await asyncio.sleep(1.0)
             try:
                 now = time.monotonic()
-                silent = {c for c, seen in self.clients.items() if now - seen > self.cfg.lease_s}
+                silent = {c: lease for c, (seen, lease) in self.clients.items() if now - seen > lease}
                 for rid, e in list(self.sessions.items()):
                     if e.client in silent:
                         log.warning("session host: closing session %s, its client was silent for %.0f s",
-                                    e.session.id, self.cfg.lease_s)
+                                    e.session.id, silent[e.client])
                         await self._close(rid, ("SessionInfraError", f"session {e.session.id} was closed by its host: "
-                                                f"its client was silent for {self.cfg.lease_s:.0f} s"))
+                                                f"its client was silent for {silent[e.client]:g} s (its lease)"))
                     elif now > e.deadline:
                         await self._close(rid, ("SessionExpired", f"session {e.session.id} ran past its wall clock "
                                                 f"(session_timeout_s={e.session.spec.limits.session_timeout_s})"))
@@ -248,8 +249,12 @@ class SessionHost:
             except Exception as e:  # never let the loop die
                 log.warning("session host maintenance: %r", e)
 
-    def _touch(self, client: str) -> None:
-        self.clients[client] = time.monotonic()
+    def _touch(self, client: str, lease_s: float | None = None) -> None:
+        """`client` was heard of now; it may be silent `lease_s` (its own, else what it said before, else the
+        host's) before its sessions are closed."""
+        old = self.clients.get(client)
+        lease = lease_s if lease_s is not None and lease_s > 0 else (old[1] if old else self.cfg.lease_s)
+        self.clients[client] = (time.monotonic(), float(lease))
 
     def _tomb(self, rid: str, kind: str, message: str) -> None:
         self.tombs[rid] = (kind, message)
@@ -282,8 +287,9 @@ class SessionHost:
 
     # ------------------------------------------------------------------------------------------------ requests
 
-    async def create(self, client: str, rid: str, spec: SessionSpec, seed: tuple[str, list[Any]] | None) -> Reply:
-        self._touch(client)
+    async def create(self, client: str, rid: str, spec: SessionSpec, seed: tuple[str, list[Any]] | None,
+                     lease_s: float | None = None) -> Reply:
+        self._touch(client, lease_s)
         if self.backend is None:
             return encode_error(SessionInfraError("the session host is not started"))
         if rid in self.sessions:
@@ -295,6 +301,9 @@ class SessionHost:
         digest = None
         try:
             await self.rate.wait()
+            if self.cfg.inner == "local":  # an archive's first unpack takes a while: not on this actor's loop
+                async with self._images.setdefault(spec.image, asyncio.Lock()):
+                    await asyncio.to_thread(images.resolve_local, spec.image)
             local = spec
             if seed is not None and self.seeds is not None:
                 digest = seed[0]
@@ -342,9 +351,9 @@ class SessionHost:
                 self.cancelled.pop()
         return ("ok", self._load())
 
-    async def stats(self, client: str | None = None) -> Reply:
+    async def stats(self, client: str | None = None, lease_s: float | None = None) -> Reply:
         if client is not None:
-            self._touch(client)
+            self._touch(client, lease_s)
         info = self._info()
         info.update(live=len(self.sessions), starting=self.starting, closing=self.closing, created=self.created,
                     mine=[rid for rid, e in self.sessions.items() if e.client == client],
