@@ -437,6 +437,9 @@ class RayBackend(SessionBackend):
     def _cap(self, node: NodeInfo) -> int:
         if self.per_node_cap is not None:
             return self.per_node_cap
+        if node.cpus < 1:
+            log.warning("ray sessions: node %s declares %s CPUs to Ray, so it holds 1 session; set per_node_cap "
+                        "(RLF_RAY_SESSIONS_PER_NODE)", node.node_id[:12], node.cpus)
         return max(1, int(node.cpus * self.sessions_per_cpu))
 
     def _config(self, cap: int) -> HostConfig:

@@ -58,7 +58,7 @@ OPS = frozenset({"exec", "read_file", "write_file", "diff"})
 #: how many ended sessions a host remembers (so a late call gets the same error the backend underneath would give)
 TOMBS = 10_000
 #: seconds past a session's wall clock after which its host closes it (the backend underneath kills it at +1 s)
-EXPIRE_GRACE_S = 5.0
+EXPIRE_GRACE_S = 2.0
 
 
 @dataclass
