@@ -201,6 +201,9 @@ async def ray_bench(runs: int, levels: list[int], seed: str, address: str | None
         from ray.cluster_utils import Cluster
 
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # the cluster's files (its address file included: a plain `ray.init()` elsewhere would connect to it) in a
+        # directory of its own
+        os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rlf-ray-", dir="/tmp")
         small = {"object_store_memory": 100 << 20, "num_cpus": 1}
         cluster = Cluster(initialize_head=True, head_node_args={**small, "include_dashboard": False})
         for _ in range(n_nodes):
@@ -258,6 +261,7 @@ async def ray_bench(runs: int, levels: list[int], seed: str, address: str | None
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
+            shutil.rmtree(os.environ.pop("RAY_TMPDIR"), ignore_errors=True)
     return res
 
 

@@ -23,6 +23,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Awaitable, Iterator
@@ -107,12 +108,23 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Nodes]:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         ray.shutdown()
-    n = Nodes(str(tmp_path_factory.mktemp("ray-labels")))
+    # Ray's files in a directory of our own (a short path: its sockets live there): the cluster's address file
+    # (/tmp/ray/ray_current_cluster otherwise) would make a plain `ray.init()` elsewhere on this machine connect here
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="rlf-ray-", dir="/tmp")
+    n = None
     try:
+        n = Nodes(str(tmp_path_factory.mktemp("ray-labels")))
         yield n
     finally:
         ray.shutdown()
-        n.cluster.shutdown()
+        if n is not None:
+            n.cluster.shutdown()
+        shutil.rmtree(os.environ["RAY_TMPDIR"], ignore_errors=True)
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
 
 
 def ray_backend(nodes: Nodes, **kw: Any) -> RayBackend:
