@@ -386,6 +386,7 @@ class RayBackend(SessionBackend):
         self._seeds: OrderedDict[tuple[Any, ...], asyncio.Task[tuple[str, Any, int]]] = OrderedDict()
         self._seed_sizes: dict[tuple[Any, ...], int] = {}
         self._task: asyncio.Task[None] | None = None
+        self._admin: asyncio.Task[None] | None = None
         self._kick = asyncio.Event()
         self._room = asyncio.Event()
         self._closed = False
@@ -742,6 +743,7 @@ class RayBackend(SessionBackend):
         except Exception as e:
             log.warning("ray sessions: could not list the session hosts: %r", e)
             return
+        new = []
         for n in targets:
             old = self._hosts.get(n.node_id)
             if old is not None and old.state == "gone":  # listed dead once, alive again: a new start
@@ -749,12 +751,14 @@ class RayBackend(SessionBackend):
             if old is None:
                 h = _Host(n, f"{self.group}:{n.node_id}", self._cap(n))
                 self._hosts[n.node_id] = h
-                await self._revive(h)
+                new.append(h)
+        await asyncio.gather(*(self._revive(h) for h in new))
 
     async def _revive(self, h: _Host) -> None:
         if h.node_id not in self._nodes or not self._nodes[h.node_id].alive:
             h.state = "gone"
             return
+        h.state = "starting"
         try:
             ref = self._launch(h)
             self._started(h, await asyncio.wait_for(asyncio.wrap_future(ref.future()), self.start_timeout_s))
@@ -764,8 +768,22 @@ class RayBackend(SessionBackend):
         except Exception as e:
             self._cool(h, f"restart: {type(e).__name__}: {str(e)[:300]}")
 
+    async def _admin_round(self, discover: bool) -> None:
+        """Find new nodes (or the group's hosts) and start the hosts whose cooldown is over; in a task of its own,
+        so that a slow start never holds up the pings (their leases)."""
+        try:
+            if discover:
+                await self._discover()
+            due = [h for h in self._hosts.values() if h.state == "cooldown" and time.monotonic() >= h.cooldown_until]
+            await asyncio.gather(*(self._revive(h) for h in due))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.warning("ray sessions: discovery: %r", e)
+
     async def _maintain(self) -> None:
         next_ping = next_discover = time.monotonic()
+        admin: asyncio.Task[None] | None = None
         while not self._closed:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._kick.wait(), 1.0)
@@ -776,13 +794,16 @@ class RayBackend(SessionBackend):
                 if kicked or now >= next_ping:
                     next_ping = now + self.health_every_s
                     await asyncio.gather(*(self._ping(h) for h in list(self._hosts.values())))
-                if now >= next_discover:
-                    next_discover = now + self.discover_every_s
-                    await self._discover()
-                for h in list(self._hosts.values()):
-                    if h.state == "cooldown" and time.monotonic() >= h.cooldown_until:
-                        await self._revive(h)
+                due = any(h.state == "cooldown" and now >= h.cooldown_until for h in self._hosts.values())
+                if (admin is None or admin.done()) and (now >= next_discover or due):
+                    discover = now >= next_discover
+                    if discover:
+                        next_discover = now + self.discover_every_s
+                    admin = asyncio.get_running_loop().create_task(self._admin_round(discover))
+                    self._admin = admin
             except asyncio.CancelledError:
+                if admin is not None:
+                    admin.cancel()
                 raise
             except Exception as e:  # the loop never dies
                 log.warning("ray sessions: maintenance: %r", e)
@@ -825,10 +846,11 @@ class RayBackend(SessionBackend):
         if self._closed:
             return
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(BaseException):
-                await self._task
+        for t in (self._task, self._admin):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(BaseException):
+                    await t
         sessions = [s for h in self._hosts.values() for s in list(h.sessions.values())]
         await asyncio.gather(*(s.aclose() for s in sessions), return_exceptions=True)
         if self.owner:
