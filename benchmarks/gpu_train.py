@@ -8,7 +8,7 @@ written as an HF model dir (nothing from a hub), then:
 
 1. **generation**: the same `--batch` contexts (random token ids of `--context` tokens), `--new-tokens` new
    tokens each, sampled at temperature 1 (no stop token: every row runs to the end), through rlf's local sampler
-   (`rollout.generate`: KV cache, `rlf_train.sampling` on the device) and through HF `generate` (do_sample,
+   (`rollout.generate`: KV cache, `rlf_train.rollout.sampling` on the device) and through HF `generate` (do_sample,
    the same model and dtype), and rlf greedy: tokens/s and the ratios rlf/HF and sampled/greedy;
 2. **training**: rlf's own trainer (`python -m rlf_train`, the quickstart's Search-v0 world, no SFT) for
    `--updates` GRPO updates per mode (`--modes lora,full`), with gradient checkpointing and a KL reference

@@ -6,7 +6,7 @@ tokens), so the per-step cost is the vocabulary's: the output head and the token
 row runs to the end), in four modes, alternated `--repeats` times so that load on a shared machine hits all alike:
 
 - greedy (temperature 0: argmax; the baseline every ratio is against);
-- sampled (temperature 1, top-p 1) with `rlf_train.sampling` (two-stage inverse CDF on the logits' device);
+- sampled (temperature 1, top-p 1) with `rlf_train.rollout.sampling` (two-stage inverse CDF on the logits' device);
 - sampled top-p 0.9 (the random-init policy's logits are flat, so its nucleus is long and `grpo.nucleus` sorts
   the whole vocabulary, as before; a trained model's nucleus is short: see the sampler-alone line);
 - sampled with the sampler before issue 37 (`torch.multinomial` on a host copy of the probabilities and a full

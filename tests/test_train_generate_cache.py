@@ -1,4 +1,4 @@
-"""rlf_train.rollout.generate's contract with transformers: no autograd graph while sampling, and the KV cache
+"""rlf_train.rollout.local.generate's contract with transformers: no autograd graph while sampling, and the KV cache
 passed under the name the installed transformers takes (`cache` in recent releases, which deprecate
 `past_key_values` for removal in 5.40; `past_key_values` before), with no deprecation warning on the way."""
 

@@ -1,4 +1,4 @@
-"""LoRA RL on the local backend (`model.lora`, rlf_train.lora, real peft):
+"""LoRA RL on the local backend (`model.lora`, rlf_train.policy.lora, real peft):
 
 - the config key: defaults, a misspelt key lists the allowed ones, the embedding / output layer and async are
   refused by name;

@@ -1,4 +1,4 @@
-"""The sampler every local engine path uses (`rlf_train.sampling`), pinned to its specification:
+"""The sampler every local engine path uses (`rlf_train.rollout.sampling`), pinned to its specification:
 
 - exact: draws follow softmax(logits / T) restricted to the top-p nucleus (chi-square over many draws from a known
   distribution whose mass lies in several blocks, the last one partial), and the same counts are rejected

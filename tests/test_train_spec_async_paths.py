@@ -201,7 +201,7 @@ CLIP_PATHS = {
 def clip_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Run:
     return Run(tmp_path_factory.mktemp(f"clip_{request.param}") / "run", [
         # seed 6: a run whose second epoch has tokens in both zones where the bounds disagree (asserted below;
-        # which seeds do depends on the sampler's random stream, rlf_train.sampling)
+        # which seeds do depends on the sampler's random stream, rlf_train.rollout.sampling)
         *CLIP_PATHS[request.param], "seed=6", "algorithm.steps=2", "algorithm.ppo_epochs=2", "optim.lr=2e-2",
         f"rollout.temperature={TEMP}", "rollout.top_p=1.0", f"algorithm.clip_eps_low={LO}",
         f"algorithm.clip_eps_high={HI}"])

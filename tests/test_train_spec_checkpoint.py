@@ -1,4 +1,4 @@
-"""Checkpoints pinned to their specification (rlf_train.checkpoint).
+"""Checkpoints pinned to their specification (rlf_train.policy.checkpoint).
 
 - weights: every tensor of the model comes back bit-identical into a differently initialised model; tied
   embeddings are stored once and are tied again after loading; an untied head is stored and restored;

@@ -1,4 +1,4 @@
-"""Generation pinned to its specification (rlf_train.rollout: generate, generate_batched, StopChecker,
+"""Generation pinned to its specification (rlf_train.rollout.local: generate, generate_batched, StopChecker,
 length_buckets), against a plain reference: one row at a time, the whole sequence re-run through the model at
 every token (no padding, no KV cache, no batch).
 

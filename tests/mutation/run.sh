@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Mutation testing of the local trainer with mutmut (not run in CI; see README.md beside this file).
-# usage: tests/mutation/run.sh FILE [SCRATCH [MUTANT-GLOB...]]    FILE: grpo.py | trainer.py | rollout.py | sft.py | checkpoint.py
-#   | async_rollout.py | vllm_engine.py (PYTHON: the `vllm` tox env's interpreter)
+# usage: tests/mutation/run.sh FILE [SCRATCH [MUTANT-GLOB...]]    FILE: grpo.py | trainer.py | rollout/local.py | sft.py
+#   | policy/checkpoint.py | rollout/env_source.py | rollout/vllm.py (PYTHON: the `vllm` tox env's interpreter)
 # Needs a venv with the train extras + mutmut (PYTHON, default: python on PATH). Works in a scratch copy.
 set -euo pipefail
 FILE=${1:?which file of rlf_train/src/rlf_train to mutate}
-SCRATCH=${2:-/tmp/rlf-mutation-${FILE%.py}}
+SCRATCH=${2:-/tmp/rlf-mutation-$(basename "${FILE%.py}")}
 PYTHON=${PYTHON:-python}
 REPO=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 rm -rf "$SCRATCH" && mkdir -p "$SCRATCH"
@@ -16,7 +16,15 @@ mkdir -p "$SCRATCH/src" && mv "$SCRATCH/rlf_train/src/rlf_train" "$SCRATCH/src/"
 # the fast tests that pin the file's specification: tests-<file>.txt beside this script when there is one
 # (sft.py, checkpoint.py, rollout.py, trainer.py), else tests.txt (the spec tests of grpo.py)
 # (LIST=path overrides: e.g. tests-trainer-async.txt for the async path of trainer.py)
-LIST=${LIST:-$REPO/tests/mutation/tests-${FILE%.py}.txt}
+# (the lists keep the names of the files before rlf_train's wings: rollout.py, checkpoint.py, async_rollout.py, ...)
+case "$FILE" in
+    rollout/local.py | rollout/batch.py) NAME=rollout ;;
+    rollout/env_source.py | rollout/async_worker.py | rollout/weights.py) NAME=async_rollout ;;
+    rollout/vllm.py) NAME=vllm_engine ;;
+    policy/checkpoint.py) NAME=checkpoint ;;
+    *) NAME=${FILE%.py} ;;
+esac
+LIST=${LIST:-$REPO/tests/mutation/tests-$NAME.txt}
 [ -f "$LIST" ] || LIST="$REPO/tests/mutation/tests.txt"
 # mutmut 3 does not mutate decorated functions: the scratch copy drops `@torch.no_grad()` (rollout.generate)
 # so that they are mutated too. Values are unchanged (the tests check values; grad mode is not under test).

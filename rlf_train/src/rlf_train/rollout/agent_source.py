@@ -41,7 +41,7 @@ class AgentSource:
     the env source's engine (`EnvSource.generate_batch`), which this source owns. The env (made by the trainer)
     gives the tasks, the format and the verifier; it is not stepped."""
 
-    def __init__(self, spec: str, tokenizer: Any, envs: dict[str, Any], engine: EnvSource, limits: EndpointLimits,
+    def __init__(self, spec: str, tokenizer: Any, envs: dict[Stage, Any], engine: EnvSource, limits: EndpointLimits,
                  concurrency: int) -> None:
         self.agent, self.codec = self.check(spec, envs["train"].envs[0].format)
         self.envs = envs

@@ -149,7 +149,7 @@ class AsyncRollout(AsyncWorker):
         tokenizer: Any,
         params: SamplingParams,
         *,
-        store: WeightStore,
+        store: WeightStore | SharedWeights,
         admission: Admission,
         prompts_for: Callable[[int], Sequence[int]],
         seed_for: Callable[[int, int], int],
