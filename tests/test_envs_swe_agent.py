@@ -39,10 +39,10 @@ def test_example_agent_repairs_and_records_show_the_command(tmp_path: Path) -> N
     pytest.importorskip("torch")
     from agent_support import ScriptedEngine
 
-    from rlf_train.agent import AgentRunner, load_agent
-    from rlf_train.endpoint.engine import EngineFront
-    from rlf_train.endpoint.sessions import SessionLimits
-    from rlf_train.model import build_tiny_tokenizer
+    from rlf_train.rollout.agent_runner import AgentRunner, load_agent
+    from rlf_train.rollout.endpoint.engine import EngineFront
+    from rlf_train.rollout.endpoint.sessions import EndpointLimits
+    from rlf_train.policy.tokenizer import build_tiny_tokenizer
 
     [task] = load_swe_rows([tiny_row(tmp_path)])
     tok = build_tiny_tokenizer(3072)
@@ -50,7 +50,7 @@ def test_example_agent_repairs_and_records_show_the_command(tmp_path: Path) -> N
     engine = ScriptedEngine(tok, fix_then_submit)
 
     async def main() -> Any:
-        runner = AgentRunner(load_agent(AGENT), codec, tok, SessionLimits(8192, 512, 120.0), 2,
+        runner = AgentRunner(load_agent(AGENT), codec, tok, EndpointLimits(8192, 512, 120.0), 2,
                              EngineFront(engine, codec.stop_strings, window_s=0.001))
         await runner.start()
         try:
