@@ -378,7 +378,8 @@ class RayBackend(SessionBackend):
         self.seed_cache_bytes = int(seed_cache_mb) << 20
         self.host_seed_cache_mb = int(host_seed_cache_mb)
         self.client_id = f"{owners.RUN_ID}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        #: counters: creates, create_retries, host_failures, sessions_lost, hosts_started
+        #: counters: creates, create_retries, host_failures, sessions_lost (to their host's failure or a call it did
+        #: not answer), hosts_started
         self.counters: dict[str, int] = {"creates": 0, "create_retries": 0, "host_failures": 0, "sessions_lost": 0,
                                          "hosts_started": 0}
         self._hosts: dict[str, _Host] = {}
@@ -563,9 +564,11 @@ class RayBackend(SessionBackend):
                                     f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
 
     def _forget(self, s: RaySession) -> None:
-        """Drop `s` here and close it on its host in the background (its outcome there is unknown)."""
+        """Drop `s`, lost to a call its host did not answer (or answered through a Ray failure), here, and close it
+        on its host in the background (its outcome there is unknown)."""
         h = s._host
-        h.sessions.pop(s.rid, None)
+        if h.sessions.pop(s.rid, None) is not None:
+            self.counters["sessions_lost"] += 1
         self._close_there(h, s.rid)
 
     def _close_there(self, h: _Host, rid: str) -> None:
