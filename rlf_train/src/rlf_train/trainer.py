@@ -58,6 +58,7 @@ from rlf_train.rollout.seeds import seed_base
 from rlf_train.rollout.source import Source, make_source
 from rlf_train.rollout.vllm import VllmRollout, check_policy_shape
 from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
+from rlf_train.watch import RunWatch
 
 
 class Trainer:
@@ -131,6 +132,7 @@ class Trainer:
         # applied to the train envs before RL (in the async worker process too; must then be picklable): e.g.
         # benchmarks/async_training.py's slow-search wrapper
         self.train_env_hook: Callable[[ToolVectorEnv], None] | None = None
+        self.watch: RunWatch | None = None  # warnings while the run trains (rlf_train.watch)
         self.logger = MetricsLogger(self.run_dir, tensorboard=cfg.logging.tensorboard,
                                     wandb_project=cfg.logging.wandb_project, wandb_mode=cfg.logging.wandb_mode,
                                     config_dict=cfg.model_dump(mode="json"))
@@ -511,8 +513,12 @@ class Trainer:
                     scheduler: Any, data_state: dict[str, Any] | None) -> None:
         cfg = self.cfg
         self.logger.log(rec)
+        if self.watch is None:
+            self.watch = RunWatch(progress.print)
+        self.watch.step(rec)
+        uses = "search" if "Search" in cfg.env.id else "tool use"  # the share of episodes that called a tool
         progress.update("GRPO", info=f"reward {rec['reward_mean']:.3f} success {rec['success_rate']:.2f} "
-                                     f"search {rec['search_rate']:.2f}")
+                                     f"{uses} {rec['search_rate']:.2f}")
         if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.algorithm.steps:
             self._record_eval(self.evaluate(step), progress)
         if cfg.logging.save_every and step % cfg.logging.save_every == 0:

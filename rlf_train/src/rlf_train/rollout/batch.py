@@ -86,12 +86,21 @@ def episode_stats(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "turns_mean": sum(len(t.turns) for t in trajs) / n,
         "tool_calls_mean": sum(t.num_tool_calls for t in trajs) / n,
         "tool_errors_mean": sum(t.num_tool_errors for t in trajs) / n,
+        "invalid_turns_mean": sum(t.num_invalid_turns for t in trajs) / n,
+        "unknown_tool_calls_mean": sum(t.num_unknown_tool_calls for t in trajs) / n,
+        **_zero_tool_reward(trajs),
         "search_rate": sum(t.num_tool_calls > 0 for t in trajs) / n,
         "answered_rate": sum(t.answer is not None for t in trajs) / n,
         "tokens_total_mean": sum(len(t.token_ids or []) for t in trajs) / n,
         "tokens_policy_mean": sum(sum(t.loss_mask or []) for t in trajs) / n,
         **failure_rates(trajs),
     }
+
+
+def _zero_tool_reward(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """The mean reward of the episodes that made no tool call (when there are any): reward earned without tools."""
+    none = [t.reward for t in trajs if t.num_tool_calls == 0]
+    return {"zero_tool_reward_mean": sum(none) / len(none)} if none else {}
 
 
 def failure_rates(trajs: Sequence[Trajectory]) -> dict[str, float]:

@@ -1,0 +1,50 @@
+"""Warnings a run gives while it trains, for the silent failures that cost the most (issue 48/49): steps whose
+groups carry no reward signal (GRPO learns nothing from them), and reward rising while tool use falls to zero (a
+policy that stopped calling tools: the parser never matches, or the reward pays for not using them)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+NO_SIGNAL_STEPS = 5
+COLLAPSE_STEPS = 5
+
+
+class RunWatch:
+    """Fed each step's metrics record; says each warning once (through `say`), with what to check."""
+
+    def __init__(self, say: Callable[[str], Any], uses_tools: bool = True) -> None:
+        self.say = say
+        self.uses_tools = uses_tools
+        self._no_signal = 0
+        self._first_rewards: list[float] = []
+        self._recent: deque[tuple[float, float]] = deque(maxlen=COLLAPSE_STEPS)
+        self.warned: set[str] = set()
+
+    def step(self, rec: dict[str, Any]) -> None:
+        sig = rec.get("groups_with_signal")
+        if sig is not None:
+            self._no_signal = self._no_signal + 1 if sig == 0 else 0
+            if self._no_signal >= NO_SIGNAL_STEPS and "no_signal" not in self.warned:
+                self.warned.add("no_signal")
+                self.say(f"warning: no group carried any reward signal for {self._no_signal} steps in a row (every "
+                         "sample of a task scored the same): GRPO's advantages are 0 and nothing is learned. Check "
+                         "the reward (a verifier that always gives 0, a judge that cannot be reached), raise "
+                         "rollout.temperature or samples_per_prompt, or use easier tasks / an SFT warm start.")
+        reward, calls = rec.get("reward_mean"), rec.get("tool_calls_mean")
+        if reward is None or calls is None or not self.uses_tools:
+            return
+        if len(self._first_rewards) < COLLAPSE_STEPS:
+            self._first_rewards.append(float(reward))
+        self._recent.append((float(reward), float(calls)))
+        if len(self._recent) == COLLAPSE_STEPS and len(self._first_rewards) == COLLAPSE_STEPS \
+                and all(c == 0 for _, c in self._recent) and "tool_collapse" not in self.warned:
+            start = sum(self._first_rewards) / COLLAPSE_STEPS
+            now = sum(r for r, _ in self._recent) / COLLAPSE_STEPS
+            if now > start:
+                self.warned.add("tool_collapse")
+                self.say(f"warning: reward rose ({start:.3f} -> {now:.3f}) while the policy made no tool call for "
+                         f"{COLLAPSE_STEPS} steps: check that the format parses its tool calls (invalid_turns_mean, "
+                         "unknown_tool_calls_mean) and that the reward cannot be earned without the tools.")
