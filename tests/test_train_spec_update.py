@@ -596,5 +596,6 @@ def test_periodic_eval_its_record_and_the_progress_lines(tmp_path: Path, capsys:
     assert len(grpo) == 3
     for r, x in zip(rl, grpo, strict=True):
         assert x.startswith(f"GRPO {r['step']}/3 ")
+        uses = "search" if "Search" in PER_TURN_ID else "tool use"  # the column names what the share counts
         assert x.endswith(f" | reward {r['reward_mean']:.3f} success {r['success_rate']:.2f} "
-                          f"search {r['search_rate']:.2f}")
+                          f"{uses} {r['search_rate']:.2f}")
