@@ -290,3 +290,14 @@ def test_lora_keys_map_to_openrlhfs_own_flags_and_are_refused_by_name(bm25_index
     assert args.ds.lora.target_modules == ["q_proj", "v_proj"]
     plain = parse_flags(prepare(search_config(bm25_index_dir, tmp_path / "p")).plan.flags)
     assert plain.ds.lora.rank == 0  # no model.lora: OpenRLHF's default, full weights
+
+
+def test_the_sessions_section_reaches_every_ray_worker(bm25_index_dir: Path, tmp_path: Path) -> None:
+    from rlf_train.config import SessionsConfig
+
+    cfg = search_config(bm25_index_dir, tmp_path / "run")
+    cfg.sessions = SessionsConfig(backend="ray", nodes="resource:sandbox", per_node=16)
+    launch = prepare(cfg)
+    assert launch.env["RLF_RAY_SESSION_NODES"] == "resource:sandbox"
+    assert launch.env["RLF_RAY_SESSIONS_PER_NODE"] == "16" and launch.env["RLF_RAY_SESSION_INNER"] == "local"
+    assert "export RLF_RAY_SESSION_NODES=resource:sandbox" in launch.script()

@@ -285,6 +285,32 @@ class OpenRLHFConfig(_Section):
                                           "when it is installed), e.g. ['--ds.use_liger_kernel']")
 
 
+class SessionsConfig(_Section):
+    """Where coding-agent sandboxes run (rlf/SWE-v0 and Harbor tasks): `backend` goes to the env as its `backend`;
+    for `ray`, the cluster and the session nodes (docs/guides/coding-agent-cluster.md). Applied to this process and,
+    with backend: openrlhf, to every Ray worker (so the rollout actors place sessions on the cluster's session nodes
+    instead of beside the vLLM engines)."""
+
+    backend: Literal["local", "docker", "ray"] = "local"
+    address: str | None = Field(None, description="ray: the cluster (ray.init's address; default RLF_RAY_ADDRESS, "
+                                                  "else 'auto')")
+    nodes: str | None = Field(None, description="ray: the session nodes, e.g. 'resource:sandbox' or 'role=cpu' "
+                                                "(default: nodes without GPUs when any exist)")
+    per_node: float | None = Field(None, gt=0, description="ray: sessions per node at most")
+    inner: Literal["local", "docker"] = Field("local", description="ray: the backend each node's host runs")
+
+    def env_vars(self) -> dict[str, str]:
+        """The variables the ray backend reads (rlf_envs.sandbox.sessions.ray)."""
+        if self.backend != "ray":
+            return {}
+        out = {"RLF_RAY_SESSION_INNER": self.inner}
+        for key, v in (("RLF_RAY_ADDRESS", self.address), ("RLF_RAY_SESSION_NODES", self.nodes),
+                       ("RLF_RAY_SESSIONS_PER_NODE", None if self.per_node is None else f"{self.per_node:g}")):
+            if v is not None:
+                out[key] = v
+        return out
+
+
 class TrainConfig(_Section):
     """The one training config (`python -m rlf_train --config X.yaml`): every section, so one YAML file says all a run
     does and the run dir's config.yaml is enough to resume or evaluate it."""
@@ -302,10 +328,21 @@ class TrainConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     openrlhf: OpenRLHFConfig = Field(default_factory=OpenRLHFConfig)
+    sessions: SessionsConfig | None = Field(None, description="where coding-agent sandboxes run (SWE/Harbor envs)")
     group_reward: dict[str, Any] | None = Field(
         None, description="a group verifier (e.g. {type: group_judge, base_url: ..., model: ...}) that scores each "
                           "GRPO group of a training batch; its score replaces the env verifier's as the training "
                           "reward (eval keeps the env's). docs/guides/group-judge.md")
+
+    @model_validator(mode="after")
+    def _sessions(self) -> TrainConfig:
+        if self.sessions is not None:
+            for where, kw in (("env.kwargs", self.env.kwargs), ("env.eval_kwargs", self.env.eval_kwargs)):
+                if kw.get("backend", self.sessions.backend) != self.sessions.backend:
+                    raise ValueError(f"{where}.backend {kw['backend']!r} and sessions.backend "
+                                     f"{self.sessions.backend!r} disagree: give it once, in sessions")
+            self.env.kwargs = {**self.env.kwargs, "backend": self.sessions.backend}
+        return self
 
     @model_validator(mode="after")
     def _backend(self) -> TrainConfig:

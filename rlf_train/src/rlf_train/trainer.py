@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,8 @@ class Trainer:
         self.resume = resume
         if cfg.backend != "local":
             raise ValueError(f"Trainer is the local backend; backend={cfg.backend!r}")
+        if cfg.sessions is not None:  # read by the session backend when the envs open it (rlf_envs...sessions.ray)
+            os.environ.update(cfg.sessions.env_vars())
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.tokenizer = load_tokenizer(cfg.model)

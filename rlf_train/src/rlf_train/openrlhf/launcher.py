@@ -141,6 +141,8 @@ def prepare(cfg: TrainConfig, resume: bool = False) -> Launch:
     env = {"RLF_OPENRLHF_CONFIG": json.dumps(cfg.model_dump(mode="json"), separators=(",", ":"))}
     if cfg.logging.wandb_project is not None:
         env["WANDB_MODE"] = cfg.logging.wandb_mode
+    if cfg.sessions is not None:  # the rollout actors open the same session backend (a ray one: the session nodes)
+        env.update(cfg.sessions.env_vars())
     env.update(o.env_vars)
     openrlhf = ["python", *ENTRY, *plan.flags]
     if remote:
