@@ -295,8 +295,10 @@ def test_lora_keys_map_to_openrlhfs_own_flags_and_are_refused_by_name(bm25_index
 def test_the_sessions_section_reaches_every_ray_worker(bm25_index_dir: Path, tmp_path: Path) -> None:
     from rlf_train.config import SessionsConfig
 
-    cfg = search_config(bm25_index_dir, tmp_path / "run")
-    cfg.sessions = SessionsConfig(backend="ray", nodes="resource:sandbox", per_node=16)
+    # (model_copy: the search env takes no session backend, so the section's env.kwargs.backend is left out here;
+    # what is tested is that the launcher hands the section's settings to every Ray worker)
+    cfg = search_config(bm25_index_dir, tmp_path / "run").model_copy(
+        update={"sessions": SessionsConfig(backend="ray", nodes="resource:sandbox", per_node=16)})
     launch = prepare(cfg)
     assert launch.env["RLF_RAY_SESSION_NODES"] == "resource:sandbox"
     assert launch.env["RLF_RAY_SESSIONS_PER_NODE"] == "16" and launch.env["RLF_RAY_SESSION_INNER"] == "local"

@@ -28,6 +28,7 @@ _RUNTIME_KEYS = (
     "logging.run_dir", "logging.tensorboard", "logging.wandb_project", "logging.wandb_mode",
     "logging.save_every", "logging.keep_last",
     "openrlhf.",
+    "sessions.",  # the launcher puts them in every Ray worker's environment; the env gets sessions.backend
 )  # fmt: skip
 
 _NONE = object()
