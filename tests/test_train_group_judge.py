@@ -61,10 +61,16 @@ def test_group_judge_gives_the_training_reward(tmp_path: Path) -> None:
             assert rec["reward"] == (1.0 if ok else 0.1 if rec["answer"] is not None else 0.0)
 
 
-def test_a_dead_judge_skips_groups_and_training_goes_on(tmp_path: Path) -> None:
+def test_a_dead_judge_skips_groups_and_training_goes_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dead = "http://127.0.0.1:9/v1"  # discard port: connection refused
     cfg = _cfg(tmp_path / "d", 2, [*SHORT, f"group_reward={{type: group_judge, base_url: '{dead}', model: j, "
                                            "max_retries: 0, timeout_s: 5, fallback: 0.5}"])
+    with pytest.raises(ConfigError, match="no OpenAI-compatible endpoint answers"):  # dead at the start: refused
+        Trainer(cfg)
+    # a judge that answered at the start and died later: its groups are skipped (2 steps, under the stop at 3)
+    from rlf_train.group_reward import GroupReward
+
+    monkeypatch.setattr(GroupReward, "check_endpoint", lambda self, timeout_s=10.0: None)
     Trainer(cfg).run()
     rows = _rows(tmp_path / "d")
     assert [r["step"] for r in rows] == [1, 2]

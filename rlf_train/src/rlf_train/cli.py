@@ -82,6 +82,15 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> list[str]:
 
         AgentSource.check(cfg.rollout.agent, train_env.format)
     env_tasks(make_env(cfg, tokenizer, "eval"))
+    if cfg.group_reward is not None:  # as the real run: the mapping's keys, then the judge's endpoint
+        from rlf_train.group_reward import GroupReward
+
+        group = GroupReward.from_config(cfg.group_reward, train_env)
+        if group is not None:
+            try:
+                group.check_endpoint()
+            finally:
+                group.close()
     c = cfg.sft
     if c.enabled and c.steps > 0 and c.demos_path:
         bad = [d.task_index for d in load_demos(c.demos_path) if not 0 <= d.task_index < len(train_tasks)]

@@ -105,6 +105,8 @@ class Trainer:
         self.train_tasks = env_tasks(self.train_envs.envs[0])
         # group_reward: a group verifier (e.g. a judge ranking each GRPO group) gives the training reward
         self.group_reward = GroupReward.from_config(cfg.group_reward, self.train_envs.envs[0])
+        if self.group_reward is not None:
+            self.group_reward.check_endpoint()  # a judge that cannot answer: refused now, not 1,600 lines later
         # built now, not at the first eval: a wrong env.eval_split must fail before the SFT stage, not after
         self._eval_envs: ToolVectorEnv = make_envs(cfg, self.tokenizer, "eval", min(cfg.eval.num_tasks, r.batch_size))
         env_tasks(self._eval_envs.envs[0])
@@ -658,6 +660,7 @@ class Trainer:
                 if line is not None:
                     progress.print(line)
                 if self.group_reward is not None:
+                    progress.print(self.group_reward.summary())
                     self.group_reward.close()
         self.logger.close()
         plot_reward_curve(self.run_dir)
