@@ -39,10 +39,10 @@ def test_example_agent_repairs_and_records_show_the_command(tmp_path: Path) -> N
     pytest.importorskip("torch")
     from agent_support import ScriptedEngine
 
+    from rlf_train.policy.tokenizer import build_tiny_tokenizer
     from rlf_train.rollout.agent_runner import AgentRunner, load_agent
     from rlf_train.rollout.endpoint.engine import EngineFront
     from rlf_train.rollout.endpoint.sessions import EndpointLimits
-    from rlf_train.policy.tokenizer import build_tiny_tokenizer
 
     [task] = load_swe_rows([tiny_row(tmp_path)])
     tok = build_tiny_tokenizer(3072)

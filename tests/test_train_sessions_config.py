@@ -15,8 +15,8 @@ def test_the_sessions_backend_reaches_the_env_and_the_ray_settings_the_workers()
         "backend": "ray", "address": "10.0.0.1:6379", "nodes": "resource:sandbox", "per_node": 32}})
     assert cfg.env.kwargs["backend"] == "ray"
     assert cfg.sessions is not None and cfg.sessions.env_vars() == {
-        "RLF_RAY_SESSION_INNER": "local", "RLF_RAY_ADDRESS": "10.0.0.1:6379", "RLF_RAY_SESSION_NODES": "resource:sandbox",
-        "RLF_RAY_SESSIONS_PER_NODE": "32"}
+        "RLF_RAY_SESSION_INNER": "local", "RLF_RAY_ADDRESS": "10.0.0.1:6379",
+        "RLF_RAY_SESSION_NODES": "resource:sandbox", "RLF_RAY_SESSIONS_PER_NODE": "32"}
     local = TrainConfig.model_validate({"env": {"id": "rlf/SWE-v0"}, "sessions": {"backend": "docker"}})
     assert local.env.kwargs["backend"] == "docker" and local.sessions is not None and local.sessions.env_vars() == {}
 

@@ -98,12 +98,17 @@ def test_episode_stats_are_their_definitions() -> None:
         "tool_calls_mean": 8 / 7, "tool_errors_mean": 3 / 7, "search_rate": 4 / 7, "answered_rate": 5 / 7,
         "tokens_total_mean": np.mean([len(t.token_ids or []) for t in trajs]),
         "tokens_policy_mean": np.mean([sum(t.loss_mask or []) for t in trajs]),
+        "invalid_turns_mean": np.mean([sum(u.stats.invalid for u in t.turns) for t in trajs]),
+        "unknown_tool_calls_mean": np.mean([sum(u.stats.unknown_tools for u in t.turns) for t in trajs]),
+        # the reward of the episodes without a tool call (k = 0, 3, 5): reward earned without the tools
+        "zero_tool_reward_mean": np.mean([trajs[k].reward for k in (0, 3, 5)]),
     }
     got = episode_stats(trajs)
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert got[k] == pytest.approx(float(v), rel=1e-12, abs=1e-12), k
-    assert episode_stats([]) == dict.fromkeys(want, 0.0)
+    # no episode: every rate 0, and no reward-without-tools mean (there is no such episode)
+    assert episode_stats([]) == dict.fromkeys([k for k in want if k != "zero_tool_reward_mean"], 0.0)
     one = episode_stats(trajs[:1])  # rates over one episode
     assert one["success_rate"] == 1.0 and one["answered_rate"] == 1.0 and one["reward_mean"] == SUCCESS_THRESHOLD
 

@@ -92,6 +92,10 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> list[str]:
             finally:
                 group.close()
     c = cfg.sft
+    if c.enabled and c.steps > 0 and not c.demos_path:
+        from rlf_train.sft import check_scripted_demos
+
+        check_scripted_demos(train_env, cfg.env.id)
     if c.enabled and c.steps > 0 and c.demos_path:
         bad = [d.task_index for d in load_demos(c.demos_path) if not 0 <= d.task_index < len(train_tasks)]
         if bad:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from rlf_envs.types import Task, Trajectory
+from rlf_train.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,21 @@ def _tag(fmt_name: str, kind: str, text: str) -> str:
             return '<tool_call>{"name": "search", "arguments": {"query": ' + json.dumps(text) + "}}</tool_call>"
         return f"<answer> {text}</answer>"
     return f"<{kind}> {text}</{kind}>"
+
+
+def check_scripted_demos(env: Any, env_id: str) -> None:
+    """The scripted demos (no `sft.demos_path`) search then answer: they fit an env whose policy has a `search` tool
+    and tasks with gold answers (rlf/Search-v0 and its kind), or an env without tools (answers only). In an env with
+    other tools (rlf/SWE-v0, SQL, Code...) they would replay the search world's turns through the env's real tools:
+    refused, saying what to do."""
+    toolbox = getattr(env, "toolbox", None)
+    names = {s.name for s in getattr(toolbox, "specs", ())} if toolbox is not None else set()
+    if names and "search" not in names:
+        raise ConfigError(f"sft.enabled: {env_id} has no `search` tool, and the scripted demos (used when "
+                          "sft.demos_path is not set) search then answer; give sft.demos_path (a JSONL of "
+                          '{"task_index": i, "actions": [turn, ...]} per line, the turns to replay on train task i; '
+                          "rlf/SWE-v0: `python -m rlf_envs.envs.swe.baseline --split train --write-demos FILE`) "
+                          "or set sft.enabled: false")
 
 
 def scripted_demos(tasks: Sequence[Task], n: int, fmt_name: str, p_no_search: float, p_wrong_query: float,

@@ -58,7 +58,7 @@ from rlf_train.rollout.env_factory import Stage, env_tasks, make_envs
 from rlf_train.rollout.seeds import seed_base
 from rlf_train.rollout.source import Source, make_source
 from rlf_train.rollout.vllm import VllmRollout, check_policy_shape
-from rlf_train.sft import Demo, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
+from rlf_train.sft import Demo, check_scripted_demos, demo_trajectories, load_demos, pad_batch, scripted_demos, sft_loss
 from rlf_train.watch import RunWatch
 
 
@@ -172,6 +172,7 @@ class Trainer:
                                   f"{self.cfg.env.train_split!r} split has {len(self.train_tasks)} tasks; "
                                   f"{len(bad)} demos affected); fix the file or point sft.demos_path elsewhere")
             return demos
+        check_scripted_demos(self.train_envs.envs[0], self.cfg.env.id)
         fmt_name = getattr(self.train_envs.envs[0].format, "name", "search_r1")
         return scripted_demos(self.train_tasks, c.num_demos, fmt_name, c.p_no_search, c.p_wrong_query,
                               seed=self.cfg.seed + 3)

@@ -196,7 +196,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--base-image", action="append", default=[], metavar="REF=DIR",
                     help="Harbor FROM image -> root directory (local backend)")
     ap.add_argument("--json", default=None, help="also write the per-task results to this JSON file")
+    ap.add_argument("--write-demos", default=None, metavar="FILE",
+                    help="write the gold policy's turns of every task of --split as SFT demos (the trainer's "
+                         "sft.demos_path) and exit, without running them")
     args = ap.parse_args(argv)
+    if args.write_demos:
+        from rlf_envs.envs.swe.tasks import shipped_tasks
+
+        rows = [{"task_index": i, "actions": [*gold_actions(t)]} for i, t in enumerate(shipped_tasks(args.split))]
+        Path(args.write_demos).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        print(f"wrote {len(rows)} demos of the {args.split} split to {args.write_demos}")
+        return
     if args.task_file:
         kw: dict[str, Any] = {"task_file": args.task_file, "backend": args.backend, "image": args.image}
         if Path(args.task_file).is_dir():
