@@ -74,7 +74,7 @@ async def _open(open_backend: Any) -> Any:
 
 def test_tiny_repository_gold_one_untouched_zero_docker(docker_backend: Any, tmp_path: Path) -> None:
     env = gym.make("rlf/SWE-v0", tasks=[tiny_row(tmp_path)], backend=docker_backend,
-                   image=f"docker:{DOCKER_IMAGE}", limits={"exec_timeout_s": 20.0}).unwrapped
+                   image=f"docker:{DOCKER_IMAGE}", limits={"exec_timeout_s": 180.0}).unwrapped
     try:
         r, info, obs = run_episode(env, [
             call("bash", command="python3 -m pytest -q -o addopts= tests 2>&1 | tail -3"),
