@@ -256,7 +256,7 @@ def test_agent_endpoint_generates_with_the_vllm_engine(trainer: Any) -> None:
 
     env = trainer.train_envs.envs[0]
     codec_stop = list(env.format.stop_strings)
-    inner = trainer.engine.generate_batch(params(trainer), trainer.gen, codec_stop)
+    inner = trainer.source.generate_batch(params(trainer), trainer.gen, codec_stop)  # the env source's engine
     generated: list[list[int]] = []
 
     async def spy(contexts: list[list[int]], max_tokens: list[int], stop: list[str]) -> Any:
