@@ -433,7 +433,10 @@ def test_harbor_reward_files_cannot_be_forged(attack: str) -> None:
     orig = (HARBOR / "fix-greeting" / "environment" / "greet.py").read_text()
     patch = unified_diff("greet.py", orig, src)
     v = runtime.run(SweVerifier(image=_image()).verdict(patch, task))
-    assert v.value == 0.0 and not v.infra_failed and v.failure, v
+    assert v.value == 0.0 and not v.infra_failed, v
+    # the daemon races test.sh: when it is still alive at the end its run is voided (leftover_processes); on a loaded
+    # machine it may lose the race and the reward is test.sh's own 0 -- never 1.0 either way
+    assert v.failure or attack == "daemon", v
 
 
 SALES_JSON = '''def loads(s, *a, **kw):
