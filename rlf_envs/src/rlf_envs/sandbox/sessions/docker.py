@@ -455,6 +455,9 @@ class _Box:
 
 
 class DockerSession(Session):
+    """A session in one container: execs through the engine's API, the deadline kill from the host (kernel start
+    times, the container's cgroup), files through archives, the diff built on the host from a bounded tar."""
+
     def __init__(self, backend: DockerBackend, box: _Box, spec: SessionSpec, started: float) -> None:
         self.id = box.c.name
         self.spec = spec
@@ -799,6 +802,9 @@ class DockerSession(Session):
 
 
 class DockerBackend(SessionBackend):
+    """Sessions as containers of an engine the SDK reaches (`DOCKER_HOST`; Podman's socket too): owner labels set in
+    the create call, containers that end by themselves at their wall clock, a warm pool and a reaper."""
+
     name = "docker"
 
     def __init__(self, base_url: str | None = None, max_starting: int = 8, creates_per_s: float = 20.0,

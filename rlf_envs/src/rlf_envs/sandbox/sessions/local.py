@@ -333,6 +333,11 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int, made: set
 
 
 class LocalSession(Session):
+    """A session served by one confined agent process (see `_agent.py`): calls are frames to it, serialised by a lock,
+    each with a deadline at our layer; the wall clock kills it. Errors say whose they are: the caller's
+    (`SessionError`), the policy's own limits (`SessionLimitExceeded`, `SessionExpired`), or the host's
+    (`SessionInfraError`, decided by the session cgroup's counters when the agent is lost)."""
+
     def __init__(self, backend: LocalBackend, agent: _Agent, spec: SessionSpec, uid: int) -> None:
         self.id = agent.label.id
         self.spec = spec
@@ -452,6 +457,10 @@ class LocalSession(Session):
 
 
 class LocalBackend(SessionBackend):
+    """Sessions as confined process trees on this machine, without a daemon (root needed): a warm pool of agents per
+    (image, network) so a create only makes the workspace, admission and a create-rate limit so hundreds of episodes
+    queue instead of timing out, owner labels and a reaper so a killed run leaves nothing."""
+
     name = "local"
 
     def __init__(self, pool_size: int | None = None, max_starting: int = 8, creates_per_s: float = 50.0,
