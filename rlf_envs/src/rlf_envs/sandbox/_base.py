@@ -132,3 +132,24 @@ def _openat2(dirfd: int, path: str, flags: int, mode: int, resolve: int) -> int:
         e = ctypes.get_errno()
         raise OSError(e, os.strerror(e), path)
     return fd
+
+
+PATH_MAX = 4096
+
+
+def check_path(p: object, what: str, error: type[Exception]) -> str:
+    """A path a session request names: a str, not empty, without NUL, encodable, shorter than PATH_MAX; `error(msg)`
+    otherwise (the caller's fault: the trainer side raises SessionError, the in-session agent its user error)."""
+    if not isinstance(p, str):
+        raise error(f"{what} must be a str, got {type(p).__name__}")
+    if not p:
+        raise error(f"{what} is empty")
+    if "\0" in p:
+        raise error(f"{what} {p[:200]!r} holds a NUL byte")
+    try:
+        n = len(p.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        raise error(f"{what} {p[:200]!r} is not encodable (a lone surrogate)") from None
+    if n >= PATH_MAX:
+        raise error(f"{what} is {n} bytes long (at most {PATH_MAX - 1})")
+    return p

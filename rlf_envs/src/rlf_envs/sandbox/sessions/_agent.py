@@ -87,6 +87,7 @@ from rlf_envs.sandbox._base import (  # the sandbox's Linux ABI
     _pivot_root,
     _set_name,
     _umount2,
+    check_path,
 )
 from rlf_envs.sandbox._base import _mount as mount
 from rlf_envs.sandbox._base import _prctl as prctl
@@ -103,7 +104,6 @@ MAX_FILE = 64 << 20
 #: may enter, so the session's user cannot reach it (the agent reads it with root's rights)
 SEED_DIR = "/.rlf"
 SEED = SEED_DIR + "/seed"
-PATH_MAX = 4096
 #: SysV IPC of the session's ipc namespace: a shared memory segment outlives its processes (no OOM kill frees it, and
 #: it is charged to the session's cgroup), so it is bounded (8 MiB in all), as are message queues
 IPC_LIMITS = (("shmmax", str(8 << 20)), ("shmall", str((8 << 20) // 4096)), ("shmmni", "64"), ("msgmni", "16"))
@@ -610,20 +610,8 @@ class _As:
 
 
 def _check_path(p: Any, what: str = "path") -> str:
-    """A path of a request: a str, not empty, without NUL, encodable, shorter than PATH_MAX (UserError else)."""
-    if not isinstance(p, str):
-        raise UserError(f"{what} must be a str, got {type(p).__name__}")
-    if not p:
-        raise UserError(f"{what} is empty")
-    if "\0" in p:
-        raise UserError(f"{what} {_show(p)} holds a NUL byte")
-    try:
-        n = len(p.encode("utf-8", "surrogateescape"))
-    except UnicodeEncodeError:
-        raise UserError(f"{what} {_show(p)} is not encodable (a lone surrogate)") from None
-    if n >= PATH_MAX:
-        raise UserError(f"{what} is {n} bytes long (at most {PATH_MAX - 1})")
-    return p
+    """A path of a request (`_base.check_path`), UserError else."""
+    return check_path(p, what, UserError)
 
 
 def _components(st: dict[str, Any], p: str) -> list[str]:

@@ -35,6 +35,7 @@ from dataclasses import asdict
 from typing import Any, TypeVar
 
 from rlf_envs.sandbox import _cgroup
+from rlf_envs.sandbox._base import check_path
 from rlf_envs.sandbox.sessions import images, owners
 from rlf_envs.sandbox.sessions.types import (
     CreateRate,
@@ -64,7 +65,6 @@ START_TIMEOUT_S = 60.0
 MAX_FRAME = 16 << 20
 #: the largest file `read_file` returns (the agent's own bound) and the largest stdin of an exec
 MAX_FILE = 64 << 20
-PATH_MAX = 4096
 
 #: how old the cgroup's limit counters an agent call compares with may be (reading them costs ~0.3 ms)
 COUNTERS_EVERY_S = 1.0
@@ -82,21 +82,9 @@ async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
 
 
 def _check_path(path: Any, what: str = "path") -> str:
-    """A path argument: a str, not empty, without NUL, encodable, shorter than PATH_MAX; SessionError otherwise
-    (the caller's error, raised before anything is sent)."""
-    if not isinstance(path, str):
-        raise SessionError(f"{what} must be a str, got {type(path).__name__}")
-    if not path:
-        raise SessionError(f"{what} is empty")
-    if "\0" in path:
-        raise SessionError(f"{what} {path[:200]!r} holds a NUL byte")
-    try:
-        n = len(path.encode("utf-8", "surrogateescape"))
-    except UnicodeEncodeError:
-        raise SessionError(f"{what} {path[:200]!r} is not encodable (a lone surrogate)") from None
-    if n >= PATH_MAX:
-        raise SessionError(f"{what} is {n} bytes long (at most {PATH_MAX - 1})")
-    return path
+    """A path argument (`_base.check_path`); SessionError otherwise (the caller's error, raised before anything is
+    sent)."""
+    return check_path(path, what, SessionError)
 
 
 def _data(data: Any, what: str) -> bytes:
