@@ -4,7 +4,6 @@ non-solution scores on (a hackable task is found; sound ones are not flagged).""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,12 +33,9 @@ def test_a_code_task_a_non_answer_solves_is_flagged_and_sound_ones_are_not() -> 
 
 
 def test_a_swe_task_whose_failing_test_already_passes_is_flagged(tmp_path: Path) -> None:
-    try:
-        from rlf_envs.sandbox.sessions.images import debian_test_image
-    except ImportError:
-        debian_test_image = None  # type: ignore[assignment]
-    if os.geteuid() != 0 or debian_test_image is None or debian_test_image() is None:
-        pytest.skip("needs root and the Debian test image (python -m rlf_envs.sandbox.sessions.images build-debian)")
+    from session_support import need_sessions
+
+    need_sessions()
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "m.py").write_text("X = 2\n")

@@ -5,12 +5,12 @@ limits. Harbor's build_args/base_images are env arguments."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import pytest
+from session_support import need_root, session_image
 
 import rlf_envs  # noqa: F401 - registers the ids
 from rlf_envs.data.swe.generate import unified_diff
@@ -18,19 +18,6 @@ from rlf_envs.data.swe.generate import unified_diff
 pytestmark = pytest.mark.envs
 
 HARBOR = Path(__file__).resolve().parent / "harbor_tasks"
-
-
-def _image() -> str | None:
-    try:
-        from rlf_envs.sandbox.sessions.images import debian_test_image
-    except ImportError:
-        return None
-    return debian_test_image()
-
-
-def _need_root() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("the local session backend needs root")
 
 
 def row(tmp: Path, **over: Any) -> dict[str, Any]:
@@ -57,7 +44,7 @@ def test_unknown_arguments_and_limits_name_the_close_ones(tmp_path: Path) -> Non
 
 
 def test_a_missing_image_directory_or_archive_is_refused(tmp_path: Path) -> None:
-    _need_root()
+    need_root()
     with pytest.raises(ValueError, match="no such directory"):
         gym.make("rlf/SWE-v0", tasks=[row(tmp_path)], image=str(tmp_path / "no-root"))
     with pytest.raises((ValueError, FileNotFoundError), match="nope.tar"):
@@ -67,7 +54,7 @@ def test_a_missing_image_directory_or_archive_is_refused(tmp_path: Path) -> None
 
 
 def test_a_task_without_a_repository_is_refused(tmp_path: Path) -> None:
-    _need_root()
+    need_root()
     with pytest.raises(ValueError, match="has no repository"):
         gym.make("rlf/SWE-v0", tasks=[row(tmp_path, repo_dir=None)])
     with pytest.raises(ValueError, match="not one of rlf's shipped archives"):
@@ -75,16 +62,16 @@ def test_a_task_without_a_repository_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_good_configuration_still_makes_the_env(tmp_path: Path) -> None:
-    _need_root()
-    if _image() is None:
+    need_root()
+    if session_image() is None:
         pytest.skip("no Debian test image")
     env = gym.make("rlf/SWE-v0", tasks=[row(tmp_path)])
     env.close()
 
 
 def test_harbor_build_args_and_base_images_are_env_arguments() -> None:
-    _need_root()
-    img = _image()
+    need_root()
+    img = session_image()
     if img is None:
         pytest.skip("no Debian test image")
     with pytest.raises(ValueError, match="no root filesystem for image 'debian:bookworm-slim'"):
@@ -122,8 +109,8 @@ def test_the_task_checker_reports_broken_tasks(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    _need_root()
-    img = _image()
+    need_root()
+    img = session_image()
     if img is None:
         pytest.skip("no Debian test image")
     (tmp_path / "a").mkdir()
@@ -156,8 +143,8 @@ def test_the_task_checker_reports_broken_tasks(tmp_path: Path) -> None:
 
 
 def test_the_prompt_asks_for_submit_only_and_submit_is_its_own_end_reason(tmp_path: Path) -> None:
-    _need_root()
-    if _image() is None:
+    need_root()
+    if session_image() is None:
         pytest.skip("no Debian test image")
     env = gym.make("rlf/SWE-v0", tasks=[row(tmp_path)]).unwrapped
     try:
@@ -184,8 +171,8 @@ def test_the_viewer_shows_no_gold_for_tasks_without_one(tmp_path: Path) -> None:
 def test_the_workspace_hides_the_repositorys_git_history_unless_asked(tmp_path: Path) -> None:
     import subprocess
 
-    _need_root()
-    if _image() is None:
+    need_root()
+    if session_image() is None:
         pytest.skip("no Debian test image")
     r = row(tmp_path)
     repo = Path(r["repo_dir"])

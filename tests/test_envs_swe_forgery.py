@@ -6,13 +6,13 @@ Needs the local session backend (root) and the Debian test image; skips with the
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import pytest
+from session_support import need_sessions, session_image
 
 import rlf_envs  # noqa: F401 - registers the ids
 from rlf_envs import runtime
@@ -25,21 +25,6 @@ from rlf_envs.envs.swe.verify import filter_patch, import_roots, shadowed_module
 pytestmark = pytest.mark.envs
 
 HARBOR = Path(__file__).resolve().parent / "harbor_tasks"
-
-
-def _image() -> str | None:
-    try:
-        from rlf_envs.sandbox.sessions.images import debian_test_image
-    except ImportError:
-        return None
-    return debian_test_image()
-
-
-def _need_sessions() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("the local session backend needs root")
-    if _image() is None:
-        pytest.skip("no session image with pytest: run `python -m rlf_envs.sandbox.sessions.images build-debian`")
 
 
 SRC = '''def clamp(x, lo, hi):
@@ -93,7 +78,7 @@ def edit_lib(extra: str) -> str:
 
 def verdict(r: dict[str, Any], patch: str, **kw: Any) -> Any:
     task = load_swe_rows([r])[0]
-    return runtime.run(SweVerifier(image=_image(), **kw).verdict(patch, task))
+    return runtime.run(SweVerifier(image=session_image(), **kw).verdict(patch, task))
 
 
 # -- without sessions -------------------------------------------------------------------------------------------
@@ -144,7 +129,7 @@ def test_harbor_filter_drops_hooks_and_shadows() -> None:
 
 
 def test_gold_scores_one_untouched_zero_with_the_guarded_run(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = row(tmp_path)
     gold = verdict(r, r["patch"])
     assert gold.value == 1.0 and gold.f2p_passed == 2 and gold.p2p_passed == 1, gold
@@ -154,7 +139,7 @@ def test_gold_scores_one_untouched_zero_with_the_guarded_run(tmp_path: Path) -> 
 
 
 def test_a_test_module_not_named_like_a_test_cannot_be_edited(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = row(tmp_path, "checks/spec_calc.py")
     assert verdict(r, r["patch"]).value == 1.0
     cheat = unified_diff("checks/spec_calc.py", TESTS, TESTS.replace("clamp(50, 0, 10) == 10", "True")
@@ -197,7 +182,7 @@ loads, load, JSONDecodeError, JSONDecoder, JSONEncoder = (_real.loads, _real.loa
 
 
 def test_a_new_module_shadowing_the_standard_library_does_not_forge(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = row(tmp_path, "test_calc.py")  # the test at the repository root: pytest puts the root on sys.path
     v = verdict(r, new_file("json.py", SHADOW_JSON))
     assert v.value == 0.0 and v.shadowing_files == 1 and not v.infra_failed, v
@@ -225,7 +210,7 @@ globals()["py" + "test_sessionfinish"] = _finish
 
 
 def test_runner_named_modules_do_not_forge(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = row(tmp_path, "test_calc.py")
     for name in ("rl" "f_pytest_report.py", "_pytest/__init__.py", "pluggy/__init__.py", "run.py"):
         v = verdict(r, new_file(name, FAKE_PLUGIN))
@@ -258,7 +243,7 @@ for _d in glob.glob("/tmp/.rl" + "f_verify-*"):
 
 
 def test_a_fifo_in_place_of_the_report_does_not_forge(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = row(tmp_path)
     for partial in (False, True):
         v = verdict(r, edit_lib(FIFO_FORGER), partial_credit=partial)
@@ -281,7 +266,7 @@ _m.TestReport.__init__ = _passed
 
 
 def test_in_process_rewriting_of_outcomes_is_caught_by_the_canary(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = row(tmp_path)
     v = verdict(r, edit_lib(OUTCOME_REWRITER))
     assert v.value == 0.0 and v.tampering and v.info()["failure/tampering"] == 1.0 and not v.infra_failed, v
@@ -316,7 +301,7 @@ except OSError:
 
 
 def test_code_under_test_cannot_make_the_run_an_infrastructure_failure(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = row(tmp_path)
     for attack in (CLAIMS_NO_PYTEST, FILLS_TMP):
         v = verdict(r, edit_lib(attack), limits=SweLimits(disk_mb=64, memory_mb=256))
@@ -324,7 +309,7 @@ def test_code_under_test_cannot_make_the_run_an_infrastructure_failure(tmp_path:
 
 
 def test_an_oversized_patch_is_refused_and_not_kept(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = row(tmp_path)
     v = verdict(r, r["patch"] + new_file("calc/blob.py", "# " + "x" * 400_000 + "\n"),
                 limits=SweLimits(max_patch_bytes=100_000))
@@ -344,7 +329,7 @@ def test_an_oversized_patch_is_refused_and_not_kept(tmp_path: Path) -> None:
 
 
 def test_a_session_past_its_wall_clock_is_the_episodes_failure(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     env = gym.make("rlf/SWE-v0", tasks=[row(tmp_path)], limits={"session_timeout_s": 3.0}).unwrapped
     try:
         env.reset(seed=0)
@@ -360,7 +345,7 @@ def test_a_session_past_its_wall_clock_is_the_episodes_failure(tmp_path: Path) -
 
 
 def test_bad_paths_are_tool_errors_not_infrastructure_failures(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     env = gym.make("rlf/SWE-v0", tasks=[row(tmp_path)]).unwrapped
     try:
         env.reset(seed=0)
@@ -383,7 +368,7 @@ def test_bad_paths_are_tool_errors_not_infrastructure_failures(tmp_path: Path) -
 def _harbor_task(name: str) -> Any:
     from rlf_envs.tasks.harbor import load_harbor_dir
 
-    return load_harbor_dir(HARBOR / name, build_args={"BASE_IMAGE": str(_image())})[0]
+    return load_harbor_dir(HARBOR / name, build_args={"BASE_IMAGE": str(session_image())})[0]
 
 
 GREET_TAMPER_DIR = '''import os
@@ -426,13 +411,13 @@ os.killpg(os.getpgid(0), signal.SIGKILL)
 
 @pytest.mark.parametrize("attack", ["dir", "readonly", "daemon", "kill_parent"])
 def test_harbor_reward_files_cannot_be_forged(attack: str) -> None:
-    _need_sessions()
+    need_sessions()
     src = {"dir": GREET_TAMPER_DIR, "readonly": GREET_READONLY, "daemon": GREET_DAEMON,
            "kill_parent": GREET_KILL_PARENT}[attack]
     task = _harbor_task("fix-greeting")
     orig = (HARBOR / "fix-greeting" / "environment" / "greet.py").read_text()
     patch = unified_diff("greet.py", orig, src)
-    v = runtime.run(SweVerifier(image=_image()).verdict(patch, task))
+    v = runtime.run(SweVerifier(image=session_image()).verdict(patch, task))
     assert v.value == 0.0 and not v.infra_failed, v
     # the daemon races test.sh: when it is still alive at the end its run is voided (leftover_processes); on a loaded
     # machine it may lose the race and the reward is test.sh's own 0 -- never 1.0 either way
@@ -471,8 +456,8 @@ SALES_CONFTEST = '''def pytest_sessionfinish(session, exitstatus):
                                        ("sitecustomize.py", SALES_CONFTEST.replace("def pytest_sessionfinish",
                                                                                    "def _unused"))])
 def test_harbor_workdir_modules_and_hooks_do_not_forge(name: str, text: str) -> None:
-    _need_sessions()
+    need_sessions()
     task = _harbor_task("sales-report")
     patch = new_file(name, text) + new_file("report.json", '{"north": 1}\n')
-    v = runtime.run(SweVerifier(image=_image()).verdict(patch, task))
+    v = runtime.run(SweVerifier(image=session_image()).verdict(patch, task))
     assert v.value == 0.0 and not v.infra_failed and v.dropped_files >= 1, v

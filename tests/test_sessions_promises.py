@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from session_support import need_sessions, session_image
 
 from rlf_envs import runtime
 from rlf_envs.data.swe.generate import unified_diff
@@ -32,21 +33,6 @@ from rlf_envs.sandbox.sessions import owners
 from rlf_envs.sandbox.sessions.types import CreateRate
 
 pytestmark = pytest.mark.envs
-
-
-def _image() -> str | None:
-    try:
-        from rlf_envs.sandbox.sessions.images import debian_test_image
-    except ImportError:
-        return None
-    return debian_test_image()
-
-
-def _need_sessions() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("the local session backend needs root")
-    if _image() is None:
-        pytest.skip("no session image with pytest: run `python -m rlf_envs.sandbox.sessions.images build-debian`")
 
 
 def test_a_reused_pid_does_not_keep_a_dead_owners_sessions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,11 +112,11 @@ def _verdict(r: dict[str, Any], patch: str, **kw: Any) -> Any:
     from rlf_envs.envs.swe.env import SweVerifier
     from rlf_envs.envs.swe.tasks import load_swe_rows
 
-    return runtime.run(SweVerifier(image=_image(), **kw).verdict(patch, load_swe_rows([r])[0]))
+    return runtime.run(SweVerifier(image=session_image(), **kw).verdict(patch, load_swe_rows([r])[0]))
 
 
 def test_a_fix_that_breaks_a_pass_to_pass_test_scores_zero(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = _row(tmp_path)
     assert _verdict(r, r["patch"]).value == 1.0
     breaks_low = unified_diff("calc/__init__.py", BUG, SRC.replace("return lo", "return hi"))
@@ -142,7 +128,7 @@ def test_a_fix_that_breaks_a_pass_to_pass_test_scores_zero(tmp_path: Path) -> No
 def test_the_hidden_runs_deadline_fires_and_is_the_episodes_failure(tmp_path: Path) -> None:
     from rlf_envs.envs.swe.env import SweLimits
 
-    _need_sessions()
+    need_sessions()
     r = _row(tmp_path)
     hang = unified_diff("calc/__init__.py", BUG, "import time\ntime.sleep(600)\n" + SRC)
     t0 = time.monotonic()
@@ -152,7 +138,7 @@ def test_the_hidden_runs_deadline_fires_and_is_the_episodes_failure(tmp_path: Pa
 
 
 def test_an_image_without_the_test_runner_is_the_hosts_failure(tmp_path: Path) -> None:
-    _need_sessions()
+    need_sessions()
     r = _row(tmp_path, test_cmd="python3-without-pytest -m pytest -q")
     v = _verdict(r, r["patch"])
     assert v.infra_failed and "python3-without-pytest" in v.error and v.value == 0.0

@@ -32,18 +32,14 @@ def test_a_disagreeing_env_backend_and_typos_are_refused() -> None:
 
 
 def test_the_swe_recipe_passes_the_dry_run() -> None:
-    import os
     from pathlib import Path
+
+    from session_support import need_sessions
 
     from rlf_train.cli import preflight
     from rlf_train.config import load_config
 
-    try:
-        from rlf_envs.sandbox.sessions.images import debian_test_image
-    except ImportError:
-        debian_test_image = None  # type: ignore[assignment]
-    if os.geteuid() != 0 or debian_test_image is None or debian_test_image() is None:
-        pytest.skip("needs root and the Debian test image (python -m rlf_envs.sandbox.sessions.images build-debian)")
+    need_sessions()
     cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "swe_cpu.yaml")
     assert cfg.env.id == "rlf/SWE-v0" and cfg.env.kwargs["backend"] == "local"
     preflight(cfg)
