@@ -668,33 +668,7 @@ def check_host(backend: str | SessionBackend, image: str, limits: SweLimits, tas
         if img in checked:
             continue
         checked.add(img)
-        check_image(b, kind, img)
-
-
-def check_image(backend: SessionBackend, kind: str, image: str) -> None:
-    """ValueError (saying how to fix it) when `backend` cannot start sessions of `image`."""
-    custom = getattr(backend, "check_image", None)
-    if callable(custom):
-        custom(image)
-        return
-    if kind == "local":
-        from rlf_envs.sandbox.sessions.images import resolve_local
-
-        resolve_local(image)  # ImageError (a ValueError): no such directory / archive, not a root filesystem
-    elif kind == "docker":
-        if not image.startswith("docker:"):
-            raise ValueError(f"the docker backend runs images the engine holds: image='docker:<ref>' (got {image!r};"
-                             " for a root directory or an archive use the local backend, or `docker import`/"
-                             "`docker load` it first)")
-        client = getattr(backend, "client", None)
-        if client is not None:
-            try:
-                client.images.get(image.split(":", 1)[1])
-            except Exception as e:
-                if type(e).__name__ == "ImageNotFound":
-                    raise ValueError(f"the docker engine holds no image {image.split(':', 1)[1]!r}: `docker pull`, "
-                                     "`docker load` or `docker import` it first") from None
-                raise SessionInfraError(f"the docker engine could not be asked for {image!r}: {e}") from None
+        b.check_image(img)  # ValueError saying how to fix it: a missing root or archive, an image not in the engine
 
 
 def swe_tasks(split: str = "train") -> list[Task]:

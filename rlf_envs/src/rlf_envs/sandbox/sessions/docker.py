@@ -878,6 +878,16 @@ class DockerBackend(SessionBackend):
             return False
         return not owners.alive(pid, started)
 
+    def check_image(self, image: str) -> None:
+        ref = _image_ref(image)  # ValueError without the docker: prefix, saying what to do
+        try:
+            self.client.images.get(ref)
+        except self._docker.errors.ImageNotFound:
+            raise ValueError(f"the docker engine holds no image {ref!r}: `docker pull`, `docker load` or `docker "
+                             "import` it first") from None
+        except Exception as e:
+            raise SessionInfraError(f"the docker engine could not be asked for {image!r}: {e}") from None
+
     def reap(self) -> int:
         """Remove this host's session containers whose owner process is gone, and the images built for Harbor
         tasks (`rlf.image`, not `rlf.keep`) whose builder is gone and that no container uses. Returns how many."""

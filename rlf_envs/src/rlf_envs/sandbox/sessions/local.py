@@ -480,6 +480,9 @@ class LocalBackend(SessionBackend):
     def reap(self) -> int:
         return owners.reap("local")
 
+    def check_image(self, image: str) -> None:
+        images.resolve_local(image)  # ImageError (a ValueError): no such directory or archive, not a root filesystem
+
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(self.reap_every_s)

@@ -217,6 +217,12 @@ class SessionBackend(abc.ABC):
     def reap(self) -> int:
         """Remove the sessions whose owner process is gone; returns how many were removed."""
 
+    def check_image(self, image: str) -> None:
+        """Raise ValueError (saying how to fix it) when this backend cannot start sessions of `image`, before any
+        episode runs (a misconfigured host is refused, not scored); SessionInfraError when the engine cannot be
+        asked. The default accepts every image."""
+        return None
+
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close every session this backend opened and stop its pools and timers. Idempotent."""

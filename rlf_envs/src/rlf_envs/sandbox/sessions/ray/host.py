@@ -362,22 +362,9 @@ class SessionHost:
 
     async def check_image(self, image: str) -> Reply:
         try:
-            if self.cfg.inner == "local":
-                await asyncio.to_thread(images.resolve_local, image)
-            else:
-                if not image.startswith("docker:"):
-                    raise ValueError(f"the docker backend runs images the engine holds: image='docker:<ref>' "
-                                     f"(got {image!r})")
-                client = getattr(self.backend, "client", None)
-                if client is not None:
-                    try:
-                        await asyncio.to_thread(client.images.get, image.split(":", 1)[1])
-                    except Exception as e:
-                        if type(e).__name__ == "ImageNotFound":
-                            raise ValueError(f"the docker engine holds no image {image.split(':', 1)[1]!r}: "
-                                             "`docker pull`, `docker load` or `docker import` it on every session "
-                                             "node first") from None
-                        raise SessionInfraError(f"the docker engine could not be asked for {image!r}: {e}") from None
+            if self.backend is None:
+                raise SessionInfraError("the session host has not started its backend")
+            await asyncio.to_thread(self.backend.check_image, image)
         except Exception as e:
             return encode_error(e)
         return ("ok", None)
