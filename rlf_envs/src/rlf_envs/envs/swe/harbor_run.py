@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import posixpath
 import re
 import secrets
@@ -27,7 +26,15 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from rlf_envs.envs.swe.verify import KILL_LEFTOVERS, PROBE, Verdict, creates_file, shadowed_module, split_patch
+from rlf_envs.envs.swe.verify import (
+    KILL_LEFTOVERS,
+    Verdict,
+    creates_file,
+    module_names,
+    run_probe,
+    shadowed_module,
+    split_patch,
+)
 from rlf_envs.sandbox.sessions import SessionError, SessionInfraError, SessionLimits, SessionSpec
 from rlf_envs.tasks.harbor import (
     REWARD_DIR,
@@ -187,17 +194,6 @@ _REWARD_KINDS = ("for f in reward.txt reward.json; do if [ -L \"$f\" ]; then ech
                  "elif [ -f \"$f\" ]; then echo \"$f file\"; elif [ -e \"$f\" ]; then echo \"$f other\"; fi; done")
 
 
-async def _image_modules(session: Any, workdir: str) -> frozenset[str]:
-    """The verifier image's module names (empty where it has no python3: nothing to shadow)."""
-    r = await session.exec(["python3", "-I", "-c", PROBE], timeout_s=60, cwd="/")
-    try:
-        data = json.loads(r.stdout) if r.ok and not r.truncated else {}
-    except ValueError:
-        data = {}
-    mods = data.get("modules", []) if isinstance(data, dict) else []
-    return frozenset(m for m in mods if isinstance(m, str))
-
-
 async def run_harbor_verifier(session: Any, h: dict[str, Any], patch: str,
                               steps: list[tuple[Any, ...]]) -> Verdict:
     """On a fresh session: replay, apply the episode's patch, upload tests/, run test.sh, read the reward."""
@@ -205,7 +201,7 @@ async def run_harbor_verifier(session: Any, h: dict[str, Any], patch: str,
     v = Verdict(f2p_total=1)
     await prepare(session, steps, task.config.build_timeout_s)
     start = await session.diff()  # what the replayed RUN steps changed in the workdir: undone before the patch
-    modules = await _image_modules(session, session.spec.workdir)
+    modules = module_names((await run_probe(session, "python3", "/"))[1])  # none without python3: no shadowing
     text, v.dropped_files = harbor_filter(patch, session.spec.workdir, modules)
     wd = shlex.quote(session.spec.workdir)
     for name, body, reverse in (("start.patch", start, True), ("agent.patch", text, False)):

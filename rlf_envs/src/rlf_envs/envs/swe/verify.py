@@ -339,13 +339,9 @@ def pytest_argv(t: SweTask) -> tuple[str, list[str]] | None:
     return None
 
 
-def pytest_command(t: SweTask, tests: list[str], vdir: str) -> list[str]:
-    """The hidden run's argv (see the module doc); a test command other than `<python> -m pytest` is refused."""
-    got = pytest_argv(t)
-    if got is None:
-        raise ValueError(f"task {t.instance_id}: test_cmd must be `<python> -m pytest [options]` for the guarded "
-                         f"hidden run, got {t.test_cmd!r}")
-    python, opts = got
+def pytest_command(t: SweTask, runner: tuple[str, list[str]], tests: list[str], vdir: str) -> list[str]:
+    """The hidden run's argv (see the module doc): `runner` is `pytest_argv(t)`'s (interpreter, options)."""
+    python, opts = runner
     roots = [posixpath.normpath(posixpath.join(t.workdir, t.pythonpath))]
     if posixpath.normpath(t.workdir) not in roots:
         roots.append(posixpath.normpath(t.workdir))
@@ -383,23 +379,33 @@ async def _checked(session: Any, cmd: Any, what: str, **kw: Any) -> Any:
     return r
 
 
-async def probe_image(session: Any, python: str, vdir: str, workdir: str) -> frozenset[str]:
-    """The verifier image's module names (stdlib, site-packages, builtins), by its own interpreter on the pristine
-    tree; SessionInfraError without python or pytest (a misconfigured image, not the episode's failure)."""
-    await session.write_file(f"{vdir}/probe.py", PROBE)
-    r = await session.exec([python, "-I", f"{vdir}/probe.py"], timeout_s=60, cwd=workdir)
+async def run_probe(session: Any, python: str, cwd: str) -> tuple[Any, dict[str, Any] | None]:
+    """PROBE run by the image's own interpreter (`python -I`): the exec's result and its report, None when it did
+    not give one."""
+    r = await session.exec([python, "-I", "-c", PROBE], timeout_s=60, cwd=cwd)
     try:
         data = json.loads(r.stdout) if r.ok and not r.truncated else None
     except ValueError:
         data = None
-    if not isinstance(data, dict):
+    return r, data if isinstance(data, dict) else None
+
+
+def module_names(data: dict[str, Any] | None) -> frozenset[str]:
+    return frozenset(m for m in (data or {}).get("modules", ()) if isinstance(m, str))
+
+
+async def probe_image(session: Any, python: str, workdir: str) -> frozenset[str]:
+    """The verifier image's module names (stdlib, site-packages, builtins), by its own interpreter on the pristine
+    tree; SessionInfraError without python or pytest (a misconfigured image, not the episode's failure)."""
+    r, data = await run_probe(session, python, workdir)
+    if data is None:
         raise SessionInfraError(f"the session image has no working {python!r} (exit {r.exit_code}: "
                                 f"{r.stderr.strip()[-200:]}): give image= one with python3, git and pytest")
     if not data.get("pytest"):
         raise SessionInfraError("the session image has no pytest: build the Debian test image (`python -m "
                                 "rlf_envs.sandbox.sessions.images build-debian`) or give image= one with python3, "
                                 "git and pytest")
-    return frozenset(str(m) for m in data.get("modules", ()) if isinstance(m, str))
+    return module_names(data)
 
 
 async def run_hidden_tests(session: Any, t: SweTask, patch: str, *, partial_credit: bool = False,
@@ -418,7 +424,7 @@ async def run_hidden_tests(session: Any, t: SweTask, patch: str, *, partial_cred
     wd = t.workdir
     # -- the pristine tree: everything here is rlf's own, so any failure is the host's
     await _checked(session, ["mkdir", "-p", "-m", "700", vdir], "mkdir", timeout_s=30)
-    modules = await probe_image(session, argv[0], vdir, wd)
+    modules = await probe_image(session, argv[0], wd)
     fp = filter_patch(patch, task_test_files(t), roots=import_roots(t), modules=modules)
     v.dropped_files, v.shadowing_files = len(fp.dropped), len(fp.shadowing)
     if fp.forbidden:
@@ -452,7 +458,7 @@ async def run_hidden_tests(session: Any, t: SweTask, patch: str, *, partial_cred
             return v.fail("apply_failed", f"the patch does not apply: {r.stderr.strip()[:300]}")
     run = None
     try:
-        run = await session.exec(pytest_command(t, tests, vdir), stdin=key + "\n", cwd=wd, timeout_s=timeout_s)
+        run = await session.exec(pytest_command(t, argv, tests, vdir), stdin=key + "\n", cwd=wd, timeout_s=timeout_s)
         await session.exec(KILL_LEFTOVERS, timeout_s=30)
         raw = await session.read_file(f"{vdir}/report.json")
     except SessionInfraError:
