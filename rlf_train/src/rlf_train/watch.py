@@ -15,9 +15,8 @@ COLLAPSE_STEPS = 5
 class RunWatch:
     """Fed each step's metrics record; says each warning once (through `say`), with what to check."""
 
-    def __init__(self, say: Callable[[str], Any], uses_tools: bool = True) -> None:
+    def __init__(self, say: Callable[[str], Any]) -> None:
         self.say = say
-        self.uses_tools = uses_tools
         self._no_signal = 0
         self._first_rewards: list[float] = []
         self._recent: deque[tuple[float, float]] = deque(maxlen=COLLAPSE_STEPS)
@@ -34,7 +33,7 @@ class RunWatch:
                          "the reward (a verifier that always gives 0, a judge that cannot be reached), raise "
                          "rollout.temperature or samples_per_prompt, or use easier tasks / an SFT warm start.")
         reward, calls = rec.get("reward_mean"), rec.get("tool_calls_mean")
-        if reward is None or calls is None or not self.uses_tools:
+        if reward is None or calls is None:
             return
         if len(self._first_rewards) < COLLAPSE_STEPS:
             self._first_rewards.append(float(reward))
