@@ -1,6 +1,6 @@
 """MkDocs hooks (mkdocs.yml `hooks:`): the docs build fails on unfinished text, i.e. placeholders and notes meant
 for the authors rather than the reader ("TODO", "written on other branches", "(row from the X branch)"), on any
-page, in the nav or not. `tests/test_docs_placeholders.py` runs the same check over docs/ and README.md."""
+page, in the nav or not. `tests/docs/test_docs_placeholders.py` runs the same check over docs/ and README.md."""
 
 from __future__ import annotations
 

@@ -203,7 +203,7 @@ def verifiers_episodes(bench: Bench) -> int:
     st = bench.state.get("verifiers")
     if st is None:
         sys.path.insert(0, str(ROOT))
-        from tests.servers.fake_openai import FakeChatServer, RunningServer
+        from tests.support.servers.fake_openai import FakeChatServer, RunningServer
 
         os.environ.setdefault("PRIME_API_KEY", "unused-on-loopback")
         fake = FakeChatServer(mode="native")

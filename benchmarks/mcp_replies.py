@@ -2,7 +2,7 @@
 
     python benchmarks/mcp_replies.py [--mb 50] [--json out/mcp_replies.json]
 
-One server (tests/servers/misbehaving_mcp.py) answers `huge(n)` with an n-byte text. A 10 ms heartbeat runs
+One server (tests/support/servers/misbehaving_mcp.py) answers `huge(n)` with an n-byte text. A 10 ms heartbeat runs
 on the same loop; its longest gap is how long every other env on that loop was frozen. Rows: the SDK's
 `stdio_client` (baseline), rlf's transport with its default 4 MB cap (the reply is dropped unparsed and
 answered with an error), and rlf's transport with the cap raised above the reply (parsed off the loop).
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER = ROOT / "tests" / "servers" / "misbehaving_mcp.py"
+SERVER = ROOT / "tests" / "support" / "servers" / "misbehaving_mcp.py"
 
 
 async def measure(transport: Any, n: int, deadline_s: float) -> dict[str, Any]:

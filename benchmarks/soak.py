@@ -5,7 +5,7 @@
 Actions (random mix): good tool calls, tool-call JSON nested 1,200 deep, integer literals of 5,000 digits,
 hundreds of KB of unclosed `<tool_call>` / `<answer>` / `<think>` tags, lone surrogates, NUL bytes,
 arguments of the wrong type, unknown tools, answers. Tools: an MCP stdio server
-(tests/servers/misbehaving_mcp.py) that sleeps past deadlines, blocks, crashes, answers with up to 8 MB,
+(tests/support/servers/misbehaving_mcp.py) that sleeps past deadlines, blocks, crashes, answers with up to 8 MB,
 streams a reply that never ends, and starts children (a shell pipeline, a `setsid` daemon holding its
 pipes, a process in its own group); Python tools that are slow, hang a thread, raise, return huge text or
 lone surrogates. Text mode.
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-SERVER = ROOT / "tests" / "servers" / "misbehaving_mcp.py"
+SERVER = ROOT / "tests" / "support" / "servers" / "misbehaving_mcp.py"
 
 
 def _rss_mb() -> float:

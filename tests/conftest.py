@@ -1,4 +1,4 @@
-"""Shared test setup: slow/GPU tests are skipped by default with a visible reason."""
+"""Shared test setup: which folders this install can run, slow/GPU tests skipped by default with a visible reason."""
 
 from __future__ import annotations
 
@@ -22,22 +22,24 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-# Test files whose area needs packages this environment lacks are not collected (e.g. the `envs` tox env has
-# no torch by design); the report header says which.
-_MISSING = {
-    "test_train_*.py": "torch" if not _has("torch") else None,
-    "test_agent_*.py": "torch (rlf_train's agent endpoint)" if not _has("torch") else None,
-    "test_retrieval_*.py": "faiss/bm25s" if not (_has("faiss") and _has("bm25s")) else None,
-    "test_openrlhf_*.py": "openrlhf (tox -e openrlhf)" if not (_has("openrlhf") and _has("torch")) else None,
-    "test_vllm_*.py": "vllm + openrlhf (tox -e vllm)" if not (_has("vllm") and _has("openrlhf")) else None,
+# tests/NAME/ is what `tox -e NAME` runs (tests/README.md). A folder whose install is not this one (e.g. tests/train
+# in the `envs` env, which has no torch by design) is not collected by a bare `pytest`; the report header says why.
+_NEEDS = {
+    "train": ("torch", "transformers"),
+    "retrieval": ("faiss", "bm25s", "sentence_transformers"),
+    "vllm": ("torch", "openrlhf"),
+    "adapters": ("trl", "verifiers"),
+    "adapters-rl": ("skyrl_gym", "verl", "openenv"),
+    "adapters-rl-nemo": ("nemo_gym",),
+    "docs": ("mkdocs",),
 }
-collect_ignore_glob = [pattern for pattern, missing in _MISSING.items() if missing]
-# Harbor task directories used as test data: their tests/ run inside a session (tests/test_harbor*.py), never here
-collect_ignore = ["harbor_tasks"]
+_MISSING = {folder: [m for m in mods if not _has(m)] for folder, mods in _NEEDS.items()}
+# support/: helper modules, assets and Harbor task directories (their tests/ run inside a session, never here)
+collect_ignore = ["support", "mutation", *[folder for folder, missing in _MISSING.items() if missing]]
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    return [f"not collected: {p} (no {m} here)" for p, m in _MISSING.items() if m]
+    return [f"not collected: tests/{f}/ (no {', '.join(m)} here: tox -e {f})" for f, m in _MISSING.items() if m]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -125,7 +127,7 @@ def isolated() -> None:
         pytest.skip(f"no pid namespace and no uid switch here ({g.get('pid_ns', '')}; {g.get('uid', '')})")
 
 
-QWEN3_TEMPLATE = ROOT / "tests" / "assets" / "qwen3_chat_template.jinja"  # Apache-2.0, see tests/assets/NOTICE.md
+QWEN3_TEMPLATE = ROOT / "tests" / "support" / "assets" / "qwen3_chat_template.jinja"  # Apache-2.0: NOTICE.md
 
 
 @pytest.fixture(scope="session")
@@ -156,8 +158,8 @@ def stop_process(proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
 @pytest.fixture
 def chat_server() -> Iterator[Any]:
     """`chat_server(**kw)` starts a scripted OpenAI-compatible chat server on loopback
-    (tests/servers/fake_openai.py) and returns it; all are stopped after the test."""
-    from tests.servers.fake_openai import FakeChatServer, RunningServer
+    (tests/support/servers/fake_openai.py) and returns it; all are stopped after the test."""
+    from tests.support.servers.fake_openai import FakeChatServer, RunningServer
 
     started: list[RunningServer] = []
 

@@ -53,7 +53,7 @@ def plan(cfg: TrainConfig) -> str:
 def preflight(cfg: TrainConfig, resume: bool = False) -> list[str]:
     """What `Trainer.__init__` checks before any training work, without its work: nothing is written and no
     policy is built. Raises what the real run raises (ConfigError, FileNotFoundError, ValueError), so `--dry-run`
-    fails exactly where the run would (tests/test_train_dry_run.py runs both on the same configs). One exception:
+    fails exactly where the run would (tests/train/test_dry_run.py runs both on the same configs). One exception:
     a run dir that already holds a run is a note (returned), not an error: a dry run checks a config anywhere,
     and the real run then says how to continue or move that run."""
     import os

@@ -10,7 +10,7 @@ query at a time. A connection goes back after a query that ended (rows, a row/si
 or a denied, failed or interrupted one) with no transaction open and no change made, else (or after a
 MemoryError) it is closed. What a query could otherwise leave for the next one is denied by the authorizer
 (PRAGMA, ATTACH, temp tables, writes, transactions), and the per-query settings (deadline handler,
-value-size limit) are set by every query and cleared after (tests/test_rewards_sql.py checks each).
+value-size limit) are set by every query and cleared after (tests/envs/rewards/test_rewards_sql.py checks each).
 
 `run_readonly_query_async` runs a query on the event loop's thread while it takes under `inline_s` (SQLite's
 progress handler checks every 1,000 steps), and only a longer one again in a worker thread with its full

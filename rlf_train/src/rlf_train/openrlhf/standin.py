@@ -5,8 +5,8 @@ They honour the contract of `RolloutRayActor.generate(prompt_token_ids, sampling
 as the executor uses it: token ids in; a RequestOutput-shaped object out (`outputs[0].token_ids`, `.text`,
 `.finish_reason` "stop" | "length", `.stop_reason`, `.logprobs` as a list of `{token_id: Logprob}` when
 `sampling_params.logprobs` is set), with vLLM 0.32's stopping rules (max_tokens, EOS and `stop_token_ids`,
-stop strings, `min_tokens`; see `_Engine`). tests/test_vllm_executor.py runs the same requests through a real
-vLLM engine and pins the agreement. Model work runs in a worker thread, never on the caller's event loop.
+stop strings, `min_tokens`; see `_Engine`). tests/vllm/openrlhf/test_vllm_executor.py runs the same requests through a
+real vLLM engine and pins the agreement. Model work runs in a worker thread, never on the caller's event loop.
 
 - `ModelEngine`: samples from a causal LM (e.g. rlf's tiny Qwen3 policy) with temperature / top_p; its
   logprobs are vLLM's `processed_logprobs` (what OpenRLHF asks for);
@@ -80,7 +80,8 @@ def _earliest_stop(text: str, new_from: int, stop: Sequence[str]) -> tuple[str, 
 
 
 class _Engine:
-    """The stopping and output rules of vLLM 0.32's engine (checked against it in tests/test_vllm_executor.py):
+    """The stopping and output rules of vLLM 0.32's engine (checked against it in
+    tests/vllm/openrlhf/test_vllm_executor.py):
 
     - EOS and `stop_token_ids` end a generation with the token kept in `token_ids` (`stop_reason` None for EOS,
       the id otherwise); neither can be sampled before `min_tokens` tokens (vLLM masks them);

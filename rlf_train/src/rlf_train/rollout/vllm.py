@@ -134,7 +134,7 @@ def retie_lm_head(model: Any) -> bool:
     Parameter (the tie `ParallelLMHead.tie_weights` made is gone), and `lm_head.cpu_linear` is a oneDNN handle
     built on the old tensor at first load (`dispatch_cpu_unquantized_gemm`, vllm/model_executor/layers/utils.py),
     which only `process_weights_after_loading` rebuilds. Measured before this fix: logprobs up to 1.7 nats off
-    the new weights' forward, and exact for every other tensor (tests/test_openrlhf_driver_cpu.py)."""
+    the new weights' forward, and exact for every other tensor (tests/vllm/openrlhf/test_openrlhf_driver_cpu.py)."""
     config = getattr(model, "config", None)
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)

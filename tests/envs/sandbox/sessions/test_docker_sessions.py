@@ -1,0 +1,191 @@
+"""Sandbox sessions, docker backend, against a real engine (DOCKER_HOST honoured). Skipped with the reason when the
+docker SDK (`rlf-envs[docker]`), the engine or the test image (RLF_DOCKER_TEST_IMAGE, default rlf-debian-test:12,
+made by .ci/run with `docker import` of the mmdebstrap test root) is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlf_envs.sandbox.sessions import SessionClosed, SessionFileNotFound, SessionLimits, SessionSpec
+
+IMAGE = os.environ.get("RLF_DOCKER_TEST_IMAGE", "rlf-debian-test:12")
+FAST = SessionLimits(exec_timeout_s=20, session_timeout_s=300, memory_mb=512, pids=128, disk_mb=64)
+
+
+def _skip_reason() -> str | None:
+    try:
+        import docker
+    except ImportError:
+        return "the docker SDK is not installed (pip install 'rlf-envs[docker]')"
+    try:
+        c = docker.from_env(timeout=10)
+        c.ping()
+    except Exception as e:
+        return f"no docker engine reachable (DOCKER_HOST={os.environ.get('DOCKER_HOST')!r}): {e}"
+    try:
+        c.images.get(IMAGE)
+    except Exception:
+        return f"the test image {IMAGE} is not in the engine (.ci/run imports it; or RLF_DOCKER_TEST_IMAGE)"
+    finally:
+        c.close()
+    return None
+
+
+REASON = _skip_reason()
+if REASON:
+    pytestmark = pytest.mark.skip(reason=REASON)
+
+
+def run(fn: Callable[[Any], Awaitable[Any]], **kw: Any) -> Any:
+    from rlf_envs.sandbox.sessions.docker import DockerBackend
+
+    async def main() -> Any:
+        b = DockerBackend(**kw)
+        try:
+            return await fn(b)
+        finally:
+            await b.aclose()
+
+    return asyncio.run(main())
+
+
+def spec(**kw: Any) -> SessionSpec:
+    return SessionSpec(image=f"docker:{IMAGE}", limits=kw.pop("limits", FAST), **kw)
+
+
+@pytest.fixture()
+def seed(tmp_path: Path) -> Path:
+    d = tmp_path / "seed"
+    (d / "pkg").mkdir(parents=True)
+    (d / "pkg" / "mod.py").write_text("def f():\n    return 1\n")
+    (d / "gone.txt").write_text("bye\n")
+    (d / "blob.bin").write_bytes(bytes(range(256)))
+    return d
+
+
+def test_docker_exec_files_diff_and_close(seed: Path, tmp_path: Path) -> None:
+    async def go(b: Any) -> str:
+        s = await b.create(spec(seed_dir=str(seed)))
+        try:
+            r = await s.exec("cat pkg/mod.py; pwd; exit 5")
+            assert (r.exit_code, r.stdout) == (5, "def f():\n    return 1\n/workspace\n"), r
+            assert (await s.exec(["cat"], stdin="in")).stdout == "in"
+            r = await s.exec("head -c 200000 /dev/zero | tr '\\0' y")
+            assert r.truncated and len(r.stdout) == FAST.output_bytes
+            await s.write_file("new/x.txt", "x\n")
+            assert await s.read_file("new/x.txt") == b"x\n"
+            with pytest.raises(SessionFileNotFound):
+                await s.read_file("missing")
+            await s.exec("printf 'def f():\\n    return 2\\n' > pkg/mod.py; rm gone.txt; printf '\\001' > blob.bin")
+            r = await s.exec("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), timeout=3)\"")
+            assert r.exit_code != 0  # no network
+            patch: str = await s.diff()
+        finally:
+            await s.aclose()
+        await s.aclose()
+        with pytest.raises(SessionClosed):
+            await s.exec("true")
+        return patch
+
+    patch = run(go)
+    work = tmp_path / "apply"
+    shutil.copytree(seed, work)
+    (tmp_path / "p.diff").write_text(patch)
+    subprocess.run(["git", "apply", "--binary", str(tmp_path / "p.diff")], cwd=work, check=True, timeout=60)
+    assert (work / "pkg" / "mod.py").read_text() == "def f():\n    return 2\n" and not (work / "gone.txt").exists()
+    assert (work / "new" / "x.txt").read_text() == "x\n" and (work / "blob.bin").read_bytes() == b"\x01"
+
+
+def test_docker_deadline_kills_what_the_call_started() -> None:
+    async def go(b: Any) -> None:
+        async with await b.create(spec()) as s:
+            await s.exec("sleep 1000 > /dev/null 2>&1 &")
+            t0 = time.monotonic()
+            r = await s.exec("setsid sh -c 'sleep 999 > /dev/null 2>&1 &' ; setsid sleep 998 & sleep 997",
+                             timeout_s=1.5)
+            assert r.timed_out and r.exit_code == 124 and time.monotonic() - t0 < 30, r
+            ps = await s.exec("cat /proc/[0-9]*/cmdline | tr '\\0' ' '")
+            assert "sleep 1000" in ps.stdout
+            assert not any(f"sleep {n}" in ps.stdout for n in (999, 998, 997)), ps.stdout
+
+    run(go)
+
+
+OWNER = textwrap.dedent("""
+    import asyncio, os
+    from rlf_envs.sandbox.sessions import SessionSpec
+    from rlf_envs.sandbox.sessions.docker import DockerBackend
+    async def main():
+        b = DockerBackend()
+        ss = await asyncio.gather(*(b.create(SessionSpec(image="docker:" + os.environ["IMG"])) for _ in range(32)))
+        print(" ".join(s._c.id for s in ss), flush=True)
+        await asyncio.sleep(1000)
+    asyncio.run(main())
+""")
+
+
+def test_docker_sigkill_of_an_owner_with_32_sessions_leaves_no_container() -> None:
+    import docker
+
+    env = {**os.environ, "IMG": IMAGE, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    p = subprocess.Popen([sys.executable, "-c", OWNER], env=env, stdout=subprocess.PIPE, text=True)
+    client = docker.from_env(timeout=60)
+    try:
+        assert p.stdout is not None
+        ids = p.stdout.readline().split()
+        assert len(ids) == 32
+        p.send_signal(signal.SIGKILL)
+        p.wait(30)
+        assert len(client.containers.list(all=True, filters={"id": ids[0]})) == 1  # nothing removed them yet
+
+        async def reap(b: Any) -> int:
+            n: int = b.reaped_at_start
+            return n
+
+        assert run(reap) >= 32
+        left = [c.id for c in client.containers.list(all=True, filters={"label": "rlf.session"}) if c.id in ids]
+        assert left == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        if p.stdout is not None:
+            p.stdout.close()
+        client.close()
+
+
+def test_docker_warm_pool_serves_creates_and_close_leaves_no_container(seed: Path) -> None:
+    import docker
+
+    async def go(b: Any) -> None:
+        await (await b.create(spec())).aclose()
+        key = b._key(spec(seed_dir=str(seed)))
+        for _ in range(600):
+            if len(b._pool.get(key, [])) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(b._pool[key]) == 2
+        warm = b._pool[key][-1]
+        async with await b.create(spec(seed_dir=str(seed))) as s:
+            assert s._c.id == warm.id
+            assert (await s.exec("cat pkg/mod.py")).stdout == "def f():\n    return 1\n"  # the seed, copied in
+
+    run(go, pool_size=2)
+    client = docker.from_env(timeout=60)
+    try:
+        mine = client.containers.list(all=True, filters={"label": [f"rlf.owner.pid={os.getpid()}"]})
+        assert mine == []
+    finally:
+        client.close()
