@@ -42,7 +42,17 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from rlf_envs.errors import RlfError
-from rlf_envs.types import Trajectory, Turn
+from rlf_envs.types import (
+    Action,
+    ActionKind,
+    EndReason,
+    Task,
+    ToolCall,
+    ToolResult,
+    ToolStatus,
+    Trajectory,
+    Turn,
+)
 
 SCHEMA_VERSION = 1
 SUCCESS_THRESHOLD = 1.0 - 1e-6
@@ -160,6 +170,34 @@ class TrajectoryRecord(_Model):
             loss_mask=list(traj.loss_mask) if traj.loss_mask is not None else None,
             usage=dict(usage or {}),
         )
+
+    def to_trajectory(self) -> Trajectory:
+        """The episode back as a `Trajectory` (what the trainer's loss reads: tokens, mask, spans, rewards,
+        policy versions, behaviour log-probs; tool calls and results as recorded). Turn statistics other than
+        `tool_seconds` are not recorded and come back zero."""
+        turns = []
+        for tr in self.turns:
+            calls = tuple(ToolCall(name=c.name, arguments=dict(c.arguments), id=c.id) for c in tr.tool_calls)
+            by_name = {c.name: c for c in calls}
+            kind = ActionKind(tr.kind)
+            turn = Turn(action=Action(kind=kind, text=tr.action, calls=calls, error=tr.error,
+                                      answer=self.answer if kind is ActionKind.ANSWER else None),
+                        results=[ToolResult(call=by_name.get(r.name, ToolCall(r.name)), content=r.content,
+                                            status=ToolStatus(r.status), latency_s=r.latency_s, truncated=r.truncated,
+                                            attempts=r.attempts) for r in tr.results],
+                        observation=tr.observation, reward=tr.reward, action_span=tr.action_span,
+                        observation_span=tr.observation_span, policy_version=tr.policy_version,
+                        behaviour_logprobs=tr.behaviour_logprobs)
+            turn.stats.tool_seconds = tr.tool_seconds
+            turns.append(turn)
+        end = EndReason(self.end_reason) if self.end_reason in EndReason.__members__.values() else EndReason.RUNNING
+        return Trajectory(task=Task(id=self.task.id, question=self.task.question, ground_truth=self.task.ground_truth,
+                                    meta=dict(self.task.meta)),
+                          prompt=self.prompt, turns=turns, answer=self.answer, end=end,
+                          token_ids=list(self.token_ids) if self.token_ids is not None else None,
+                          loss_mask=list(self.loss_mask) if self.loss_mask is not None else None,
+                          reward=self.reward, score_info=dict(self.score_info),
+                          infra_error=self.error if self.end_reason == "infra_error" else None)
 
     def to_json(self) -> str:
         """One JSON line (no newline inside: JSON escapes newlines in strings)."""

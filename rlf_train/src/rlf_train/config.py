@@ -196,6 +196,11 @@ class AlgorithmConfig(_Section):
     is_cap: float = Field(2.0, ge=1.0, description="async: truncation C of the importance weight "
                                                    "min(pi_prox / pi_behaviour, C) of the decoupled PPO loss")
     per_turn_rewards: bool = Field(True, description="add per-turn env rewards as reward-to-go when present")
+    segment_weight: Literal["episode", "segment"] = Field(
+        "episode", description="rollout.agent rows are an episode's segments (history trimmed, edited, compacted): "
+                               "'episode': each episode counts once in the sequence-level loss_aggs (its k segments "
+                               "1/k each); 'segment': each segment counts as a sequence. token_mean weighs tokens "
+                               "either way")
     eps: float = 1e-6
 
     @model_validator(mode="after")
@@ -242,6 +247,12 @@ class LoggingConfig(_Section):
     trajectories: int = Field(8, ge=-1, description="episodes stored per eval mode and per sampled training step "
                               "in run_dir/trajectories/step_K.jsonl for the viewer (-1: all, 0: none)")
     trajectories_every: int = Field(10, ge=0, description="also store training episodes every N RL steps (0: never)")
+    replay_every: int = Field(0, ge=0, description="write a replay bundle every N RL steps in run_dir/replay/step_K/ "
+                              "(rows, rewards, advantages, log-probs, loss terms, hashes; `python -m "
+                              "rlf_train.replay` recomputes it on CPU); 0: never")
+    replay_weights: bool = Field(False, description="bundles also keep the policy, optimizer and scheduler state "
+                                 "from before the update, so a replay recomputes the log-probs, every loss term "
+                                 "and the updated weights (the size of a checkpoint per bundle)")
 
 
 class OpenRLHFConfig(_Section):

@@ -67,18 +67,26 @@ class LossOut:
     is_weight_mean: float = 1.0  # mean truncated importance weight min(pi_prox / mu, C) (1 without behav_logp)
 
 
-def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, total_tokens: float, total_seqs: int,
-              norm_len: int) -> torch.Tensor:
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: LossAgg, total_tokens: float, total_seqs: float,
+              norm_len: int, row_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Masked aggregation of per-token values [B, T]. Denominators are mini-batch totals so that
-    summing micro-batch results gives the mini-batch value (exact gradient accumulation)."""
+    summing micro-batch results gives the mini-batch value (exact gradient accumulation).
+
+    `row_weight` [B] (`segment_weights`: rows that are segments of agent episodes, `algorithm.segment_weight`):
+    each row's share of its episode, so that an episode counts once however it was cut. seq_mean_token_mean
+    weighs each row's token mean by it (the episode's own token mean); `total_seqs` is then the mini-batch's sum
+    of weights (its number of episodes), which is all seq_mean_token_sum_norm needs (an episode's token sum is
+    the sum of its segments')."""
     m = mask.to(values.dtype)
     if agg == "token_mean":
         return (values * m).sum() / max(total_tokens, 1.0)
     if agg == "seq_mean_token_mean":
         per_seq = (values * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)
+        if row_weight is not None:
+            return (per_seq * row_weight.to(per_seq)).sum() / max(total_seqs, 1e-12)
         return per_seq.sum() / max(total_seqs, 1)
     if agg == "seq_mean_token_sum_norm":  # Dr.GRPO: constant normaliser, no length bias
-        return (values * m).sum() / (max(total_seqs, 1) * norm_len)
+        return (values * m).sum() / (max(total_seqs, 1e-12 if row_weight is not None else 1) * norm_len)
     raise ValueError(f"unknown loss_agg {agg!r}")
 
 
@@ -92,12 +100,13 @@ def policy_loss(
     clip_high: float,
     agg: LossAgg = "token_mean",
     total_tokens: float | None = None,
-    total_seqs: int | None = None,
+    total_seqs: float | None = None,
     norm_len: int = 1,
     ref_logp: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     behav_logp: torch.Tensor | None = None,
     is_cap: float = 2.0,
+    row_weight: torch.Tensor | None = None,
 ) -> LossOut:
     """PPO-clip surrogate: -min(ratio * A, clip(ratio, 1-lo, 1+hi) * A), plus kl_coef * k3 KL, masked.
 
@@ -114,7 +123,7 @@ def policy_loss(
 
     The trust region is around pi_prox (so clipping does not depend on how stale a token is) and w_t
     corrects for the tokens having been drawn from mu rather than pi_prox. On-policy (mu = pi_prox) w_t = 1
-    and this is the plain PPO-clip loss."""
+    and this is the plain PPO-clip loss. `row_weight`: see `aggregate`."""
     m = mask.to(logp.dtype)
     if total_tokens is None:
         total_tokens = float(m.sum().item())
@@ -133,18 +142,19 @@ def policy_loss(
         pg = w * pg
         with torch.no_grad():
             is_weight_mean = float((w * m).sum() / m.sum().clamp(min=1.0))
-    loss = aggregate(pg, m, agg, total_tokens, total_seqs, norm_len)
+    loss = aggregate(pg, m, agg, total_tokens, total_seqs, norm_len, row_weight)
     kl_val = 0.0
     if ref_logp is not None and kl_coef > 0:
         kl = k3_kl(logp, ref_logp)
-        kl_term = aggregate(kl, m, agg, total_tokens, total_seqs, norm_len)
+        kl_term = aggregate(kl, m, agg, total_tokens, total_seqs, norm_len, row_weight)
         loss = loss + kl_coef * kl_term
         kl_val = float(kl_term.detach())
     with torch.no_grad():
         n = m.sum().clamp(min=1.0)
         clip_frac = float(((clipped < unclipped).to(m.dtype) * m).sum() / n)  # clipped term active
         ratio_mean = float((ratio * m).sum() / n)
-    return LossOut(loss=loss, pg_loss=float(aggregate(pg.detach(), m, agg, total_tokens, total_seqs, norm_len)),
+    return LossOut(loss=loss, pg_loss=float(aggregate(pg.detach(), m, agg, total_tokens, total_seqs, norm_len,
+                                                        row_weight)),
                    kl=kl_val, clip_frac=clip_frac, ratio_mean=ratio_mean, is_weight_mean=is_weight_mean)
 
 
@@ -292,6 +302,18 @@ def row_advantages(episode_returns: torch.Tensor, episode_of_row: Sequence[int],
     row i gets its episode's group advantage (`token_advantages` over the episodes, groups of `group_size` episodes)."""
     ep_adv = token_advantages(episode_returns.unsqueeze(1), episode_returns, group_size, std_normalize, eps)
     return ep_adv[torch.tensor(list(episode_of_row), dtype=torch.long)].expand(len(episode_of_row), T).clone()
+
+
+def segment_weights(episode_of_row: Sequence[int], tokens: Sequence[int] | None = None) -> torch.Tensor:
+    """[N] each row's share of its episode (the shares of an episode's rows sum to 1): its policy tokens over the
+    episode's (`tokens`, rows with none weigh 0), or 1/k for each of k rows without `tokens`."""
+    rows: dict[int, int] = {}
+    total: dict[int, int] = {}
+    for i, e in enumerate(episode_of_row):
+        rows[e] = rows.get(e, 0) + 1
+        total[e] = total.get(e, 0) + (tokens[i] if tokens is not None else 0)
+    return torch.tensor([tokens[i] / total[e] if tokens is not None and total[e] > 0 else 1.0 / rows[e]
+                         for i, e in enumerate(episode_of_row)], dtype=torch.float32)
 
 
 def behaviour_logprobs(trajs: Sequence[Trajectory], T: int) -> torch.Tensor:

@@ -20,6 +20,8 @@ from rlf_envs import runtime
 from rlf_envs.env.vector import ToolVectorEnv
 from rlf_envs.records import record_text_sample, sample_records, write_trajectories
 from rlf_envs.types import Trajectory
+from rlf_train.agreement import agreement_stats, has_behaviour, staleness
+from rlf_train.bundle import BundleTrace, MicroStep, bundle_dir, code_hash, state_hash, tokenizer_hash, write_bundle
 from rlf_train.config import ConfigError, TrainConfig, dump_config
 from rlf_train.group_reward import GroupReward
 from rlf_train.grpo import (
@@ -28,6 +30,7 @@ from rlf_train.grpo import (
     masked_logprobs,
     policy_loss,
     row_advantages,
+    segment_weights,
     token_advantages,
     token_returns,
 )
@@ -69,6 +72,22 @@ class Trainer:
     rollout source (`self.source`, built by `rlf_train.rollout.make_source`) for their episodes, update, log, eval,
     checkpoint. Where the episodes come from (the env with the local or vLLM engine, or an agent's own code) is the
     source's business, so the loop is the same for all of them, and a killed run resumes bit-identically."""
+
+    @classmethod
+    def for_replay(cls, cfg: TrainConfig, run_dir: Path, model: torch.nn.Module, tokenizer: Any,
+                   tasks: dict[int, Any], policy_version: int) -> Trainer:
+        """A learner without envs, engine or logger, for `rlf_train.replay`: `update` runs on recorded rows exactly as
+        in the run (`tasks`: the batch's task index -> Task, for the group checks)."""
+        tr = cls.__new__(cls)
+        tr.cfg, tr.run_dir, tr.model, tr.tokenizer = cfg, Path(run_dir), model, tokenizer
+        tr.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        tr.device = next(model.parameters()).device
+        tr.train_tasks = tasks  # type: ignore[assignment]
+        tr.group_reward = None  # the recorded rewards already hold the group judge's scores
+        tr.policy_version = policy_version
+        tr.ref_model = lora.AdapterOff(model) if cfg.algorithm.kl_coef > 0 and lora.is_lora(model) else None
+        tr.meta, tr.state = None, None
+        return tr
 
     def __init__(self, cfg: TrainConfig, run_dir: Path | None = None, resume: bool = False) -> None:
         """Everything that can be checked before training work starts is checked here (tokenizer, device,
@@ -383,6 +402,13 @@ class Trainer:
         cfg, a = self.cfg, self.cfg.algorithm
         r = cfg.rollout
         infra_failed, rows_in = 0, len(trajs)
+        every = cfg.logging.replay_every
+        trace = BundleTrace() if every and step % every == 0 else None  # this step is written as a replay bundle
+        state_before = None
+        if trace is not None:
+            state_before = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                            "optimizer": copy.deepcopy(optimizer.state_dict()),
+                            "scheduler": copy.deepcopy(scheduler.state_dict())}
         if episodes is None:  # infrastructure failures are not rewards: their groups leave the loss
             all_trajs = trajs
             trajs, task_indices, infra_failed = drop_infra_failed(trajs, task_indices, r.samples_per_prompt)
@@ -424,6 +450,15 @@ class Trainer:
                 with lora.reference(self.ref_model) as ref:  # LoRA: the policy with its adapter off
                     ref_lp = all_logprobs(ref)
         behav_lp = self.behaviour_logprobs(trajs, T).to(self.device) if behaviour else None
+        agree: dict[str, float] = {}
+        if has_behaviour(trajs):  # the rollout recorded what it sampled with: how far the learner is from it
+            mask_all = torch.zeros((N, T))
+            for i, tr in enumerate(trajs):
+                m = (tr.loss_mask or [])[1:T + 1]
+                mask_all[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
+            seen = behav_lp if behav_lp is not None else self.behaviour_logprobs(trajs, T)
+            engine = "agent" if episodes is not None else r.engine
+            agree = agreement_stats(old_lp, seen, mask_all, staleness(trajs, T, self.policy_version), engine)
         if episodes is None:
             returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
             adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
@@ -431,6 +466,20 @@ class Trainer:
             ep_returns = torch.tensor(episodes.episode_rewards(), dtype=torch.float32)
             adv = row_advantages(ep_returns, episodes.episode_of_row, T, r.samples_per_prompt, a.std_normalize, a.eps)
         norm_len = r.max_total_tokens
+        row_w = segment_weights(episodes.episode_of_row, [sum((t.loss_mask or [])[1:]) for t in trajs]) \
+            if episodes is not None and a.segment_weight == "episode" else None
+        if trace is not None:
+            trace.trajectories, trace.task_indices, trace.behaviour = list(trajs), list(task_indices), behaviour
+            if episodes is not None:
+                trace.episode_of_row, trace.episode_rewards = list(episodes.episode_of_row), ep_returns.tolist()
+            staged = {"ep_returns": ep_returns, "adv": adv, "old_lp": old_lp, "mask": pad_batch(trajs, self.pad_id,
+                                                                                               self.device)[3]}
+            if episodes is None:
+                staged["returns"] = returns
+            for name, value in (("ref_lp", ref_lp), ("behav_lp", behav_lp), ("row_weight", row_w)):
+                if value is not None:
+                    staged[name] = value
+            trace.tensors = staged
         losses, kls, clips, ents, gns, isw = [], [], [], [], [], []
         self.model.train()
         for _epoch in range(a.ppo_epochs):
@@ -438,6 +487,7 @@ class Trainer:
             for ms in range(0, N, mini_size):
                 me = min(ms + mini_size, N)
                 total_tokens = float(sum(sum((t.loss_mask or [])[1:]) for t in trajs[ms:me]))
+                total_seqs = float(row_w[ms:me].sum()) if row_w is not None else me - ms
                 optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for s in range(ms, me, mb):
@@ -449,10 +499,14 @@ class Trainer:
                     ref = ref_lp[s:e, :Tc] if ref_lp is not None else None
                     out = policy_loss(lp, old, adv[s:e, :Tc].to(self.device), mask, clip_low=a.clip_eps_low,
                                       clip_high=a.clip_eps_high, agg=a.loss_agg, total_tokens=total_tokens,
-                                      total_seqs=me - ms, norm_len=norm_len, ref_logp=ref, kl_coef=a.kl_coef,
+                                      total_seqs=total_seqs, norm_len=norm_len, ref_logp=ref, kl_coef=a.kl_coef,
+                                      row_weight=None if row_w is None else row_w[s:e],
                                       **({} if behav_lp is None else
                                          {"behav_logp": behav_lp[s:e, :Tc], "is_cap": a.is_cap}))
                     out.loss.backward()
+                    if trace is not None:
+                        trace.micro.append(MicroStep(_epoch, (s, e), float(out.loss.detach()), out.pg_loss, out.kl,
+                                                     out.clip_frac))
                     isw.append(out.is_weight_mean)
                     loss_sum += float(out.loss.detach())
                     kls.append(out.kl)
@@ -460,6 +514,8 @@ class Trainer:
                     if ent is not None:
                         ents.append(float((ent * mask).sum() / mask.sum().clamp(min=1.0)))
                 gns.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)))
+                if trace is not None:
+                    trace.grad_norms.append(gns[-1])
                 optimizer.step()
                 losses.append(loss_sum)
         scheduler.step()
@@ -479,12 +535,25 @@ class Trainer:
             "time_train": now - t_train,
         })
         rec.update(group_metrics)
-        self.policy_version += 1
+        rec.update(agree)
         if behaviour:
             stale = [step - 1 - t.policy_version for tr in trajs for t in tr.turns if t.policy_version is not None]
             rec.update({"staleness_mean": float(np.mean(stale)) if stale else 0.0,
                         "staleness_max": int(max(stale, default=0)), "is_weight_mean": float(np.mean(isw))})
+        if trace is not None and state_before is not None:
+            self._write_bundle(step, trace, rec, state_before, "agent" if episodes is not None else r.engine)
+        self.policy_version += 1
         return rec
+
+    def _write_bundle(self, step: int, trace: BundleTrace, rec: dict[str, Any], state_before: dict[str, Any],
+                      engine: str) -> None:
+        """This step's replay bundle (`rlf_train.bundle`): rows, stage tensors, hashes, and the state before the
+        update when logging.replay_weights."""
+        hashes = {"weights_before": state_hash(state_before["model"]), "weights_after":
+                  state_hash(self.model.state_dict()), "tokenizer": tokenizer_hash(self.tokenizer), **code_hash()}
+        write_bundle(bundle_dir(self.run_dir, step), step=step, policy_version=self.policy_version, engine=engine,
+                     config=self.cfg.model_dump(mode="json"), trace=trace, metrics=rec, hashes=hashes,
+                     state=state_before if self.cfg.logging.replay_weights else None)
 
     def run_rl(self, progress: Progress, start_step: int) -> None:
         cfg = self.cfg

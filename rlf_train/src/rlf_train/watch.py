@@ -1,12 +1,15 @@
 """Warnings a run gives while it trains, for the silent failures that cost the most (issue 48/49): steps whose
 groups carry no reward signal (GRPO learns nothing from them), and reward rising while tool use falls to zero (a
-policy that stopped calling tools: the parser never matches, or the reward pays for not using them)."""
+policy that stopped calling tools: the parser never matches, or the reward pays for not using them), and rollout
+log-probs that disagree with the learner's on the tokens the current weights sampled (`rlf_train.agreement`)."""
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+from rlf_train.agreement import WARN_KL, disagreement
 
 NO_SIGNAL_STEPS = 5
 COLLAPSE_STEPS = 5
@@ -32,6 +35,13 @@ class RunWatch:
                          "sample of a task scored the same): GRPO's advantages are 0 and nothing is learned. Check "
                          "the reward (a verifier that always gives 0, a judge that cannot be reached), raise "
                          "rollout.temperature or samples_per_prompt, or use easier tasks / an SFT warm start.")
+        bad = disagreement(rec)
+        if bad is not None and f"agree/{bad[0]}" not in self.warned:
+            self.warned.add(f"agree/{bad[0]}")
+            self.say(f"warning: the {bad[0]} rollout's log-probs disagree with the learner's on tokens the current "
+                     f"weights sampled (KL {bad[1]:.2e} > {WARN_KL:g}, agree/{bad[0]}/stale0 in the metrics): the "
+                     "engine may not hold the trained weights, or samples with another temperature/top_p, or the "
+                     "context was retokenised. `python -m rlf_train.replay` on this step's bundle shows where.")
         reward, calls = rec.get("reward_mean"), rec.get("tool_calls_mean")
         if reward is None or calls is None:
             return

@@ -57,7 +57,10 @@ class EnvSource:
                 gen: torch.Generator | None) -> Rollouts:
         """The episodes of `task_indices` (of `stage`'s split) as GRPO rows, one per episode (`rollouts`)."""
         trajs, stats = self.rollouts(self.envs[stage], task_indices, params, seed_base, gen)
-        return Rollouts(trajs, list(range(len(trajs))), stats, {})
+        metrics = {}
+        if self.vllm is not None and self.vllm.last_sync_probe is not None:  # the last weight sync's check
+            metrics = {"vllm_sync_probe": self.vllm.last_sync_probe, "vllm_sync_probes": float(self.vllm.sync_probes)}
+        return Rollouts(trajs, list(range(len(trajs))), stats, metrics)
 
     def vllm_engine(self) -> VllmRollout:
         """rollout.engine vllm: built at the first rollout, given the current weights on every call."""
