@@ -127,7 +127,7 @@ async def local(runs: int, levels: list[int], seed: str) -> dict[str, Any]:
         ts = []
         for _ in range(runs):
             for _ in range(400):  # a warm pool: let it refill between creates
-                if len(warm._pool.get(("host", False), [])) >= 4:
+                if len(warm.pool.idle(("host", False))) >= 4:
                     break
                 await asyncio.sleep(0.01)
             t = time.perf_counter()

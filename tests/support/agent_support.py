@@ -115,7 +115,7 @@ _QWEN3: list[Any] = []
 def qwen3_tokenizer() -> Any:
     """The real Qwen3 vocabulary built offline (tests/train/hf/test_qwen3_vocab.py's recipe), once per process."""
     if not _QWEN3:
-        import test_hf_qwen3_vocab
+        from tests.train.hf import test_qwen3_vocab
 
-        _QWEN3.append(test_hf_qwen3_vocab.qwen3.__wrapped__())  # type: ignore[attr-defined]
+        _QWEN3.append(test_qwen3_vocab.qwen3.__wrapped__())  # type: ignore[attr-defined]
     return _QWEN3[0]

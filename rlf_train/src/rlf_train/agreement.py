@@ -23,8 +23,8 @@ WARN_KL = 1e-3
 
 
 def staleness(trajs: Sequence[Trajectory], T: int, current: int) -> torch.Tensor:
-    """[N, T] how many updates old the weights that sampled each target position were (`current` minus the turn's
-    `policy_version`, 0 where none was recorded); -1 outside every action."""
+    """[N, T] how many updates old the weights that sampled each target position were (`current`, the version the
+    update starts from, minus the turn's `policy_version`; 0 where none was recorded); -1 outside every action."""
     out = torch.full((len(trajs), T), -1, dtype=torch.long)
     for i, tr in enumerate(trajs):
         for turn in tr.turns:

@@ -458,7 +458,7 @@ class Trainer:
                 mask_all[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
             seen = behav_lp if behav_lp is not None else self.behaviour_logprobs(trajs, T)
             engine = "agent" if episodes is not None else r.engine
-            agree = agreement_stats(old_lp, seen, mask_all, staleness(trajs, T, self.policy_version), engine)
+            agree = agreement_stats(old_lp, seen, mask_all, staleness(trajs, T, step - 1), engine)
         if episodes is None:
             returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
             adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)

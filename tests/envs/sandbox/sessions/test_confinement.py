@@ -541,7 +541,7 @@ LEAK = textwrap.dedent("""
         assert (await s.exec("echo hi")).stdout == "hi\\n"
         await s.aclose()
         for _ in range(200):  # the warm pool refilled
-            if len(b._pool.get(("host", False), [])) == 2:
+            if len(b.pool.idle(("host", False))) == 2:
                 break
             await asyncio.sleep(0.05)
         if sys.argv[1] == "close":

@@ -219,7 +219,7 @@ OWNER = textwrap.dedent("""
         s = await b.create(sp)
         await s.exec("setsid sh -c 'while :; do :; done' > /dev/null 2>&1 &")
         for _ in range(600):
-            warm = b._pool.get(b._key(sp), [])
+            warm = [box.c for box in b.pool.idle(b._key(sp))]
             if warm:
                 break
             await asyncio.sleep(0.05)
@@ -267,10 +267,10 @@ def test_the_pool_never_hands_out_a_container_older_than_its_idle_cap(client: An
         await (await b.create(spec())).aclose()
         key = b._key(spec())
         for _ in range(600):
-            if b._pool.get(key):
+            if b.pool.idle(key):
                 break
             await asyncio.sleep(0.05)
-        old = b._pool[key][0].id
+        old = b.pool.idle(key)[0].c.id
         await asyncio.sleep(2.5)
         async with await b.create(spec()) as s:
             assert s._c.id != old

@@ -173,11 +173,11 @@ def test_docker_warm_pool_serves_creates_and_close_leaves_no_container(seed: Pat
         await (await b.create(spec())).aclose()
         key = b._key(spec(seed_dir=str(seed)))
         for _ in range(600):
-            if len(b._pool.get(key, [])) == 2:
+            if len(b.pool.idle(key)) == 2:
                 break
             await asyncio.sleep(0.05)
-        assert len(b._pool[key]) == 2
-        warm = b._pool[key][-1]
+        assert len(b.pool.idle(key)) == 2
+        warm = b.pool.idle(key)[-1].c
         async with await b.create(spec(seed_dir=str(seed))) as s:
             assert s._c.id == warm.id
             assert (await s.exec("cat pkg/mod.py")).stdout == "def f():\n    return 1\n"  # the seed, copied in

@@ -379,19 +379,19 @@ def test_warm_pool_serves_creates_and_refills() -> None:
         s = await b.create(SessionSpec(limits=FAST))
         await s.aclose()
         for _ in range(200):
-            if len(b._pool.get(("host", False), [])) == 2:
+            if len(b.pool.idle(("host", False))) == 2:
                 break
             await asyncio.sleep(0.05)
-        assert len(b._pool[("host", False)]) == 2
-        pooled = b._pool[("host", False)][-1]
+        assert len(b.pool.idle(("host", False))) == 2
+        pooled = b.pool.idle(("host", False))[-1]
         s = await b.create(SessionSpec(limits=FAST))
         assert s._agent is pooled
         assert (await s.exec("echo ok")).stdout == "ok\n"
         await s.aclose()
         # a warm agent killed while idle: the create starts a fresh one instead of failing
-        while len(b._pool.get(("host", False), [])) < 2:
+        while len(b.pool.idle(("host", False))) < 2:
             await asyncio.sleep(0.05)
-        dead = b._pool[("host", False)][-1]
+        dead = b.pool.idle(("host", False))[-1]
         os.kill(dead.label.procs[0][0], signal.SIGKILL)
         await asyncio.sleep(0.2)
         s = await b.create(SessionSpec(limits=FAST))

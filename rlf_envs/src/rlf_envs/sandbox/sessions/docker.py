@@ -68,11 +68,10 @@ from typing import Any
 from rlf_envs.sandbox import cleanup
 from rlf_envs.sandbox.sessions import gitdiff, owners
 from rlf_envs.sandbox.sessions.images import inside
+from rlf_envs.sandbox.sessions.lifecycle import PooledBackend, WarmPool
 from rlf_envs.sandbox.sessions.types import (
-    CreateRate,
     ExecResult,
     Session,
-    SessionBackend,
     SessionClosed,
     SessionDiffTooLarge,
     SessionError,
@@ -414,6 +413,11 @@ def _discard_when_done(fut: asyncio.Future[Any]) -> None:
         threading.Thread(target=lambda: c.remove(force=True), daemon=True).start()
 
     fut.add_done_callback(done)
+
+
+async def _remove_quietly(c: Any) -> None:
+    with contextlib.suppress(Exception):
+        await _remove(c)
 
 
 async def _remove(c: Any) -> None:
@@ -801,9 +805,10 @@ class DockerSession(Session):
             await _remove(self._c)
 
 
-class DockerBackend(SessionBackend):
-    """Sessions as containers of an engine the SDK reaches (`DOCKER_HOST`; Podman's socket too): owner labels set in
-    the create call, containers that end by themselves at their wall clock, a warm pool and a reaper."""
+class DockerBackend(PooledBackend):
+    """Sessions as containers of an engine the SDK reaches (`DOCKER_HOST`; Podman's socket too): the shared lifecycle
+    (`lifecycle.PooledBackend`: admission, create rate, reaper, warm pool) with owner labels set in the create call
+    and containers that end by themselves at their wall clock."""
 
     name = "docker"
 
@@ -823,6 +828,7 @@ class DockerBackend(SessionBackend):
             where = base_url or os.environ.get("DOCKER_HOST") or "the default socket"
             raise SessionInfraError(f"no docker engine at {where}: {e} (start dockerd or set DOCKER_HOST)") from None
         self._docker = docker
+        super().__init__(max_starting=max_starting, creates_per_s=creates_per_s, reap_every_s=reap_every_s)
         #: warm containers per (image, network, limits, workdir, env): created and started ahead, labelled like any
         #: session (so the reaper removes them too); a create then only copies the seed in. A warm container's
         #: pid 1 lives `pool_idle_s` longer than a session's, and one older than `pool_idle_s` is never handed out.
@@ -830,19 +836,10 @@ class DockerBackend(SessionBackend):
         if not pool_idle_s > 0:
             raise ValueError(f"pool_idle_s must be positive, got {pool_idle_s!r}")
         self.pool_idle_s = float(pool_idle_s)
-        self._pool: dict[tuple[Any, ...], list[Any]] = {}
-        self._boxes: dict[str, _Box] = {}
-        self._filling: set[tuple[Any, ...]] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self.pool: WarmPool[tuple[Any, ...], _Box] = WarmPool(
+            self.pool_size, usable=lambda box: time.monotonic() - box.born <= self.pool_idle_s,
+            discard=lambda box: _remove_quietly(box.c), what="docker session")
         self._images: dict[str, _Image] = {}
-        self.max_starting = max_starting
-        self.creates_per_s = creates_per_s
-        self.reap_every_s = reap_every_s
-        self._sem: asyncio.Semaphore | None = None
-        self._rate = CreateRate(creates_per_s, max_starting)
-        self._sessions: set[DockerSession] = set()
-        self._reaper: asyncio.Task[None] | None = None
-        self._closed = False
         self.host = socket.gethostname()
         self.reaped_at_start = self.reap()
 
@@ -928,21 +925,10 @@ class DockerBackend(SessionBackend):
                     n += self._remove_image(img)
         return n
 
-    async def _reap_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.reap_every_s)
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.reap)
-            self._prune_pool()
-
-    def _prune_pool(self) -> None:
-        """Drop warm containers past the pool's idle cap (their pid 1 ends them soon anyway)."""
-        now = time.monotonic()
-        for warm in self._pool.values():
-            for c in [c for c in warm if c.id not in self._boxes or now - self._boxes[c.id].born > self.pool_idle_s]:
-                warm.remove(c)
-                self._boxes.pop(c.id, None)
-                threading.Thread(target=lambda c=c: c.remove(force=True), daemon=True).start()
+    async def reap_round(self) -> None:
+        await asyncio.to_thread(self.reap)
+        # warm containers past the pool's idle cap go (their pid 1 ends them soon anyway)
+        self.pool.prune(lambda box: time.monotonic() - box.born > self.pool_idle_s)
 
     @staticmethod
     def _key(spec: SessionSpec) -> tuple[Any, ...]:
@@ -950,59 +936,30 @@ class DockerBackend(SessionBackend):
         return (spec.image, spec.network, lim.memory_mb, lim.pids, lim.session_timeout_s, spec.workdir,
                 tuple(sorted(spec.env.items())))
 
-    def _fill(self, spec: SessionSpec) -> None:
-        key = self._key(spec)
-        if self.pool_size <= 0 or key in self._filling or self._closed:
-            return
-        self._filling.add(key)
+    async def _warm(self, spec: SessionSpec) -> _Box:
+        """A warm container for the pool: the spec without its seed, living `pool_idle_s` longer."""
         bare = SessionSpec(image=spec.image, workdir=spec.workdir, env=spec.env, network=spec.network,
                            limits=spec.limits)
+        fut = asyncio.ensure_future(asyncio.to_thread(self._create, bare, self.pool_idle_s))
+        try:
+            box, _ = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
+        except BaseException:
+            _discard_when_done(fut)
+            raise
+        return box
 
-        async def fill() -> None:
-            try:
-                while len(self._pool.get(key, [])) < self.pool_size and not self._closed:
-                    fut = asyncio.ensure_future(asyncio.to_thread(self._create, bare, self.pool_idle_s))
-                    try:
-                        box, _ = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
-                    except BaseException:
-                        _discard_when_done(fut)
-                        raise
-                    if self._closed:
-                        await _remove(box.c)
-                        return
-                    self._boxes[box.c.id] = box
-                    self._pool.setdefault(key, []).append(box.c)
-            except Exception:  # the pool is an optimisation: creates make containers on demand
-                pass
-            finally:
-                self._filling.discard(key)
-
-        t = asyncio.get_running_loop().create_task(fill())
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
-
-    def _lease(self, spec: SessionSpec) -> tuple[_Box, float] | None:
-        """A warm container for the spec (never one older than the pool's idle cap) with the seed copied in, and when
-        the lease began (the session's clock starts there), or None."""
-        pooled = self._pool.get(self._key(spec))
-        while pooled:
-            c = pooled.pop()
-            box = self._boxes.pop(c.id, None)
-            started = time.monotonic()
-            if box is None or started - box.born > self.pool_idle_s:
-                with contextlib.suppress(Exception):
-                    c.remove(force=True)
-                continue
-            try:
-                if spec.seed_dir and not c.put_archive(spec.workdir, _tar_of_dir(spec.seed_dir, box.image.uid,
+    def _seed_warm(self, box: _Box, spec: SessionSpec) -> tuple[_Box, float]:
+        """Copy the spec's seed into a leased warm container (the session's clock starts now); removed if it fails."""
+        started = time.monotonic()
+        try:
+            if spec.seed_dir and not box.c.put_archive(spec.workdir, _tar_of_dir(spec.seed_dir, box.image.uid,
                                                                                  box.image.gid)):
-                    raise SessionInfraError("could not copy the seed into the container")
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    c.remove(force=True)
-                raise
-            return box, started
-        return None
+                raise SessionInfraError("could not copy the seed into the container")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                box.c.remove(force=True)
+            raise
+        return box, started
 
     def _image(self, ref: str, cid: str | None = None) -> _Image:
         """The image's facts: its id and user from the engine (once per ref); with a created container `cid`, the
@@ -1119,20 +1076,16 @@ class DockerBackend(SessionBackend):
         return box, born
 
     async def create(self, spec: SessionSpec) -> DockerSession:
-        if self._closed:
-            raise SessionClosed("the docker session backend is closed")
         _image_ref(spec.image)
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.max_starting)
-        if self._reaper is None and self.reap_every_s > 0:
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
-        async with self._sem:
+        async with self.admit():
             got = None
-            with contextlib.suppress(Exception):  # a dead warm container: make one instead
-                got = await asyncio.wait_for(asyncio.to_thread(self._lease, spec), API_TIMEOUT_S)
-            self._fill(spec)
+            box = self.pool.lease(self._key(spec))
+            if box is not None:
+                with contextlib.suppress(Exception):  # a warm container that cannot take the seed: make one instead
+                    got = await asyncio.wait_for(asyncio.to_thread(self._seed_warm, box, spec), API_TIMEOUT_S)
+            self.pool.fill(self._key(spec), lambda: self._warm(spec))
             if got is None:
-                await self._rate.wait()
+                await self.rate_limit()
                 fut = asyncio.ensure_future(asyncio.to_thread(self._create, spec))
                 try:
                     got = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
@@ -1152,20 +1105,8 @@ class DockerBackend(SessionBackend):
             return s
 
     async def aclose(self) -> None:
-        if self._closed:
+        if not await self.close_lifecycle(self.pool, API_TIMEOUT_S):
             return
-        self._closed = True
-        if self._reaper is not None:
-            self._reaper.cancel()
-        # pool fills end after their current create (they see _closed and remove what they made): cancelling one
-        # would leave the container its thread is making
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*list(self._tasks), return_exceptions=True), API_TIMEOUT_S)
-        await asyncio.gather(*(s.aclose() for s in list(self._sessions)), return_exceptions=True)
-        warm = [c for cs in self._pool.values() for c in cs]
-        self._pool.clear()
-        self._boxes.clear()
-        await asyncio.gather(*(_remove(c) for c in warm), return_exceptions=True)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.to_thread(self.remove_built_images), API_TIMEOUT_S)
         with contextlib.suppress(Exception):

@@ -37,11 +37,10 @@ from typing import Any, TypeVar
 from rlf_envs.sandbox import _cgroup
 from rlf_envs.sandbox._base import check_path
 from rlf_envs.sandbox.sessions import images, owners
+from rlf_envs.sandbox.sessions.lifecycle import PooledBackend, WarmPool
 from rlf_envs.sandbox.sessions.types import (
-    CreateRate,
     ExecResult,
     Session,
-    SessionBackend,
     SessionClosed,
     SessionDiffTooLarge,
     SessionError,
@@ -444,10 +443,10 @@ class LocalSession(Session):
                 await self._agent.wait_dead()
 
 
-class LocalBackend(SessionBackend):
-    """Sessions as confined process trees on this machine, without a daemon (root needed): a warm pool of agents per
-    (image, network) so a create only makes the workspace, admission and a create-rate limit so hundreds of episodes
-    queue instead of timing out, owner labels and a reaper so a killed run leaves nothing."""
+class LocalBackend(PooledBackend):
+    """Sessions as confined process trees on this machine, without a daemon (root needed). The shared lifecycle
+    (`lifecycle.PooledBackend`: admission, create rate, reaper) with a warm pool of agents per (image, network), so
+    a create only makes the workspace; owner labels and the reaper so a killed run leaves nothing."""
 
     name = "local"
 
@@ -456,21 +455,14 @@ class LocalBackend(SessionBackend):
         if os.geteuid() != 0:
             raise SessionInfraError("the local session backend needs root (mount namespaces, chroot, per-session "
                                     "uids); run as root or use the docker backend")
+        super().__init__(max_starting=max_starting, creates_per_s=creates_per_s, reap_every_s=reap_every_s)
         self.pool_size = int(os.environ.get("RLF_SESSION_POOL", 2)) if pool_size is None else pool_size
-        self.max_starting = max_starting
-        self.creates_per_s = creates_per_s
-        self.reap_every_s = reap_every_s
-        self._sem: asyncio.Semaphore | None = None
-        self._rate = CreateRate(creates_per_s, max_starting)
-        self._pool: dict[tuple[str, bool], list[_Agent]] = {}
-        self._filling: set[tuple[str, bool]] = set()
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._sessions: set[LocalSession] = set()
-        self._dying: set[_Agent] = set()  # killed outside a session's close: their clean-up is awaited at aclose
+        #: warm agents per (image root, network): started and chrooted, waiting for a session's workspace
+        self.pool: WarmPool[tuple[str, bool], _Agent] = WarmPool(
+            self.pool_size, usable=lambda a: a.proc.returncode is None and not a.dead, discard=_discard_agent,
+            what="local session")
         self._made: set[str] = set()  # ids of the labels this backend made
         self._uids: set[int] = set()
-        self._reaper: asyncio.Task[None] | None = None
-        self._closed = False
         self._pid = os.getpid()
         _OPEN.add(self)
         self.root_mount = os.path.join(owners.label_dir(), ".mnt")
@@ -483,36 +475,10 @@ class LocalBackend(SessionBackend):
     def check_image(self, image: str) -> None:
         images.resolve_local(image)  # ImageError (a ValueError): no such directory or archive, not a root filesystem
 
-    async def _reap_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.reap_every_s)
-            with contextlib.suppress(Exception):
-                self.reap()
-                live = {lab.id for lab in owners.labels()}
-                self._made &= live  # keep only ids whose label is still there (the set stays as small as what is open)
-
-    def _fill(self, key: tuple[str, bool], disk_mb: int) -> None:
-        if self.pool_size <= 0 or key in self._filling or self._closed:
-            return
-        self._filling.add(key)
-
-        async def fill() -> None:
-            try:
-                while len(self._pool.get(key, [])) < self.pool_size and not self._closed:
-                    agent = await _spawn(key, self.root_mount, disk_mb, self._made)
-                    if self._closed:
-                        agent.kill()
-                        await agent.wait_dead()
-                        return
-                    self._pool.setdefault(key, []).append(agent)
-            except Exception as e:
-                log.warning("session pool for %s could not fill: %r", key[0], e)
-            finally:
-                self._filling.discard(key)
-
-        t = asyncio.get_running_loop().create_task(fill())
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+    async def reap_round(self) -> None:
+        self.reap()
+        live = {lab.id for lab in owners.labels()}
+        self._made &= live  # keep only ids whose label is still there (the set stays as small as what is open)
 
     def _uid(self) -> int:
         while True:
@@ -522,34 +488,18 @@ class LocalBackend(SessionBackend):
                 return uid
 
     async def create(self, spec: SessionSpec) -> LocalSession:
-        if self._closed:
-            raise SessionClosed("the local session backend is closed")
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.max_starting)
-        if self._reaper is None and self.reap_every_s > 0:
-            self._reaper = asyncio.get_running_loop().create_task(self._reap_loop())
-        root = images.resolve_local(spec.image)
-        key = (root, spec.network)
-        async with self._sem:
-            agent = self._lease(key)
-            self._fill(key, spec.limits.disk_mb)
+        async with self.admit():
+            root = images.resolve_local(spec.image)
+            key = (root, spec.network)
+            agent = self.pool.lease(key)
+            self.pool.fill(key, lambda: _spawn(key, self.root_mount, spec.limits.disk_mb, self._made))
             if agent is not None:
                 try:
                     return await self._start(agent, spec)
                 except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
                     log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
-            await self._rate.wait()
+            await self.rate_limit()
             return await self._start(await _spawn(key, self.root_mount, spec.limits.disk_mb, self._made), spec)
-
-    def _lease(self, key: tuple[str, bool]) -> _Agent | None:
-        pooled = self._pool.get(key)
-        while pooled:
-            cand = pooled.pop()
-            if cand.proc.returncode is None and not cand.dead:
-                return cand
-            cand.kill()
-            self._dying.add(cand)
-        return None
 
     async def _start(self, agent: _Agent, spec: SessionSpec) -> LocalSession:
         """Give a prepared agent its session: cgroup limits, then the workspace, seed, uid and chroot."""
@@ -570,8 +520,7 @@ class LocalBackend(SessionBackend):
                 raise SessionInfraError(f"session start: {reply.get('error')}")
             agent.how = str(reply.get("how", agent.how))
         except BaseException:
-            agent.kill()
-            self._dying.add(agent)
+            self.pool.drop(agent)  # killed now, its clean-up awaited by aclose
             self._uids.discard(uid)
             raise
         s = LocalSession(self, agent, spec, uid)
@@ -579,32 +528,18 @@ class LocalBackend(SessionBackend):
         return s
 
     async def aclose(self) -> None:
-        if self._closed:
+        if not await self.close_lifecycle(self.pool, START_TIMEOUT_S):
             return
-        self._closed = True
-        if self._reaper is not None:
-            self._reaper.cancel()
-        # pool fills end after their current spawn (they see _closed and kill what they made): cancelling one in the
-        # middle of starting a process could lose that process until we exit
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*list(self._tasks), return_exceptions=True), START_TIMEOUT_S)
-        for s in list(self._sessions):
-            await s.aclose()
-        for agents in self._pool.values():
-            for a in agents:
-                a.kill()
-        for agents in self._pool.values():
-            for a in agents:
-                await a.wait_dead()
-        self._pool.clear()
-        for a in list(self._dying):
-            await a.wait_dead()
-        self._dying.clear()
         # every session and agent of this backend is closed now: a label of ours still there (an agent whose start
         # failed, a clean-up cut short on a loaded host) names only what is left to kill and remove, bounded
         made, self._made = self._made, set()
         await _off_loop(_sweep_labels, made)
         _OPEN.discard(self)
+
+
+async def _discard_agent(agent: _Agent) -> None:
+    agent.kill()
+    await agent.wait_dead()
 
 
 #: how long the interpreter's exit may wait for an unclosed backend's cgroups to empty
