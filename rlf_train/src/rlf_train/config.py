@@ -15,6 +15,10 @@ class ConfigError(RlfError, ValueError):
     """A config problem, with the dotted key and what is allowed."""
 
 
+#: the env that holds a foreign environment's tasks (`rollout.environment`; rlf_train.rollout.foreign)
+FOREIGN_ENV_ID = "rlf/Foreign-v0"
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -151,9 +155,20 @@ class RolloutConfig(_Section):
     agent_timeout_s: float = Field(300.0, gt=0.0, description="agent: an episode still running after this long is "
                                    "cancelled, scored 0 and counted (agent_timeouts); its session refuses calls")
     agent_max_calls: int = Field(64, ge=1, description="agent: the most completions one episode may ask for")
+    environment: str | None = Field(
+        None, description="train an environment written for another framework as it is: 'verifiers:<taskset id or "
+                          "module>', 'openenv:<server URL or module:app>' or 'nemo_gym:<config>'; its own rollout "
+                          "and scoring code runs against the policy endpoint (as rollout.agent: agent_concurrency, "
+                          "agent_timeout_s, agent_max_calls apply), its dataset gives the tasks; its options go in "
+                          "env.kwargs.options (docs/guides/foreign-envs.md)")
 
     @model_validator(mode="after")
     def _engine(self) -> RolloutConfig:
+        if self.environment is not None and self.agent is not None:
+            raise ValueError("rollout.environment and rollout.agent both name the code that makes the episodes: "
+                             "give one of them")
+        if self.environment is not None and self.mode == "async":
+            raise ValueError("rollout.environment runs with rollout.mode: sync for now")
         if self.agent is not None and self.mode == "async" and (
                 self.async_worker != "thread" or self.async_schedule != "free" or not self.partial_rollouts):
             raise ValueError("rollout.agent with rollout.mode: async runs its episodes on a thread of the trainer, "
@@ -356,8 +371,30 @@ class TrainConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _foreign(self) -> TrainConfig:
+        """`rollout.environment` gives the env: rlf/Foreign-v0 (rlf_train.rollout.foreign), whose tasks are the
+        foreign environment's dataset."""
+        spec = self.rollout.environment
+        if spec is None:
+            return self
+        if "id" in self.env.model_fields_set and self.env.id != FOREIGN_ENV_ID:
+            raise ValueError(f"rollout.environment {spec!r} gives the env (its tasks come from the foreign "
+                             f"environment): leave env.id unset (got {self.env.id!r})")
+        if self.env.kwargs.get("environment", spec) != spec:
+            raise ValueError(f"env.kwargs.environment {self.env.kwargs['environment']!r} and rollout.environment "
+                             f"{spec!r} disagree: give it once, in rollout.environment")
+        self.env.id = FOREIGN_ENV_ID
+        if "rlf_train.rollout.foreign" not in self.env.imports:
+            self.env.imports = [*self.env.imports, "rlf_train.rollout.foreign"]
+        self.env.kwargs = {**self.env.kwargs, "environment": spec}
+        return self
+
+    @model_validator(mode="after")
     def _backend(self) -> TrainConfig:
-        if self.group_reward is not None and (self.backend != "local" or self.rollout.agent is not None):
+        if self.rollout.environment is not None and self.backend != "local":
+            raise ValueError("rollout.environment runs on backend: local for now")
+        if self.group_reward is not None and (self.backend != "local" or self.rollout.agent is not None
+                                              or self.rollout.environment is not None):
             raise ValueError("group_reward runs on backend: local with env-driven rollouts (not rollout.agent) "
                              "for now; remove it, or score with the env's verifier")
         if self.algorithm.name == "ppo" and self.backend != "openrlhf":

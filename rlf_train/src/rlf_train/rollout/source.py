@@ -1,9 +1,11 @@
 """Where the RL loop's episodes come from: the `Source` protocol and `make_source(cfg, ...)`.
 
 The learner asks a source for the episodes of some tasks at the current policy (`collect`) or for a worker that
-generates ahead of it (`async_worker`, `rollout.mode: async`); it never knows which source runs. Two exist: the env
-source (`env_source.EnvSource`: the configured engine generates, the env steps) and the agent source
-(`agent_source.AgentSource`, `rollout.agent`: the user's agent code against the policy endpoint).
+generates ahead of it (`async_worker`, `rollout.mode: async`); it never knows which source runs. Three exist: the env
+source (`env_source.EnvSource`: the configured engine generates, the env steps), the agent source
+(`agent_source.AgentSource`, `rollout.agent`: the user's agent code against the policy endpoint) and the foreign
+source (`foreign.source.ForeignSource`, `rollout.environment`: another framework's environment, its own rollout
+code against the endpoint).
 """
 
 from __future__ import annotations
@@ -60,10 +62,18 @@ def make_source(cfg: TrainConfig, tokenizer: Any, envs: dict[Stage, ToolVectorEn
 
     engine = EnvSource(cfg, tokenizer, envs, run_dir, model, version)
     r = cfg.rollout
-    if r.agent is None:
+    if r.agent is None and r.environment is None:
         return engine
     from rlf_train.rollout.agent_source import AgentSource
     from rlf_train.rollout.endpoint.sessions import EndpointLimits
+
+    if r.environment is not None:  # a foreign environment's own rollout is the agent (rlf_train.rollout.foreign)
+        from rlf_train.rollout.foreign.source import ForeignSource
+
+        return ForeignSource(r.environment, tokenizer, envs, engine,
+                             EndpointLimits(r.max_total_tokens, r.max_new_tokens_per_turn, r.agent_timeout_s,
+                                            r.agent_max_calls), r.agent_concurrency, r.samples_per_prompt,
+                             SamplingParams(r.temperature, r.top_p, r.max_new_tokens_per_turn))
 
     # the env gives tasks, format and verifier; the agent's code makes the episodes
     return AgentSource(r.agent, tokenizer, envs, engine,
