@@ -124,7 +124,7 @@ class ForeignRunner(AgentRunner):
             if o.infra_error is not None:
                 self.failed_episodes.append(e)
                 stats.infra_failed += 1
-                stats.kinds[o.infra_error.split(":")[0][:60]] += 1
+                stats.kinds[o.infra_error[:160]] += 1
                 eps.rewards[e] = 0.0
                 continue
             if o.budget_error is not None:

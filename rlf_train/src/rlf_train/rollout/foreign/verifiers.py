@@ -66,6 +66,11 @@ class VerifiersBackend(Backend):
         try:
             fields = self.loaders.taskset_config_type(self.target).model_fields
         except ModuleNotFoundError as e:
+            cause = e.__cause__
+            module = self.target.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
+            if isinstance(cause, ModuleNotFoundError) and cause.name and cause.name.split(".")[0] != module:
+                raise ConfigError(f"rollout.environment 'verifiers:{self.target}': a package it needs is missing: "
+                                  f"{cause} (install the environment's requirements)") from None
             raise ConfigError(f"rollout.environment 'verifiers:{self.target}': {e}") from None
         except ImportError as e:
             raise ConfigError(f"rollout.environment 'verifiers:{self.target}': the environment's module does not "
@@ -106,7 +111,7 @@ class VerifiersBackend(Backend):
         for k, t in enumerate(ts):
             if k >= self.max_tasks:
                 break
-            tid = str(t.key)
+            tid = str(t.data.id or t.key)  # the dataset's own id where it gives one (else verifiers' task key)
             if tid in table:
                 tid = f"{tid}#{k}"
             table[tid] = t
