@@ -198,7 +198,8 @@ class AlgorithmConfig(_Section):
     """The RL update: GRPO / Dr.GRPO (PPO-clip on group-normalised advantages) or PPO, and its knobs."""
 
     name: Literal["grpo", "dr_grpo", "ppo"] = Field(
-        "grpo", description="grpo | dr_grpo (both backends) | ppo (GAE with a critic; backend openrlhf only)")
+        "grpo", description="grpo | dr_grpo | ppo (GAE with a critic: rlf_train.ppo on the local backend, "
+                            "OpenRLHF's critic on backend openrlhf)")
     steps: int = Field(100, ge=0)
     std_normalize: bool = Field(True, description="divide group advantages by the group std (off for Dr.GRPO)")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
@@ -211,6 +212,17 @@ class AlgorithmConfig(_Section):
     is_cap: float = Field(2.0, ge=1.0, description="async: truncation C of the importance weight "
                                                    "min(pi_prox / pi_behaviour, C) of the decoupled PPO loss")
     per_turn_rewards: bool = Field(True, description="add per-turn env rewards as reward-to-go when present")
+    # PPO (algorithm.name: ppo)
+    critic: Literal["value_head", "separate"] = Field(
+        "value_head", description="ppo: a value head on the policy's last hidden state, trained with the policy's "
+                                  "optimizer (its loss x vf_coef), or a separate copy of the policy with its own head "
+                                  "and optimizer (OpenRLHF always trains a separate critic)")
+    gamma: float = Field(1.0, gt=0.0, le=1.0, description="ppo: GAE discount per policy token")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="ppo: GAE lambda")
+    vf_coef: float = Field(0.5, ge=0.0, description="ppo, critic value_head: weight of the value loss")
+    value_clip: float = Field(0.2, ge=0.0, description="ppo: clip of the value update around the old value (0: off)")
+    critic_lr: float | None = Field(None, gt=0.0, description="ppo, critic separate: its learning rate "
+                                                              "(default optim.lr; OpenRLHF: openrlhf.critic_lr)")
     segment_weight: Literal["episode", "segment"] = Field(
         "episode", description="rollout.agent rows are an episode's segments (history trimmed, edited, compacted): "
                                "'episode': each episode counts once in the sequence-level loss_aggs (its k segments "
@@ -397,9 +409,9 @@ class TrainConfig(_Section):
                                               or self.rollout.environment is not None):
             raise ValueError("group_reward runs on backend: local with env-driven rollouts (not rollout.agent) "
                              "for now; remove it, or score with the env's verifier")
-        if self.algorithm.name == "ppo" and self.backend != "openrlhf":
-            raise ValueError("algorithm.name: ppo (GAE with a critic) runs on backend: openrlhf only; "
-                             "the local backend trains grpo or dr_grpo")
+        if self.algorithm.name == "ppo" and self.backend == "local" and self.rollout.agent is not None:
+            raise ValueError("algorithm.name: ppo with rollout.agent is not supported yet (an agent's rows are "
+                             "segments of episodes; GAE runs over one row's tokens): use grpo, or an env")
         if self.model.lora is not None and self.backend == "local" and self.rollout.mode == "async":
             raise ValueError("model.lora with rollout.mode: async is not supported yet (the async worker rebuilds a "
                              "full-weight policy and receives full state dicts); use rollout.mode: sync with LoRA")

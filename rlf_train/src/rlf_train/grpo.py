@@ -171,13 +171,14 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 def masked_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool = False,
-                    temperature: float = 1.0, top_p: float = 1.0,
+                    temperature: float = 1.0, top_p: float = 1.0, hidden_out: list[torch.Tensor] | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) [B, T] computed only where `mask` is set (0 elsewhere), plus per-token entropy there,
     under the sampling distribution of `sampling_logits(temperature, top_p)` (1.0/1.0: the model's own).
 
     The vocabulary projection runs on the masked (policy) positions only: with short actions inside
-    long prompts/observations this is most of the compute saved."""
+    long prompts/observations this is most of the compute saved. `hidden_out`: the body's last hidden state
+    [B, T, H] is appended to it (a PPO value head reads the same forward), when the model has a body."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its adapted model
     body = getattr(inner, getattr(inner, "base_model_prefix", "model"), None)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
@@ -188,6 +189,8 @@ def masked_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
         ent = entropy_from_logits(sampling_logits(logits, temperature, top_p)) * mask if with_entropy else None
         return lp, ent
     hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    if hidden_out is not None:
+        hidden_out.append(hidden)
     tgt = targets[sel]
     lp_sel, ent_sel = head_logprobs(head, hidden[sel], tgt, temperature, top_p, with_entropy)
     lp = torch.zeros(mask.shape, dtype=lp_sel.dtype, device=lp_sel.device)

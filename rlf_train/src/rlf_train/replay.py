@@ -162,6 +162,11 @@ def replay_bundle(path: str | Path, *, checkpoint: Path | None = None, atol: flo
         # the loss mask the update used: the rows' own (policy tokens 1, prompt and observations 0)
         check.tensor("loss mask", rec["mask"], pad_batch(trajs, 0, torch.device("cpu"))[3], rows)
         # rewards -> returns -> advantages
+        if a.name == "ppo":
+            _ppo_chain(b, cfg, trajs, T, check, rows)
+            report.skipped.append("ppo: the learner's log-probs, the critic's values and the loss terms are not "
+                                  "replayed yet (the reward -> GAE chain is)")
+            return report
         if m.episode_of_row is None:
             returns, ep = token_returns(trajs, T, a.per_turn_rewards)
             check.values("rewards", rec["ep_returns"].tolist(), ep.tolist(),
@@ -197,6 +202,18 @@ def replay_bundle(path: str | Path, *, checkpoint: Path | None = None, atol: flo
     except _Stop:
         pass
     return report
+
+
+def _ppo_chain(b: Bundle, cfg: TrainConfig, trajs: Sequence[Any], T: int, check: _Checker,
+               rows: Callable[[tuple[int, ...]], str]) -> None:
+    """PPO's reward chain: per-token rewards from the rows, then GAE from the recorded values."""
+    from rlf_train.ppo import gae, token_rewards, whiten
+
+    a, rec = cfg.algorithm, b.tensors
+    check.tensor("token rewards", rec["token_rewards"], token_rewards(trajs, T, a.per_turn_rewards), rows)
+    adv_raw, targets = gae(rec["token_rewards"], rec["values"], rec["mask"], a.gamma, a.lam)
+    check.tensor("value targets", rec["value_targets"], targets, rows)
+    check.tensor("advantages", rec["adv"], whiten(adv_raw, rec["mask"]), rows, note=" (GAE, whitened)")
 
 
 def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> tuple[torch.optim.Optimizer, Any]:

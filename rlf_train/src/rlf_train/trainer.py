@@ -48,6 +48,7 @@ from rlf_train.policy.checkpoint import (
 from rlf_train.policy.load import load_policy
 from rlf_train.policy.model import num_parameters, resolve_device
 from rlf_train.policy.tokenizer import load_tokenizer
+from rlf_train.ppo import Critic, explained_variance, gae, token_rewards, value_loss, whiten
 from rlf_train.rollout.async_worker import Admission, AsyncPlan, RolloutWorker
 from rlf_train.rollout.batch import (
     Rollouts,
@@ -86,7 +87,7 @@ class Trainer:
         tr.group_reward = None  # the recorded rewards already hold the group judge's scores
         tr.policy_version = policy_version
         tr.ref_model = lora.AdapterOff(model) if cfg.algorithm.kl_coef > 0 and lora.is_lora(model) else None
-        tr.meta, tr.state = None, None
+        tr.meta, tr.state, tr.critic = None, None, None
         return tr
 
     def __init__(self, cfg: TrainConfig, run_dir: Path | None = None, resume: bool = False) -> None:
@@ -151,6 +152,7 @@ class Trainer:
         self.order: list[int] = []
         self.order_pos = 0
         self.ref_model: torch.nn.Module | lora.AdapterOff | None = None
+        self.critic: Critic | None = None  # algorithm.name: ppo (built when RL starts)
         self.admission: Admission | None = None  # async RL: the staleness bound, with a log of every start
         self.async_worker: RolloutWorker | None = None
         # applied to the train envs before RL (in the async worker process too; must then be picklable): e.g.
@@ -210,6 +212,7 @@ class Trainer:
             **(data_state if data_state is not None else self._data_state()),
             "python_rng": random.getstate(),
             "sft_rng": sft_rng.getstate() if sft_rng is not None else None,
+            **(self.critic.trainer_state() if self.critic is not None else {}),
         }
         meta = CheckpointMeta(stage=stage, step=step, sft_done=sft_done)
         return save_checkpoint(self.run_dir, name, self.model, state, meta,
@@ -352,7 +355,8 @@ class Trainer:
         self.policy_version += 1
 
     # ---------------------------------------------------------------- GRPO
-    def _logprobs(self, model: torch.nn.Module, trajs: Sequence[Trajectory], grad: bool
+    def _logprobs(self, model: torch.nn.Module, trajs: Sequence[Trajectory], grad: bool,
+                  hidden_out: list[torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Log-probs of the policy tokens under the rollout's sampling distribution (rollout.temperature and
         top_p, see `grpo.sampling_logits`): the distribution the tokens were drawn from, so PPO ratios, the
@@ -361,8 +365,19 @@ class Trainer:
         r = self.cfg.rollout
         with torch.set_grad_enabled(grad):
             lp, ent = masked_logprobs(model, ids, attn, tgt, mask, with_entropy=grad, temperature=r.temperature,
-                                      top_p=r.top_p)
+                                      top_p=r.top_p, hidden_out=hidden_out)
         return lp, mask, ent
+
+    def _values(self, critic: Critic, trajs: Sequence[Trajectory], N: int, T: int) -> torch.Tensor:
+        """[N, T] the critic's values of the batch's policy positions (no gradient), micro-batch by micro-batch."""
+        out = torch.zeros((N, T))
+        mb = self.cfg.algorithm.micro_batch_size
+        with torch.no_grad():
+            for s in range(0, N, mb):
+                ids, attn, _, m = pad_batch(trajs[s:s + mb], self.pad_id, self.device)
+                v = critic.values(self.model, ids, attn, m)
+                out[s:s + v.shape[0], :v.shape[1]] = v.cpu()
+        return out
 
     def _seed_base(self, step: int) -> int:
         return seed_base(self.cfg.seed, step)
@@ -409,6 +424,8 @@ class Trainer:
             state_before = {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
                             "optimizer": copy.deepcopy(optimizer.state_dict()),
                             "scheduler": copy.deepcopy(scheduler.state_dict())}
+            if self.critic is not None:
+                state_before["critic"] = copy.deepcopy(self.critic.trainer_state())
         if episodes is None:  # infrastructure failures are not rewards: their groups leave the loss
             all_trajs = trajs
             trajs, task_indices, infra_failed = drop_infra_failed(trajs, task_indices, r.samples_per_prompt)
@@ -459,9 +476,17 @@ class Trainer:
             seen = behav_lp if behav_lp is not None else self.behaviour_logprobs(trajs, T)
             engine = "agent" if episodes is not None else r.engine
             agree = agreement_stats(old_lp, seen, mask_all, staleness(trajs, T, step - 1), engine)
+        critic = self.critic if a.name == "ppo" else None
         if episodes is None:
             returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
-            adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
+            if critic is None:
+                adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
+            else:  # PPO: GAE over the policy's tokens with the critic's values (rlf_train.ppo)
+                pmask = pad_batch(trajs, self.pad_id, torch.device("cpu"))[3]
+                old_v = self._values(critic, trajs, N, T)
+                tok_r = token_rewards(trajs, T, a.per_turn_rewards)
+                adv_raw, v_target = gae(tok_r, old_v, pmask, a.gamma, a.lam)
+                adv = whiten(adv_raw, pmask)
         else:  # rows are an agent's segments: each gets its episode's advantage
             ep_returns = torch.tensor(episodes.episode_rewards(), dtype=torch.float32)
             adv = row_advantages(ep_returns, episodes.episode_of_row, T, r.samples_per_prompt, a.std_normalize, a.eps)
@@ -479,8 +504,11 @@ class Trainer:
             for name, value in (("ref_lp", ref_lp), ("behav_lp", behav_lp), ("row_weight", row_w)):
                 if value is not None:
                     staged[name] = value
+            if critic is not None:
+                staged.update({"token_rewards": tok_r, "values": old_v, "value_targets": v_target})
             trace.tensors = staged
-        losses, kls, clips, ents, gns, isw = [], [], [], [], [], []
+        losses, kls, clips, ents, gns, isw, vls = [], [], [], [], [], [], []
+        shared = critic is not None and critic.separate is None
         self.model.train()
         for _epoch in range(a.ppo_epochs):
             mini_size = math.ceil(N / a.mini_batches)
@@ -489,11 +517,14 @@ class Trainer:
                 total_tokens = float(sum(sum((t.loss_mask or [])[1:]) for t in trajs[ms:me]))
                 total_seqs = float(row_w[ms:me].sum()) if row_w is not None else me - ms
                 optimizer.zero_grad(set_to_none=True)
+                if critic is not None and critic.optimizer is not None:
+                    critic.optimizer.zero_grad(set_to_none=True)
                 loss_sum = 0.0
                 for s in range(ms, me, mb):
                     e = min(s + mb, me)
                     chunk = trajs[s:e]
-                    lp, mask, ent = self._logprobs(self.model, chunk, grad=True)
+                    keep: list[torch.Tensor] | None = [] if shared else None
+                    lp, mask, ent = self._logprobs(self.model, chunk, grad=True, hidden_out=keep)
                     Tc = lp.shape[1]
                     old = old_lp[s:e, :Tc]
                     ref = ref_lp[s:e, :Tc] if ref_lp is not None else None
@@ -503,7 +534,16 @@ class Trainer:
                                       row_weight=None if row_w is None else row_w[s:e],
                                       **({} if behav_lp is None else
                                          {"behav_logp": behav_lp[s:e, :Tc], "is_cap": a.is_cap}))
-                    out.loss.backward()
+                    loss = out.loss
+                    if critic is not None:  # the value loss, aggregated like the policy's
+                        ids, attn, _, vm = pad_batch(chunk, self.pad_id, self.device)
+                        v = critic.values(self.model, ids, attn, vm, hidden=keep[0] if keep else None)[:, :Tc]
+                        vl = value_loss(v, old_v[s:e, :Tc].to(v), v_target[s:e, :Tc].to(v), mask, clip=a.value_clip,
+                                        agg=a.loss_agg, total_tokens=total_tokens, total_seqs=total_seqs,
+                                        norm_len=norm_len)
+                        loss = loss + (a.vf_coef * vl if shared else vl)
+                        vls.append(float(vl.detach()))
+                    loss.backward()
                     if trace is not None:
                         trace.micro.append(MicroStep(_epoch, (s, e), float(out.loss.detach()), out.pg_loss, out.kl,
                                                      out.clip_frac))
@@ -513,10 +553,15 @@ class Trainer:
                     clips.append(out.clip_frac)
                     if ent is not None:
                         ents.append(float((ent * mask).sum() / mask.sum().clamp(min=1.0)))
-                gns.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)))
+                params = [*self.model.parameters(), *critic.head.parameters()] if shared and critic is not None \
+                    else self.model.parameters()
+                gns.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)))
                 if trace is not None:
                     trace.grad_norms.append(gns[-1])
                 optimizer.step()
+                if critic is not None and critic.optimizer is not None:  # a separate critic steps with the policy
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.optim.grad_clip)
+                    critic.optimizer.step()
                 losses.append(loss_sum)
         scheduler.step()
         now = time.perf_counter()
@@ -536,6 +581,11 @@ class Trainer:
         })
         rec.update(group_metrics)
         rec.update(agree)
+        if critic is not None:
+            rec.update({"value_loss": float(np.mean(vls)) if vls else 0.0,
+                        "value_mean": float(old_v[pmask.bool()].mean()) if pmask.any() else 0.0,
+                        "value_target_mean": float(v_target[pmask.bool()].mean()) if pmask.any() else 0.0,
+                        "explained_variance": explained_variance(old_v, v_target, pmask)})
         if behaviour:
             stale = [step - 1 - t.policy_version for tr in trajs for t in tr.turns if t.policy_version is not None]
             rec.update({"staleness_mean": float(np.mean(stale)) if stale else 0.0,
@@ -560,8 +610,15 @@ class Trainer:
         if cfg.model.lora is not None:  # RL trains an adapter on the policy as it is now (rlf_train.policy.lora)
             sft_base = cfg.sft.enabled and (self.run_dir / "checkpoints" / "sft").is_dir()
             self.model = lora.attach(self.model, cfg.model.lora, cfg.seed, base="sft" if sft_base else None)
-        optimizer = torch.optim.AdamW(lora.trainable(self.model), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                      weight_decay=cfg.optim.weight_decay)
+        a = cfg.algorithm
+        if a.name == "ppo":  # the critic (rlf_train.ppo): a value head on the policy, or a separate model
+            self.critic = Critic.build(self.model, a.critic, a.critic_lr or cfg.optim.lr, cfg.optim.betas)
+            if self.state is not None and self.state.get("critic") is not None:
+                self.critic.load_trainer_state(self.state)
+        shared_head = list(self.critic.head.parameters()) if self.critic is not None and self.critic.separate is None \
+            else []
+        optimizer = torch.optim.AdamW([*lora.trainable(self.model), *shared_head], lr=cfg.optim.lr,
+                                      betas=cfg.optim.betas, weight_decay=cfg.optim.weight_decay)
         warm = cfg.optim.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         if self.state is not None and self.meta is not None and self.meta.stage == "rl" \

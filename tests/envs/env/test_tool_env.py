@@ -183,6 +183,25 @@ def test_rewards_config_and_turn_rewards() -> None:
     assert info["trajectory"].per_turn_rewards == [0.1, -0.2, 0.0]
 
 
+def test_a_search_that_retrieved_the_answer_earns_its_process_reward() -> None:
+    """TurnRewarder's answer_in_result_bonus: the env passes the task, so a turn whose OK result holds a gold answer
+    (normalised, whole words) is paid once; a near miss, an error result, a task-free call are not."""
+    from rlf_envs.rewards import TurnRewarder
+
+    rewarder = TurnRewarder(answer_in_result_bonus=0.2, valid_call_bonus=0.01)
+    env = ToolEnv(tools=[echo, broken], tasks=TASKS, turn_rewarder=rewarder)
+    env.reset(options={"task_index": 1})  # gold: beta
+    _, r1, *_ = env.step(call("echo", text="It is BETA."))
+    _, r2, *_ = env.step(call("echo", text="betamax, alphabet"))
+    _, r3, *_ = env.step(call("broken"))
+    assert (r1, r2, r3) == (pytest.approx(0.21), 0.01, 0.0)
+    turn = env.trajectory.turns[0]
+    assert rewarder.turn_reward(turn) == pytest.approx(0.01)  # without the task: no answer to look for
+    assert rewarder.turn_reward(turn, Task("x", "q", ground_truth={"target": ["beta"]})) == pytest.approx(0.21)
+    assert rewarder.turn_reward(turn, Task("x", "q", ground_truth="It is")) == pytest.approx(0.21)
+    assert rewarder.turn_reward(turn, Task("x", "q", ground_truth=None)) == pytest.approx(0.01)
+
+
 # ------------------------------------------------------------------------------------------ token mode
 def test_token_mode_exact_ids_and_loss_mask() -> None:
     tok = make_tokenizer()

@@ -9,6 +9,7 @@ whole episode exactly as the policy saw and produced it, never re-tokenised.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
 import time
@@ -44,6 +45,13 @@ from rlf_envs.types import (
 CHARS_PER_TOKEN = 4  # text mode measures budgets in characters / 4
 log = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
+
+
+def _takes_task(fn: Any) -> bool:
+    try:
+        return "task" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _warn_once(where: str, exc: BaseException) -> None:
@@ -214,6 +222,8 @@ class ToolEnv(gym.Env[Any, Any]):
 
             turn_rewarder = build_turn_rewarder(turn_rewarder)
         self.turn_rewarder = turn_rewarder
+        # a rewarder whose turn_reward takes the task (e.g. TurnRewarder's answer_in_result_bonus) gets it
+        self._reward_task = turn_rewarder is not None and _takes_task(turn_rewarder.turn_reward)
         self.max_turns = max_turns
         if max_invalid_streak is not None and (not isinstance(max_invalid_streak, int) or max_invalid_streak < 1):
             raise ValueError(f"max_invalid_streak must be a positive int or None, got {max_invalid_streak!r}")
@@ -478,7 +488,8 @@ class ToolEnv(gym.Env[Any, Any]):
             self._n_tokens += -(-len(obs_text) // CHARS_PER_TOKEN)
         if self.turn_rewarder is not None:
             try:
-                turn.reward = float(self.turn_rewarder.turn_reward(turn))
+                turn.reward = float(self.turn_rewarder.turn_reward(turn, task=traj.task)) if self._reward_task \
+                    else float(self.turn_rewarder.turn_reward(turn))
             except Exception as e:
                 _warn_once("the turn rewarder", e)
         info: dict[str, Any] = {

@@ -36,6 +36,9 @@ class TurnRewardConfig(BaseModel):
     invalid_action_penalty: float = Field(0.0, ge=0, description=f"per malformed turn (no parsable action); {_MAG}")
     crash_penalty: float = Field(0.0, ge=0, description=f"per call whose server crashed (infra, not policy); {_MAG}")
     answer_bonus: float = Field(0.0, ge=0, description="for the turn that gives a final answer")
+    answer_in_result_bonus: float = Field(0.0, ge=0, description="for a turn whose OK tool results contain one of "
+                                          "the task's gold answers (Search-R1 normalisation): a search that "
+                                          "retrieved the answer. Once per turn; needs the task (the env passes it)")
     max_rewarded_calls: int | None = Field(None, ge=0, description="cap on bonus-earning calls per turn")
     clip_min: float | None = None
     clip_max: float | None = None
@@ -55,9 +58,11 @@ class TurnRewarder:
             raise TypeError("TurnRewarder: pass either a config or keyword arguments, not both")
         self.config = config if config is not None else TurnRewardConfig.model_validate(kwargs)
 
-    def turn_reward(self, turn: Turn) -> float:
+    def turn_reward(self, turn: Turn, task: Task | None = None) -> float:
         c = self.config
         r = 0.0
+        if c.answer_in_result_bonus and task is not None and _answer_in_results(turn, task):
+            r += c.answer_in_result_bonus
         if turn.action.kind is ActionKind.INVALID:
             r -= c.invalid_action_penalty
         elif turn.action.kind is ActionKind.ANSWER:
@@ -85,7 +90,7 @@ class TurnRewarder:
         return r
 
     def trajectory_rewards(self, trajectory: Trajectory) -> list[float]:
-        return [self.turn_reward(t) for t in trajectory.turns]
+        return [self.turn_reward(t, trajectory.task) for t in trajectory.turns]
 
     def assign(self, trajectory: Trajectory) -> list[float]:
         """Compute and store `turn.reward` for every turn (for trajectories built outside the env)."""
@@ -93,6 +98,26 @@ class TurnRewarder:
         for t, v in zip(trajectory.turns, values, strict=True):
             t.reward = v
         return values
+
+
+def _answer_in_results(turn: Turn, task: Task) -> bool:
+    from rlf_envs.rewards.rules import normalize_answer
+
+    gold = task.ground_truth
+    answers = [gold] if isinstance(gold, str) else [g for g in gold if isinstance(g, str)] \
+        if isinstance(gold, list) else []
+    if isinstance(gold, dict):  # Search-R1 rows: {"target": [...]}
+        target = gold.get("target", [])
+        answers = [target] if isinstance(target, str) else [g for g in target if isinstance(g, str)]
+    wanted = [n for n in (normalize_answer(a) for a in answers) if n]
+    if not wanted:
+        return False
+    for res in turn.results:
+        if res.status is ToolStatus.OK:
+            text = f" {normalize_answer(res.content)} "
+            if any(f" {w} " in text for w in wanted):
+                return True
+    return False
 
 
 def build_turn_rewarder(

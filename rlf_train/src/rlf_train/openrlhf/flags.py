@@ -254,7 +254,13 @@ def openrlhf_flags(cfg: TrainConfig, paths: RunPaths) -> FlagPlan:
         add("--critic.model_name_or_path", o.critic_name_or_path or paths.model)
         add("--critic.num_nodes", o.num_nodes)
         add("--critic.num_gpus_per_node", o.gpus_per_node)
-        add("--critic.adam.lr", o.critic_lr)
+        add("--critic.adam.lr", a.critic_lr if a.critic_lr is not None else o.critic_lr)
+        add("--critic.value_clip", a.value_clip)
+        add("--algo.advantage.gamma", a.gamma)
+        add("--algo.advantage.lambd", a.lam)
+        if a.critic == "value_head":
+            notes.append("algorithm.critic: value_head -> OpenRLHF trains a separate critic (openrlhf.critic_*); "
+                         "algorithm.vf_coef does not apply")
     if not a.per_turn_rewards:
         notes.append("algorithm.per_turn_rewards: false -> the executor returns the outcome reward only")
     else:
