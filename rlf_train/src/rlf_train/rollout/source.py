@@ -73,7 +73,7 @@ def make_source(cfg: TrainConfig, tokenizer: Any, envs: dict[Stage, ToolVectorEn
         return ForeignSource(r.environment, tokenizer, envs, engine,
                              EndpointLimits(r.max_total_tokens, r.max_new_tokens_per_turn, r.agent_timeout_s,
                                             r.agent_max_calls), r.agent_concurrency, r.samples_per_prompt,
-                             SamplingParams(r.temperature, r.top_p, r.max_new_tokens_per_turn))
+                             SamplingParams(r.temperature, r.top_p, r.max_new_tokens_per_turn), r.max_turns)
 
     # the env gives tasks, format and verifier; the agent's code makes the episodes
     return AgentSource(r.agent, tokenizer, envs, engine,

@@ -116,6 +116,7 @@ class Episode:
     top_p: float
     max_tokens: int
     group_seed: int
+    max_turns: int = 4  # rollout.max_turns: for ecosystems whose loop is rlf's (OpenEnv)
 
 
 class Backend(ABC):

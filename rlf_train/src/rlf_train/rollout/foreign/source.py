@@ -163,11 +163,12 @@ class ForeignSource(AgentSource):
     failed episodes. Both are counted (`foreign_infra_failed`) and said on the console."""
 
     def __init__(self, spec: str, tokenizer: Any, envs: dict[Stage, Any], engine: EnvSource, limits: EndpointLimits,
-                 concurrency: int, group_size: int, sampling: SamplingParams) -> None:
+                 concurrency: int, group_size: int, sampling: SamplingParams, max_turns: int = 4) -> None:
         self.spec = spec
         self.backends: dict[Stage, Backend] = {stage: v.envs[0].backend for stage, v in envs.items()}
         self.group_size = group_size
         self.sampling = sampling
+        self.max_turns = max_turns
         self.slots: dict[int, _Slot] = {}
         self.host: AgentLoop | None = None
         self.started: list[Backend] = []
@@ -217,7 +218,8 @@ class ForeignSource(AgentSource):
         slot = self.slots[id(task)]
         ep = Episode(task=slot.task, base_url=str(client.base_url).rstrip("/"), api_key=client.api_key,
                      model=client.model, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                     max_tokens=self.sampling.max_new_tokens, group_seed=slot.group_seed)
+                     max_tokens=self.sampling.max_new_tokens, group_seed=slot.group_seed,
+                     max_turns=self.max_turns)
         assert self.host is not None
         fut = self.host.submit(slot.backend.episode(ep))
         try:
