@@ -199,6 +199,8 @@ def test_bad_input_is_a_config_error_naming_it(tmp_path: Path, monkeypatch: pyte
         make(SEARCH, "env.kwargs.options={taskset: {no_such_option: 1}}")
     with pytest.raises(ConfigError, match="unknown ecosystem 'gymnasium'"):
         make("gymnasium:CartPole-v1")
+    with pytest.raises(ConfigError, match="NeMo-Gym's resources servers are not trainable"):
+        make("nemo_gym:config.yaml")
     # verifiers itself missing: the error names the install line
     forget_backends()
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)

@@ -157,7 +157,7 @@ class RolloutConfig(_Section):
     agent_max_calls: int = Field(64, ge=1, description="agent: the most completions one episode may ask for")
     environment: str | None = Field(
         None, description="train an environment written for another framework as it is: 'verifiers:<taskset id or "
-                          "module>', 'openenv:<server URL or module:app>' or 'nemo_gym:<config>'; its own rollout "
+                          "module>', or 'openenv:<server URL, env dir or module:app>'; its own rollout "
                           "and scoring code runs against the policy endpoint (as rollout.agent: agent_concurrency, "
                           "agent_timeout_s, agent_max_calls apply), its dataset gives the tasks; its options go in "
                           "env.kwargs.options (docs/guides/foreign-envs.md)")
@@ -192,6 +192,10 @@ class SFTConfig(_Section):
     # scripted demos (Search): shares of imperfect behaviour
     p_no_search: float = Field(0.5, ge=0.0, le=1.0, description="answer directly (a guess) without searching")
     p_wrong_query: float = Field(0.0, ge=0.0, le=1.0, description="search for the wrong entity")
+
+
+#: the AlgorithmConfig keys that only algorithm.name: ppo reads (set with another algorithm: an error, not a no-op)
+PPO_KEYS = frozenset({"critic", "gamma", "lam", "vf_coef", "value_clip", "critic_lr"})
 
 
 class AlgorithmConfig(_Section):
@@ -237,6 +241,13 @@ class AlgorithmConfig(_Section):
                 object.__setattr__(self, "std_normalize", False)
             if "loss_agg" not in self.model_fields_set:
                 object.__setattr__(self, "loss_agg", "seq_mean_token_sum_norm")
+        defaults = type(self).model_fields
+        ppo_only = sorted(k for k in PPO_KEYS & self.model_fields_set if getattr(self, k) != defaults[k].default) \
+            if self.name != "ppo" else []  # a dumped config (a run's config.yaml) carries the defaults: fine
+        if ppo_only:
+            keys = ", ".join("algorithm." + k for k in ppo_only)
+            raise ValueError(f"{keys}: PPO's critic settings apply to algorithm.name: ppo only (this is "
+                             f"{self.name}); remove them or set algorithm.name: ppo")
         return self
 
 

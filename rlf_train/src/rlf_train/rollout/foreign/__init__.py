@@ -3,12 +3,11 @@
 
     rollout.environment: "verifiers:my_taskset"          # a verifiers (v1) environment: taskset id / module
     rollout.environment: "openenv:http://127.0.0.1:8000" # a running OpenEnv server, or "openenv:pkg.server.app:app"
-    rollout.environment: "nemo_gym:path/to/config.yaml"  # a NeMo-Gym resources server and its agent
 
 The foreign environment's own rollout and scoring code runs unchanged; its model calls go to rlf's policy
 endpoint (one session per episode, `rlf_train.rollout.endpoint`), so every episode becomes token-exact GRPO
 rows as with `rollout.agent`, and its reward is the foreign scorer's. Each ecosystem is one small module
-(`verifiers.py`, `openenv.py`, `nemo_gym.py`) implementing `Backend`; the packages themselves are imported only
+(`verifiers.py`, `openenv.py`) implementing `Backend`; the packages themselves are imported only
 when a config names them, and a missing one is a ConfigError naming its install line.
 
 This module is what the trainer's env factory imports (`env.imports`): it registers `rlf/Foreign-v0`, the rlf env
@@ -39,10 +38,10 @@ ECOSYSTEMS: dict[str, tuple[str, str]] = {
                   "(the list in tox.ini's [testenv:adapters]; verifiers pins mcp==2.0.0, openai<3, which rlf cannot "
                   "use)"),
     "openenv": ("rlf_train.rollout.foreign.openenv", "pip install 'openenv-core>=0.3,<0.4'"),
-    "nemo_gym": ("rlf_train.rollout.foreign.nemo_gym",
-                 "pip install --no-deps nemo-gym==0.4.0 plus the requirements in tox.ini's [testenv:adapters-rl-nemo] "
-                 "(Python >= 3.12)"),
 }
+#: ecosystems named in the docs that have no backend yet: a ConfigError saying so, not an import error
+NOT_YET = {"nemo_gym": "NeMo-Gym's resources servers are not trainable through rollout.environment yet (rlf's envs "
+                       "run inside NeMo-Gym: rlf_envs.adapters.nemo_gym; docs/guides/foreign-envs.md)"}
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -52,6 +51,8 @@ def parse_spec(spec: str) -> tuple[str, str]:
     if not sep or not target.strip():
         raise ConfigError(f"rollout.environment {spec!r}: give it as '<ecosystem>:<env>', ecosystem one of "
                           f"{', '.join(ECOSYSTEMS)} (e.g. 'verifiers:my_taskset', 'openenv:http://127.0.0.1:8000')")
+    if eco in NOT_YET:
+        raise ConfigError(f"rollout.environment {spec!r}: {NOT_YET[eco]}")
     if eco not in ECOSYSTEMS:
         raise ConfigError(f"rollout.environment {spec!r}: unknown ecosystem {eco!r}; one of {', '.join(ECOSYSTEMS)}")
     return eco, target.strip()
@@ -120,7 +121,7 @@ class Episode:
 
 
 class Backend(ABC):
-    """One ecosystem's way of running its environments (`verifiers.py`, `openenv.py`, `nemo_gym.py`).
+    """One ecosystem's way of running its environments (`verifiers.py`, `openenv.py`).
 
     `tasks(split)` is the foreign dataset's split as rlf Tasks (unique ids); `start` brings up what the
     environment serves (servers, its interception endpoint), `episode` runs one of its rollouts against the
