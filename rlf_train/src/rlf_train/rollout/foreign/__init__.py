@@ -182,6 +182,14 @@ class ForeignEnv(ToolEnv):
         self.split = split
         super().__init__(tasks=self.backend.tasks(split), **kwargs)
 
+    def reset(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{FOREIGN_ENV_ID} is not stepped: its episodes are the foreign environment's own "
+                           f"({self.environment}), run by the trainer's rollout source for rollout.environment "
+                           "(rlf_train.rollout.foreign.source); `python -m rlf_train.eval` does not run them yet")
+
+    async def areset(self, *args: Any, **kwargs: Any) -> Any:
+        return self.reset()
+
 
 register_env(FOREIGN_ENV_ID, "rlf_train.rollout.foreign:ForeignEnv")
 

@@ -106,6 +106,7 @@ class OpenEnvBackend(Backend):
             raise ConfigError(f"env.kwargs.options.reward {o['reward']!r}: last or sum")
         self.url: str | None = target.rstrip("/") if target.startswith(("http://", "https://")) else None
         self.app, self.cwd = (None, None) if self.url else self._app_of(target)
+        self.spawned = False  # rlf started the server (and stops it; a later start starts a new one)
         self.proc: subprocess.Popen[bytes] | None = None
         self.log: Any = None
         self.mode: str | None = o.get("mode")
@@ -149,7 +150,8 @@ class OpenEnvBackend(Backend):
 
         self.sem = asyncio.Semaphore(int(self.options.get("max_sessions", 64)))
         self.http = openai.DefaultAsyncHttpxClient(timeout=float(self.options.get("step_timeout_s", 120)))
-        if self.url is None:
+        if self.url is None or self.spawned:
+            self.spawned = True
             await asyncio.to_thread(self._spawn)
         await self._probe()
 
