@@ -45,7 +45,7 @@ import rlf_envs.envs.code as code_module
 from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.code import CodeEnv, code_tasks
 from rlf_envs.sandbox import SandboxPool, SandboxResult, default_pool
-from rlf_envs.tools.interpreter import WORKDIR_ARG, PythonInterpreter
+from rlf_envs.tools.interpreter import PythonInterpreter
 from rlf_envs.types import Task, ToolStatus
 
 
@@ -62,8 +62,8 @@ class PlainInterpreter(PythonInterpreter):
     """The python tool without a sandbox: `python -I main.py` (fork+exec) in the episode's work dir, output read
     whole. For this benchmark only: it has none of the sandbox's guards."""
 
-    async def call(self, arguments: dict[str, Any]) -> str:
-        workdir = arguments[WORKDIR_ARG]
+    async def call(self, arguments: dict[str, Any], context: Any = None) -> str:
+        workdir = context  # the episode's SandboxDir, bound by Code-v0
         workdir.write("main.py", arguments["code"])
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "main.py", cwd=workdir.path, stdin=asyncio.subprocess.DEVNULL,
@@ -79,8 +79,8 @@ class BareForkInterpreter(PythonInterpreter):
         super().__init__(*args, **kwargs)
         self.server = server
 
-    async def call(self, arguments: dict[str, Any]) -> str:
-        workdir = arguments[WORKDIR_ARG]
+    async def call(self, arguments: dict[str, Any], context: Any = None) -> str:
+        workdir = context  # the episode's SandboxDir, bound by Code-v0
         out, status = await self.server.run(str(workdir.path), arguments["code"])
         return self.render(SandboxResult(stdout=out, stderr="", exit_code=status))
 

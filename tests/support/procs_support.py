@@ -28,13 +28,12 @@ def session_pool_pids() -> set[int]:
     local = sys.modules.get("rlf_envs.sandbox.sessions.local")
     out: set[int] = set()
     for backend in list(getattr(local, "_OPEN", ())):
-        for agents in list(backend._pool.values()):
-            for agent in list(agents):
-                try:
-                    proc = psutil.Process(agent.proc.pid)
-                    out |= {proc.pid, *(c.pid for c in proc.children(recursive=True))}
-                except psutil.NoSuchProcess:
-                    continue
+        for agent in backend.pool.all_idle():
+            try:
+                proc = psutil.Process(agent.proc.pid)
+                out |= {proc.pid, *(c.pid for c in proc.children(recursive=True))}
+            except psutil.NoSuchProcess:
+                continue
     return out
 
 

@@ -15,11 +15,14 @@ JSONValue = Any  # a JSON-serialisable value (dict / list / str / int / float / 
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """One call the policy asked for: a tool name and its JSON arguments."""
+    """One call the policy asked for: a tool name and its JSON arguments. `context`: what the env binds to the call
+    for its tool (the episode's database, work dir or workspace: `ToolEnv.bind_calls`); never set from the policy's
+    text, never recorded, and passed only to tools that take it (`Tool.takes_context`)."""
 
     name: str
     arguments: dict[str, JSONValue] = field(default_factory=dict)
     id: str = ""
+    context: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,7 +161,11 @@ def _other(key: str, value: Any) -> Any:
                "rollout.mode": "async", "rollout.async_worker": "thread", "rollout.engine": "vllm",
                "rollout.async_schedule": "fixed",
                "model.tiny.tokenizer_vocab_size": 1000,  # below the shipped one: a tokenizer is trained
-               "model.lora": {"rank": 8}}  # refused by name (flags.LORA_REFUSAL); see test_lora_keys_*
+               "model.lora": {"rank": 8},  # refused by name (flags.LORA_REFUSAL); see test_lora_keys_*
+               # PPO's critic keys with grpo: refused by name (tests/train/test_ppo.py maps them for ppo)
+               "algorithm.critic": "separate", "algorithm.critic_lr": 1e-5, "algorithm.gamma": 0.99,
+               "algorithm.lam": 0.9, "algorithm.vf_coef": 1.0, "algorithm.value_clip": 0.3,
+               "algorithm.segment_weight": "segment"}
     if key in special:
         return special[key]
     if value is None:
@@ -235,8 +239,8 @@ def test_refusals_are_one_clear_error(bm25_index_dir: Path, tmp_path: Path) -> N
     msg = str(e.value)
     assert "sft.enabled: backend openrlhf has no SFT stage" in msg and "threads:" in msg
     assert "algorithm.loss_agg" in msg
-    with pytest.raises(ValueError, match="ppo"):
-        search_config(bm25_index_dir, tmp_path / "r", backend="local", **{"algorithm.name": "ppo"})
+    with pytest.raises(ValueError, match="algorithm.gamma: PPO's critic settings apply to algorithm.name: ppo only"):
+        search_config(bm25_index_dir, tmp_path / "r", **{"algorithm.gamma": 0.9})
     ppo = search_config(bm25_index_dir, tmp_path / "ppo", **{"algorithm.name": "ppo"})
     args = parse_flags(prepare(ppo).plan.flags)
     assert args.algo.advantage.estimator == "gae" and args.critic.model_name_or_path == args.actor.model_name_or_path

@@ -173,9 +173,30 @@ class ToolEnv(gym.Env[Any, Any]):
         mcp_servers: an `mcpServers` config (dict or YAML/JSON path) whose tools are added.
         caller: tool-caller limits (CallerConfig or dict: timeout_s, max_retries, max_concurrency, ...).
         toolbox: a ready Toolbox (instead of tools/mcp_servers/caller).
+
+    Hooks a subclass overrides (rlf/SQL-v0, Code-v0 and SWE-v0 are examples):
+        parse_action(text): the policy's text as an Action (default: the format's parser; an exception is an
+            invalid turn).
+        bind_calls(step): the calls to run for this turn: the policy's, with per-episode state the env owns bound
+            as each call's `context` (`ToolCall.context`; a tool with `takes_context` receives it), where the
+            policy's text cannot reach it.
+        end_episode(): release the episode's own resources; called once the episode is scored, at the next reset
+            and on close; idempotent.
     """
 
     metadata = {"render_modes": ["ansi"], "render_fps": 4}
+    #: the hooks' names before they were public: a subclass that still overrides one gets it called, with a warning
+    _OLD_HOOKS = {"_parse": "parse_action", "_tool_calls": "bind_calls", "_end_episode": "end_episode"}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old, new in ToolEnv._OLD_HOOKS.items():
+            if old in cls.__dict__ and new not in cls.__dict__:
+                import warnings
+
+                warnings.warn(f"{cls.__name__}.{old} overrides a ToolEnv hook that is now public: rename it "
+                              f"{new} (the old name works for one release)", DeprecationWarning, stacklevel=2)
+                setattr(cls, new, cls.__dict__[old])
 
     def __init__(
         self,
@@ -294,7 +315,7 @@ class ToolEnv(gym.Env[Any, Any]):
 
     def _prepare_episode(self, seed: int | None, options: dict[str, Any] | None) -> tuple[Task, str]:
         """Seed, pick the task and render its prompt (ToolVectorEnv encodes a batch of prompts at once)."""
-        self._end_episode()  # the previous episode's resources, finished or not
+        self.end_episode()  # the previous episode's resources, finished or not
         super().reset(seed=seed)
         task = self._pick_task(options)
         return task, self.format.render_prompt(task, self.toolbox.specs, self.system_prompt)
@@ -384,7 +405,7 @@ class ToolEnv(gym.Env[Any, Any]):
         if traj.token_ids is not None and traj.loss_mask is not None:
             del traj.token_ids[n_ids:], traj.loss_mask[n_ids:]
 
-    def _parse(self, text: str) -> Action:
+    def parse_action(self, text: str) -> Action:
         """The format's parse; any exception in it is an invalid turn, not a crash of the step."""
         try:
             return self.format.parse(text)
@@ -396,7 +417,7 @@ class ToolEnv(gym.Env[Any, Any]):
         """Parse the action and append it (ids with loss mask 1) to the trajectory as a new turn."""
         traj = self._traj
         assert traj is not None
-        parsed = self._parse(text) if problem is None else Action(ActionKind.INVALID, text, error=problem)
+        parsed = self.parse_action(text) if problem is None else Action(ActionKind.INVALID, text, error=problem)
         turn = Turn(action=parsed, stats=TurnStats(invalid=parsed.kind is ActionKind.INVALID))
         if ids is not None and traj.token_ids is not None and traj.loss_mask is not None:
             start = len(traj.token_ids)
@@ -413,7 +434,7 @@ class ToolEnv(gym.Env[Any, Any]):
         turn = step.turn
         t0 = time.perf_counter()
         try:
-            turn.results = await self.toolbox.call_batch(self._tool_calls(step))
+            turn.results = await self.toolbox.call_batch(self.bind_calls(step))
             for r, call in zip(turn.results, turn.action.calls, strict=True):
                 r.call = call  # the trajectory records the policy's calls, not what an env bound to them
             self._cap_results(turn.results)
@@ -431,7 +452,7 @@ class ToolEnv(gym.Env[Any, Any]):
             st.unknown_tools += r.status is ToolStatus.UNKNOWN_TOOL
             st.invalid_args += r.status is ToolStatus.INVALID_ARGS
 
-    def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:
+    def bind_calls(self, step: PendingStep) -> Sequence[ToolCall]:
         """The calls to run for this turn: the policy's. An env that binds per-episode state to its shared
         tools (e.g. rlf/SQL-v0's database) adds it here, where the policy cannot forge it."""
         return step.turn.action.calls
@@ -518,7 +539,7 @@ class ToolEnv(gym.Env[Any, Any]):
             for t, value in zip(traj.turns, score.per_turn, strict=False):
                 t.reward += value
         info.update(trajectory=traj, score=score, end_reason=traj.end.value)
-        self._end_episode()
+        self.end_episode()
         return obs, reward + score.value, terminated, truncated, info
 
     # -- misc ---------------------------------------------------------------------------------------
@@ -527,13 +548,13 @@ class ToolEnv(gym.Env[Any, Any]):
             return None
         return self._traj.text
 
-    def _end_episode(self) -> None:
+    def end_episode(self) -> None:
         """Hook: release the episode's own resources (e.g. rlf/Code-v0's work dir). Called once the episode is
         scored, at the next reset (also when the episode never finished) and on close; must be idempotent."""
 
     def close(self) -> None:
         """Envs share their toolbox (servers stay up for other envs); see `rlf_envs.close_all()`."""
         self._done = True
-        self._end_episode()
+        self.end_episode()
 
 

@@ -6,7 +6,7 @@ when the call returns; CPU-time, memory, process-count, file-size, output and wa
 environment with none of ours; no network where the OS allows a network namespace). Files persist between
 the calls of one episode: the env owns a fresh work dir per episode (created at the first call, with the
 task's data files in it), binds it to each call where no JSON argument can forge it, and removes it when the
-episode is scored, at the next reset (finished or not) and on close (`ToolEnv._end_episode`).
+episode is scored, at the next reset (finished or not) and on close (`ToolEnv.end_episode`).
 
 Reward (`CodeTaskVerifier`), by each task's `meta["check"]`: "numeric" (the answer's number equals the gold
 one: `rewards.rules.NumericMatch`), "exact" (`rewards.rules.ExactMatch`) or "tests" (the answer's code passes
@@ -31,7 +31,7 @@ from rlf_envs.rewards.code import CodeConfig, CodeVerifier
 from rlf_envs.rewards.rules import ExactMatch, NumericMatch
 from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxPool
 from rlf_envs.tasks import load_tasks
-from rlf_envs.tools.interpreter import WORKDIR_ARG, PythonInterpreter
+from rlf_envs.tools.interpreter import PythonInterpreter
 from rlf_envs.types import Score, Task, ToolCall, Trajectory
 
 SYSTEM_PROMPT = (
@@ -160,16 +160,15 @@ class CodeEnv(ToolEnv):
                 d.write(name, str(text))
         return self._workdir
 
-    def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:
+    def bind_calls(self, step: PendingStep) -> Sequence[ToolCall]:
         """The policy's calls, python bound to this episode's work dir (whatever arguments it sent)."""
         calls = step.turn.action.calls
         if not any(c.name == self._python.name for c in calls):
             return calls
         d = self._episode_dir()
-        return [replace(c, arguments={**c.arguments, WORKDIR_ARG: d}) if c.name == self._python.name else c
-                for c in calls]
+        return [replace(c, context=d) if c.name == self._python.name else c for c in calls]
 
-    def _end_episode(self) -> None:
+    def end_episode(self) -> None:
         if self._remove_workdir is not None:
             self._remove_workdir()  # runs d.remove() once
         self._workdir = self._remove_workdir = None

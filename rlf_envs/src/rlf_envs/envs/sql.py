@@ -44,7 +44,6 @@ SYSTEM_PROMPT = (
     "You answer questions about a SQLite database by writing one SQL query. Explore the database with the "
     "tools, then give your final query inside <answer></answer>."
 )
-DB_ARG = "__database__"  # the argument the env binds; its value is a `Database`, which JSON cannot produce
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +103,12 @@ on_forget(_OUTPUTS.clear)
 
 
 class SqlTool(Tool):
-    """Base of the three SQL tools: takes the bound database, runs blocking SQLite work in a thread."""
+    """Base of the three SQL tools: takes the database its env bound to the call (`context`), runs blocking SQLite
+    work in a thread."""
 
     idempotent = True
     validates_arguments = True
+    takes_context = True
     #: worker threads of this tool in SQLite at once, process-wide (the caller does not gate the calls: one that
     #: runs on the loop's thread or is remembered takes no thread; one that needs a thread waits for a slot here)
     max_threads = 8
@@ -117,14 +118,14 @@ class SqlTool(Tool):
         self.timeout_s = limits.timeout_s + 2.0  # the caller's deadline: after SQLite's own has fired
         self._threads = Limiter(self.max_threads)
 
-    def _database(self, arguments: dict[str, Any]) -> Database:
-        db = arguments.get(DB_ARG)
+    def _database(self, context: Any) -> Database:
+        db = context
         if not isinstance(db, Database):
             raise ToolError(f"{self.spec.name} runs only inside rlf/SQL-v0 (no database bound to this episode)")
         return db
 
     def _check_args(self, arguments: dict[str, Any], allowed: Iterable[str]) -> None:
-        extra = sorted(set(arguments) - {DB_ARG, *allowed})
+        extra = sorted(set(arguments) - set(allowed))
         if extra:
             raise InvalidArguments(f"unknown argument(s) for {self.spec.name}: {', '.join(extra)}")
 
@@ -139,8 +140,8 @@ class SqlTool(Tool):
                                "ORDER BY name", max_rows=1000)
         return [str(r[0]) for r in rows]
 
-    async def call(self, arguments: dict[str, Any]) -> str:
-        db = self._database(arguments)
+    async def call(self, arguments: dict[str, Any], context: Any = None) -> str:
+        db = self._database(context)
         memo = self._memo(arguments) if self.limits.cache_results else None
         try:
             key = database_key(db.path)  # every call: a replaced or modified file is seen at once
@@ -181,7 +182,7 @@ class ListTables(SqlTool):
                              {"type": "object", "properties": {}})
 
     def _memo(self, arguments: dict[str, Any]) -> tuple[str, ...] | None:
-        return () if len(arguments) == 1 else None  # the bound database alone; reads sqlite_master
+        return () if not arguments else None  # no arguments; reads sqlite_master
 
     def _run(self, db: Database, arguments: dict[str, Any]) -> str:
         self._check_args(arguments, ())
@@ -200,7 +201,7 @@ class DescribeTable(SqlTool):
 
     def _memo(self, arguments: dict[str, Any]) -> tuple[str, ...] | None:
         table = arguments.get("table")  # sqlite_master and the table's first rows: deterministic
-        return (table,) if len(arguments) == 2 and isinstance(table, str) else None
+        return (table,) if len(arguments) == 1 and isinstance(table, str) else None
 
     def _run(self, db: Database, arguments: dict[str, Any]) -> str:
         self._check_args(arguments, ("table",))
@@ -230,7 +231,7 @@ class RunQuery(SqlTool):
 
     def _memo(self, arguments: dict[str, Any]) -> tuple[str, ...] | None:
         sql = arguments.get("sql")
-        if len(arguments) == 2 and isinstance(sql, str) and deterministic_read(sql.strip().rstrip(";")):
+        if len(arguments) == 1 and isinstance(sql, str) and deterministic_read(sql.strip().rstrip(";")):
             return (sql,)
         return None
 
@@ -398,12 +399,12 @@ class SqlEnv(ToolEnv):
         self._sql_tools = frozenset(t.name for t in tools)
         self._bound = Database("")
 
-    def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:
+    def bind_calls(self, step: PendingStep) -> Sequence[ToolCall]:
         """The policy's calls, SQL tools bound to this episode's database (whatever arguments it sent)."""
         path = str(self.trajectory.task.meta["db_path"])
         db = self._bound
         if db.path != path:  # one binding per database, not one per step
             db = self._bound = Database(path)
         sql = self._sql_tools  # ToolCall(...) directly: dataclasses.replace re-inspects the fields per call (~9 us)
-        return [ToolCall(c.name, {**c.arguments, DB_ARG: db}, c.id) if c.name in sql else c
+        return [ToolCall(c.name, c.arguments, c.id, context=db) if c.name in sql else c
                 for c in step.turn.action.calls]

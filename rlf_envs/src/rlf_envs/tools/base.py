@@ -26,7 +26,9 @@ class Tool(abc.ABC):
     """Anything the policy can call.
 
     `idempotent` tools may be retried by the caller after a timeout or crash; `timeout_s` overrides
-    the caller's default deadline; `max_concurrency` caps in-flight calls of this tool.
+    the caller's default deadline; `max_concurrency` caps in-flight calls of this tool. A tool with
+    `takes_context` is called as `call(arguments, context)`, `context` the per-episode state its env bound to the
+    call (`ToolCall.context`, e.g. rlf/SQL-v0's database), which the policy cannot name or forge.
     """
 
     spec: ToolSpec
@@ -35,6 +37,7 @@ class Tool(abc.ABC):
     validates_arguments: bool = False
     timeout_s: float | None = None
     max_concurrency: int | None = None
+    takes_context: bool = False
 
     _gate: Limiter | None = None
 

@@ -159,9 +159,9 @@ class ToolCaller:
         sem = tool.concurrency_gate()
         async with self._deadlines.deadline(deadline), self._global:
             if sem is None:
-                return await tool.call(call.arguments)
+                return await invoke(tool, call)
             async with sem:
-                return await tool.call(call.arguments)
+                return await invoke(tool, call)
 
     async def call(self, call: ToolCall) -> ToolResult:
         """Run one call; always returns a ToolResult (never raises for the tool's faults)."""
@@ -225,3 +225,10 @@ class ToolCaller:
         if len(calls) == 1:
             return [await self.call(calls[0])]
         return list(await asyncio.gather(*(self.call(c) for c in calls)))
+
+
+async def invoke(tool: Tool, call: ToolCall) -> str:
+    """The tool's call; a tool that takes the env's per-episode context gets the one bound to this call."""
+    if tool.takes_context:
+        return await tool.call(call.arguments, call.context)  # type: ignore[call-arg]
+    return await tool.call(call.arguments)

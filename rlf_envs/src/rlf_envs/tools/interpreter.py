@@ -4,7 +4,7 @@ Files persist between calls of one episode (a fresh work dir per episode, remove
 or the tool is closed); processes do not (each call's whole process tree is killed when it returns).
 The work dir is per-episode state, so give each env its own instance (see docs/guides/own-tools.md,
 "Per-episode state"), or
-let the env own it: an env that binds a `SandboxDir` under `WORKDIR_ARG` to each call (as rlf/Code-v0 does)
+let the env own it: an env that binds a `SandboxDir` as each call's context (`ToolCall.context`, as rlf/Code-v0 does)
 shares one instance across all its copies, and the tool then runs in that dir and keeps none of its own.
 """
 
@@ -18,13 +18,12 @@ from rlf_envs.sandbox import SandboxDir, SandboxLimits, SandboxPool, SandboxResu
 from rlf_envs.sandbox.runner import GRACE_S
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
 
-WORKDIR_ARG = "__workdir__"  # an env binds the episode's SandboxDir here; JSON cannot produce one
-
 
 class PythonInterpreter(Tool):
     """`python(code, stdin="")` -> the program's stdout, stderr and exit status, as text for the policy."""
 
-    validates_arguments = True  # checked in `call` (the schema cannot describe the env-bound work dir)
+    validates_arguments = True  # checked in `call`
+    takes_context = True  # an env may bind the episode's SandboxDir to each call
 
     def __init__(
         self,
@@ -93,12 +92,12 @@ class PythonInterpreter(Tool):
     async def aclose(self) -> None:
         self.end_episode()
 
-    async def call(self, arguments: dict[str, Any]) -> str:
+    async def call(self, arguments: dict[str, Any], context: Any = None) -> str:
         code, stdin = arguments.get("code"), arguments.get("stdin", "")
-        bound = arguments.get(WORKDIR_ARG)
-        extra = sorted(set(arguments) - {"code", "stdin", WORKDIR_ARG})
-        if extra or (WORKDIR_ARG in arguments and not isinstance(bound, SandboxDir)):
-            raise InvalidArguments(f"{self.name}: unknown argument(s) {', '.join(extra or [WORKDIR_ARG])}; "
+        bound = context if isinstance(context, SandboxDir) else None
+        extra = sorted(set(arguments) - {"code", "stdin"})
+        if extra:
+            raise InvalidArguments(f"{self.name}: unknown argument(s) {', '.join(extra)}; "
                                    "it takes `code` and optionally `stdin`")
         if not isinstance(code, str) or not isinstance(stdin, str):
             raise InvalidArguments(f"{self.name}: `code` (and `stdin` if given) must be strings")

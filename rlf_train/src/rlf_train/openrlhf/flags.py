@@ -63,6 +63,11 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "rollout.async_schedule": ("free", "the local async worker's schedule; OpenRLHF schedules its own rollouts "
                                        "(remove the key)"),
     "algorithm.is_cap": (2.0, "the local backend's async correction; OpenRLHF applies its own (remove the key)"),
+    "algorithm.segment_weight": ("episode", "OpenRLHF's executor returns one sample per episode (no segments to "
+                                            "weigh); remove the key"),
+    "logging.replay_every": (0, "replay bundles (rlf_train.replay) are written by the local backend; remove the key "
+                                "(OpenRLHF saves its own checkpoints: logging.save_every)"),
+    "logging.replay_weights": (False, "replay bundles are written by the local backend; remove the key"),
 }
 
 #: Whether OpenRLHF gets a LoRA policy's weights into its vLLM engines. 0.11.2 does not: `broadcast_to_vllm`

@@ -24,7 +24,6 @@ from rlf_envs import runtime
 from rlf_envs.env import ToolVectorEnv
 from rlf_envs.envs.code import DEFAULT_LIMITS, CodeEnv, code_tasks, python_tool
 from rlf_envs.sandbox import SandboxLimits
-from rlf_envs.tools.interpreter import WORKDIR_ARG
 from rlf_envs.types import Task, ToolStatus
 
 FAST = SandboxLimits(timeout_s=3.0, cpu_s=3, memory_mb=256, max_output_bytes=4096, max_processes=16)
@@ -140,20 +139,25 @@ def test_an_env_dropped_without_close_leaves_no_dir() -> None:
     assert not root.exists()
 
 
+FORGED = "__workdir__"  # the argument name the binding once had: a policy may still send it
+
+
 def test_the_policy_cannot_choose_its_work_dir(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.mkdir()
     env = CodeEnv(split="test", limits=FAST)
     env.reset(seed=0, options={"task_index": 0})
-    obs, *_ = env.step(call("import os\nprint(os.getcwd())", **{WORKDIR_ARG: str(victim)}))
-    assert str(victim) not in response(obs) and response(obs).startswith("[stdout]\n/")
+    obs, *_ = env.step(call("import os\nprint(os.getcwd())", **{FORGED: str(victim)}))
     [res] = env.trajectory.turns[-1].results
-    assert WORKDIR_ARG in res.call.arguments and res.call.arguments[WORKDIR_ARG] == str(victim)  # as sent
+    assert res.status is ToolStatus.INVALID_ARGS and f"unknown argument(s) {FORGED}" in res.content
+    assert res.call.arguments[FORGED] == str(victim) and res.call.context is None  # recorded as sent, unbound
+    obs, *_ = env.step(call("import os\nprint(os.getcwd())"))  # the episode's own dir, not the victim
+    assert str(victim) not in response(obs) and response(obs).startswith("[stdout]\n/")
     env.close()
     # outside rlf/Code-v0 a forged work dir is an argument error, not a path
     tools_env = gym.make("rlf/Tools-v0", tools=[python_tool(FAST)], tasks=[Task("t", "q", "1")]).unwrapped
     tools_env.reset(seed=0)
-    tools_env.step(call("print(1)", **{WORKDIR_ARG: str(victim)}))
+    tools_env.step(call("print(1)", **{FORGED: str(victim)}))
     [res] = tools_env.trajectory.turns[-1].results
     assert res.status is ToolStatus.INVALID_ARGS and "unknown argument" in res.content
 

@@ -19,8 +19,10 @@ from tokenizer_support import train_bpe
 
 import rlf_envs  # noqa: F401 - registers the ids
 from rlf_envs.env import ToolVectorEnv
-from rlf_envs.envs.sql import DB_ARG, SqlEnv, load_spider, sql_tasks, sql_tools
+from rlf_envs.envs.sql import SqlEnv, load_spider, sql_tasks, sql_tools
 from rlf_envs.types import Task, ToolStatus
+
+FORGED = "__database__"  # the argument name the binding once had: a policy may still send it
 
 
 def make_tokenizer() -> tokenizers.Tokenizer:
@@ -146,7 +148,7 @@ def test_trajectory_records_the_policys_calls_not_the_binding() -> None:
     env.reset(seed=0, options={"task_index": 0})
     env.step(call("list_tables"))
     [result] = env.trajectory.turns[0].results
-    assert result.ok and result.call.arguments == {} and DB_ARG not in json.dumps(result.call.arguments)
+    assert result.ok and result.call.arguments == {} and result.call.context is None  # the binding is not kept
 
 
 HOSTILE = [
@@ -190,20 +192,23 @@ def test_hostile_queries_are_errors_and_change_nothing() -> None:
 
 
 def test_tools_refuse_unbound_or_forged_databases(tmp_path: Path) -> None:
-    """Outside rlf/SQL-v0 (a plain Tools-v0 given the tools) the policy cannot pick a database by path,
-    and inside it a forged binding is overwritten by the episode's own."""
+    """Outside rlf/SQL-v0 (a plain Tools-v0 given the tools) the policy cannot pick a database by path, and inside
+    it an argument naming one is refused (the episode's database is the call's context, not an argument)."""
     secret = tmp_path / "secret.sqlite"
     conn = sqlite3.connect(secret)
     conn.executescript("CREATE TABLE secret (v TEXT); INSERT INTO secret VALUES ('hunter2');")
     conn.close()
     env = gym.make("rlf/Tools-v0", tools=list(sql_tools()), tasks=[Task("t", "q", "SELECT 1")]).unwrapped
     env.reset(seed=0)
-    env.step(call("run_query", sql="SELECT v FROM secret", **{DB_ARG: str(secret)}))
+    env.step(call("run_query", sql="SELECT v FROM secret", **{FORGED: str(secret)}))
     [res] = env.trajectory.turns[-1].results
     assert res.status is ToolStatus.ERROR and "only inside rlf/SQL-v0" in res.content
     sql_env = SqlEnv(split="test")
     sql_env.reset(seed=0, options={"task_index": 0})
-    sql_env.step(call("run_query", sql="SELECT v FROM secret", **{DB_ARG: str(secret)}))
+    sql_env.step(call("run_query", sql="SELECT v FROM secret", **{FORGED: str(secret)}))
+    [res] = sql_env.trajectory.turns[-1].results
+    assert "hunter2" not in res.content and f"unknown argument(s) for run_query: {FORGED}" in res.content
+    sql_env.step(call("run_query", sql="SELECT v FROM secret"))  # the episode's own database has no such table
     [res] = sql_env.trajectory.turns[-1].results
     assert "hunter2" not in res.content and "no such table" in res.content
 
@@ -297,15 +302,15 @@ def test_each_tool_call_sees_the_database_file_as_it_is_now(tmp_path: Path) -> N
     make(new, ["new", "newer"])
     describe = {t.name: t for t in sql_tools()}["describe_table"]
     run = {t.name: t for t in sql_tools()}["run_query"]
-    bound = {DB_ARG: Database(str(db))}
-    assert "old" in asyncio.run(describe.call({"table": "t", **bound}))
-    assert asyncio.run(run.call({"sql": "SELECT count(*) FROM t", **bound})) == "1"
+    bound = Database(str(db))
+    assert "old" in asyncio.run(describe.call({"table": "t"}, bound))
+    assert asyncio.run(run.call({"sql": "SELECT count(*) FROM t"}, bound)) == "1"
     os.replace(new, db)  # a new database put in place between two calls
-    assert asyncio.run(run.call({"sql": "SELECT count(*) FROM t", **bound})) == "2"
-    assert "newer" in asyncio.run(describe.call({"table": "t", **bound}))
+    assert asyncio.run(run.call({"sql": "SELECT count(*) FROM t"}, bound)) == "2"
+    assert "newer" in asyncio.run(describe.call({"table": "t"}, bound))
     db.unlink()
     with pytest.raises(ToolError, match="not found"):
-        asyncio.run(run.call({"sql": "SELECT count(*) FROM t", **bound}))
+        asyncio.run(run.call({"sql": "SELECT count(*) FROM t"}, bound))
 
 
 def test_remembered_tool_outputs_are_the_calls_own_and_follow_the_file(tmp_path: Path) -> None:
@@ -324,10 +329,10 @@ def test_remembered_tool_outputs_are_the_calls_own_and_follow_the_file(tmp_path:
     con.close()
     close_idle_connections()
     tools = {t.name: t for t in sql_tools()}
-    bound = {DB_ARG: Database(str(p))}
+    bound = Database(str(p))
 
     def run(name: str, **args: Any) -> str:
-        return asyncio.run(tools[name].call({**args, **bound}))
+        return asyncio.run(tools[name].call(args, bound))
 
     def remembered() -> int:
         return sum(k[1][0] == str(p) for k in _OUTPUTS._items)
@@ -346,7 +351,7 @@ def test_remembered_tool_outputs_are_the_calls_own_and_follow_the_file(tmp_path:
             run("describe_table", table="nope")
     assert remembered() == 3
     uncached = {t.name: t for t in sql_tools(QueryLimits(cache_results=False))}
-    assert asyncio.run(uncached["run_query"].call({"sql": "SELECT count(*) FROM t", **bound})) == "2"
+    assert asyncio.run(uncached["run_query"].call({"sql": "SELECT count(*) FROM t"}, bound)) == "2"
     assert remembered() == 3
     con = sqlite3.connect(p)  # the file changes: the next calls answer for it
     con.execute("INSERT INTO t VALUES ('z')")

@@ -49,10 +49,10 @@ from rlf_envs.sandbox.sessions import (
 )
 from rlf_envs.tasks.harbor import HarborError
 from rlf_envs.tools.base import InvalidArguments, Tool, ToolError, ToolSpec
+from rlf_envs.tools.caller import invoke
 from rlf_envs.types import Action, ActionKind, EndReason, Score, Task, ToolCall, Trajectory
 
 log = logging.getLogger(__name__)
-WS_ARG = "__workspace__"
 SUBMIT = "submit"
 SYSTEM_PROMPT = (
     "You are a software engineer fixing a bug in a Python repository. Use the tools to explore the code, run the "
@@ -214,9 +214,11 @@ def cut(text: str, limit: int) -> str:
 
 
 class SweTool(Tool):
-    """Base of the SWE tools: takes the bound workspace, checks arguments, maps session errors."""
+    """Base of the SWE tools: takes the workspace its env bound to the call (`context`), checks arguments, maps
+    session errors."""
 
     validates_arguments = True
+    takes_context = True
     allowed: tuple[str, ...] = ()
     required: tuple[str, ...] = ()
 
@@ -224,11 +226,11 @@ class SweTool(Tool):
         self.limits = limits
         self.timeout_s = limits.exec_timeout_s + 60.0  # after the session's own deadline (and a cold start)
 
-    def _ws(self, arguments: dict[str, Any]) -> Workspace:
-        ws = arguments.get(WS_ARG)
+    def _ws(self, arguments: dict[str, Any], context: Any) -> Workspace:
+        ws = context
         if not isinstance(ws, Workspace):
             raise ToolError(f"{self.name} runs only inside rlf/SWE-v0 (no workspace bound to this episode)")
-        extra = sorted(set(arguments) - {WS_ARG, *self.allowed})
+        extra = sorted(set(arguments) - set(self.allowed))
         if extra:
             raise InvalidArguments(f"unknown argument(s) for {self.name}: {', '.join(extra)}; it takes "
                                    f"{', '.join(self.allowed) or 'no arguments'}")
@@ -237,8 +239,8 @@ class SweTool(Tool):
                 raise InvalidArguments(f"{self.name} needs a string argument {k!r}")
         return ws
 
-    async def call(self, arguments: dict[str, Any]) -> str:
-        ws = self._ws(arguments)
+    async def call(self, arguments: dict[str, Any], context: Any = None) -> str:
+        ws = self._ws(arguments, context)
         session = await ws.session()
         try:
             return await self._run(session, arguments)
@@ -523,9 +525,9 @@ class SweEnv(ToolEnv):
     def workspace(self) -> Workspace | None:
         return self._ws
 
-    def _parse(self, text: str) -> Action:
+    def parse_action(self, text: str) -> Action:
         """A turn that calls submit() ends the episode (its other calls are not run)."""
-        action = super()._parse(text)
+        action = super().parse_action(text)
         if action.kind is ActionKind.TOOL_CALLS and any(c.name == SUBMIT for c in action.calls):
             return Action(ActionKind.ANSWER, action.text, calls=action.calls, answer=SUBMIT)
         return action
@@ -541,12 +543,12 @@ class SweEnv(ToolEnv):
                 self._ws.infra_error = f"the task's environment could not be made: {str(e)[:500]}"
         return self._ws
 
-    def _tool_calls(self, step: PendingStep) -> Sequence[ToolCall]:
+    def bind_calls(self, step: PendingStep) -> Sequence[ToolCall]:
         calls = step.turn.action.calls
         if not any(c.name in self._names for c in calls):
             return calls
         ws = self._workspace()
-        return [ToolCall(c.name, {**c.arguments, WS_ARG: ws}, c.id) if c.name in self._names else c for c in calls]
+        return [ToolCall(c.name, c.arguments, c.id, context=ws) if c.name in self._names else c for c in calls]
 
     async def _patch(self) -> tuple[str, str | None, str | None]:
         """The workspace's diff ("" when no session was started), the infra error (the host's failure), and the
@@ -592,7 +594,7 @@ class SweEnv(ToolEnv):
             traj.infra_error = info["infra_error"] = infra or "the hidden-test session failed on the host"
         return obs, reward, terminated, truncated, info
 
-    def _end_episode(self) -> None:
+    def end_episode(self) -> None:
         ws, self._ws = self._ws, None
         if ws is not None and ws.started:
             try:
@@ -712,7 +714,7 @@ class SweSession:
         if not isinstance(arguments, dict):
             return "Error: arguments must be a JSON object"
         try:
-            return await asyncio.wait_for(tool.call({**arguments, WS_ARG: self.workspace}),
+            return await asyncio.wait_for(invoke(tool, ToolCall(name, arguments, context=self.workspace)),
                                           (tool.timeout_s or 60.0) + 5.0)
         except (ToolError, InvalidArguments) as e:
             return f"Error: {e}"

@@ -44,6 +44,10 @@ class WarmPool(Generic[K, W]):
         """The idle workers of `key`, oldest first (a copy)."""
         return list(self._idle.get(key, ()))
 
+    def all_idle(self) -> list[W]:
+        """Every idle worker, of every key (a copy)."""
+        return [w for ws in self._idle.values() for w in ws]
+
     def fill(self, key: K, make: Callable[[], Awaitable[W]]) -> None:
         """Top `key` up to `size` in the background with workers from `make` (one fill per key at a time)."""
         if self.size <= 0 or key in self._filling or self.closed:
