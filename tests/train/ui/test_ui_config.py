@@ -5,11 +5,13 @@ explain why a server did not start, and the server's guards (Host, same-origin w
 from __future__ import annotations
 
 import asyncio
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -178,16 +180,24 @@ def pool(tmp_path: Path) -> Any:
 
 def test_the_pool_checks_servers_live_and_says_why_one_did_not_start(pool: ToolPool, tmp_path: Path) -> None:
     exits = [sys.executable, "-c", "import sys; sys.stderr.write('boom: no API key\\n'); sys.exit(3)"]
-    views = runtime.run(pool.add_servers({
-        "time": TIME, "missing": {"command": "no-such-mcp-server-xyz"},
-        "exits": {"command": exits[0], "args": exits[1:]}, "refused": {"url": "http://127.0.0.1:9/mcp"},
-        "hostile": {"command": sys.executable, "args": [HOSTILE_SERVER]}}))
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)  # not MCP
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        views = runtime.run(pool.add_servers({
+            "time": TIME, "missing": {"command": "no-such-mcp-server-xyz"},
+            "exits": {"command": exits[0], "args": exits[1:]}, "refused": {"url": "http://127.0.0.1:9/mcp"},
+            "taken": {"url": f"http://127.0.0.1:{web.server_address[1]}/mcp", "startup_timeout_s": 10},
+            "hostile": {"command": sys.executable, "args": [HOSTILE_SERVER]}}))
+    finally:
+        web.shutdown()
+        web.server_close()
     by = {v.name: v for v in views}
     assert by["time"].status == "ok" and {t.name for t in by["time"].tools} == {"get_current_time", "convert_time"}
     assert "command 'no-such-mcp-server-xyz' not found" in by["missing"].error
     assert "exited (or closed its output) before it answered" in by["exits"].error
     assert "boom: no API key" in by["exits"].error  # its stderr, shown
     assert "nothing answers at http://127.0.0.1:9/mcp" in by["refused"].error
+    assert "/mcp answered, but not as an MCP server" in by["taken"].error  # its port holds another server
     bad = next(t for t in by["hostile"].tools if t.name == "bad_schema")
     assert bad.schema_error is not None and "strnig" in bad.schema_error
     ok = runtime.run(pool.try_tool("mcp:time", "convert_time", json.dumps(

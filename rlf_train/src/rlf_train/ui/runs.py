@@ -91,9 +91,15 @@ def _kill(p: Proc, sig: int) -> None:
             os.kill(p.pid, sig)
 
 
-def _parent_death_signal() -> None:  # in the child, before exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGINT)  # PR_SET_PDEATHSIG
+try:  # looked up here, not in the forked child (which must not load anything before exec)
+    _prctl: Any = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError):
+    _prctl = None
+
+
+def _parent_death_signal() -> None:  # in the child, before exec: SIGINT when the app dies
+    if _prctl is not None:
+        _prctl(1, int(signal.SIGINT))  # PR_SET_PDEATHSIG
 
 
 @dataclass
@@ -226,7 +232,7 @@ class Progress(pydantic.BaseModel):
     done: int = 0
     total: int = 0
     line: str = ""
-    rl_step: int = 0
+    rl_step: int = 0  # metrics.jsonl's last RL row
     rl_steps: int = 0
     sft_steps: int = 0
 
@@ -258,6 +264,15 @@ def _tail(path: Path, limit: int) -> str:
     if size > limit and "\n" in text:
         text = text.split("\n", 1)[1]
     return text
+
+
+def _last_rl_step(run_dir: Path) -> int:
+    """The step of metrics.jsonl's last RL row (from the file's end)."""
+    for line in reversed(_tail(run_dir / "metrics.jsonl", 32_000).splitlines()):
+        if '"stage": "rl"' in line:
+            with contextlib.suppress(ValueError, TypeError, AttributeError):
+                return int(json.loads(line).get("step", 0))
+    return 0
 
 
 def _last_error(log: str) -> str | None:
@@ -335,7 +350,7 @@ class RunManager:
             popen = subprocess.Popen(
                 argv, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                preexec_fn=_parent_death_signal if sys.platform.startswith("linux") else None)
+                preexec_fn=_parent_death_signal if _prctl is not None else None)
         finally:
             log.close()
         self.procs[name] = RunProcess(popen=popen, argv=argv, started=time.time(), resumed=resumed)
@@ -444,7 +459,7 @@ class RunManager:
                        resumable=state not in ("running", "stopping") and (run_dir / "config.yaml").is_file())
 
     def _progress(self, run_dir: Path, log: str) -> Progress:
-        out = Progress()
+        out = Progress(rl_step=_last_rl_step(run_dir))
         for line in reversed(log.splitlines()[-400:]):
             m = PROGRESS.match(line)
             if m:
@@ -468,8 +483,5 @@ class RunManager:
             raise RunError(f"no run {name!r} in {self.runs_dir}")
         chunk, ino = read_metrics(run_dir, offset, inode)
         v = self.view(name)
-        rl = [r for r in chunk.rows if r["stage"] == "rl" and "step" in r]
-        if rl:
-            v.progress.rl_step = int(rl[-1]["step"])
         return {"run": v.model_dump(), "metrics": chunk.model_dump(), "inode": ino,
                 "tool_stats": self._stats.stats(run_dir).model_dump(), "log": _tail(run_dir / LOG_FILE, 12_000)}

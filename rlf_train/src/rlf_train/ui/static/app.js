@@ -7,7 +7,8 @@ const PAGE = (window.crypto && crypto.randomUUID) ? crypto.randomUUID()
 const $ = (id) => document.getElementById(id);
 const state = {
   info: null, sources: [], runs: [], selected: null, base: null,
-  metrics: {offset: 0, inode: null, rows: [], run: null}, tasksText: "", previewSeq: 0, lastSpec: "",
+  metrics: {offset: 0, inode: null, rows: [], run: null}, tasksText: "", previewSeq: 0,
+  trials: new Map(),  // "source key|tool" -> {open, args, status, text}: kept when the pool is drawn again
 };
 
 class ApiError extends Error {}
@@ -120,27 +121,37 @@ function sourceCard(s) {
 }
 
 function toolRow(key, t) {
+  const id = `${key}|${t.name}`;
+  const saved = state.trials.get(id) || {open: false, args: skeleton(t.parameters), status: null, text: ""};
+  state.trials.set(id, saved);
   const row = el("div", {class: "tool", "data-tool": t.name});
   const args = el("textarea", {rows: 3, spellcheck: "false", class: "trial-args"});
-  args.value = skeleton(t.parameters);
-  const out = el("pre", {class: "trial-result", hidden: true});
+  args.value = saved.args;
+  args.addEventListener("input", () => { saved.args = args.value; });
+  const out = el("pre", {class: "trial-result", hidden: !saved.status});
+  const show = () => {
+    out.hidden = !saved.status;
+    out.className = `trial-result ${saved.status === "ok" ? "ok" : "error"}`;
+    if (saved.status) out.dataset.status = saved.status; else delete out.dataset.status;
+    out.textContent = saved.text;
+  };
+  show();
   const run = el("button", {class: "small primary", text: "Call"});
   run.addEventListener("click", () => busy(run, async () => {
-    out.hidden = false;
+    saved.args = args.value;
     try {
       const r = await api("POST", "/api/pool/try", {key, tool: t.name, arguments: args.value});
-      out.className = `trial-result ${r.status === "ok" ? "ok" : "error"}`;
-      out.dataset.status = r.status;
-      out.textContent = `[${r.status}, ${(r.latency_s * 1000).toFixed(0)} ms${r.truncated ? ", truncated" : ""}]\n${r.content}`;
+      saved.status = r.status;
+      saved.text = `[${r.status}, ${(r.latency_s * 1000).toFixed(0)} ms${r.truncated ? ", truncated" : ""}]\n${r.content}`;
     } catch (e) {
-      out.className = "trial-result error";
-      out.dataset.status = "refused";
-      out.textContent = e.message;
+      saved.status = "refused";
+      saved.text = e.message;
     }
+    show();
   }));
-  const trial = el("div", {class: "trial", hidden: true}, args, run);
+  const trial = el("div", {class: "trial", hidden: !saved.open}, args, run);
   const tryBtn = el("button", {class: "small", text: "Try it"});
-  tryBtn.addEventListener("click", () => { trial.hidden = !trial.hidden; });
+  tryBtn.addEventListener("click", () => { saved.open = !saved.open; trial.hidden = !saved.open; });
   row.append(el("div", {class: "head"}, el("span", {class: "tname", text: t.name}),
     t.schema_error ? el("span", {class: "badge error", text: "bad schema"}) : null, el("span", {class: "grow"}), tryBtn));
   if (t.description) row.append(el("div", {class: "desc", text: t.description}));
@@ -367,10 +378,12 @@ async function refreshRuns() {
   if (!r.runs.length) body.append(el("tr", {}, el("td", {colspan: 4, class: "muted", text: "no runs yet: set one up in tab 2"})));
   for (const v of r.runs) {
     const p = v.progress;
-    const share = p.total ? p.done / p.total : 0;
+    const rl = p.rl_step > 0 || p.stage !== "SFT";
+    const share = rl ? (p.rl_steps ? p.rl_step / p.rl_steps : 0) : (p.total ? p.done / p.total : 0);
+    const where = rl ? `RL ${p.rl_step}/${p.rl_steps}` : `SFT ${p.done}/${p.total}`;
     const tr = el("tr", {"data-run": v.name, class: v.name === state.selected ? "selected" : ""},
       el("td", {text: v.name}), el("td", {}, el("span", {class: `badge ${v.state}`, text: v.state})),
-      el("td", {}, el("span", {class: "minibar"}, bar(share)), p.stage ? `${p.stage} ${p.done}/${p.total}` : ""),
+      el("td", {}, el("span", {class: "minibar"}, bar(share)), where),
       el("td", {class: "muted", text: v.checkpoint ? `checkpoint ${v.checkpoint}` : ""}));
     tr.addEventListener("click", () => { location.hash = `runs/${encodeURIComponent(v.name)}`; });
     body.append(tr);
@@ -428,7 +441,7 @@ function renderRun(d) {
     share = p.total ? p.done / p.total : 0;
     text = `SFT warm start ${p.done} of ${p.total}, then ${p.rl_steps} RL steps`;
   }
-  if (p.line) text += ` · ${p.line}`;
+  if (p.line && (p.stage !== "SFT" || !rl.length)) text += ` · ${p.line}`;
   $("run-bar").style.width = `${Math.round(Math.min(1, share) * 100)}%`;
   $("run-progress").textContent = text + (v.checkpoint ? ` · latest checkpoint: ${v.checkpoint}` : "");
   const last = rl[rl.length - 1] || {};
