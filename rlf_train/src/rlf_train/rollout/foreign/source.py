@@ -204,6 +204,7 @@ class ForeignSource(AgentSource):
             return
         self._start_host()
         assert self.host is not None
+        self.started.append(backend)  # (before it starts: close() ends whatever a failed start left running)
         try:
             self.host.submit(backend.start()).result(timeout=600)
         except RlfError:
@@ -211,7 +212,6 @@ class ForeignSource(AgentSource):
         except Exception as e:
             raise ForeignStartFailed(f"rollout.environment {self.spec!r}: the {backend.ecosystem} environment did "
                                      f"not start: {type(e).__name__}: {e}") from e
-        self.started.append(backend)
 
     async def _episode(self, task: Task, client: Any) -> AgentResult:
         """The agent function: the foreign rollout of this episode's task against the client's session."""
