@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -372,3 +373,59 @@ def test_the_apps_exit_stops_what_it_started(app: App) -> None:
     log = app.log()
     assert "stopping run(s) ['qs-exit']" in log and log.rstrip().endswith("rlf ui: stopped")
     assert "interrupted; checkpoints written so far are complete" in (app.runs_dir / "qs-exit" / "ui.log").read_text()
+
+
+def test_with_a_token_the_printed_link_opens_the_page_and_the_viewer(loop: asyncio.AbstractEventLoop,
+                                                                      browser: Browser, tmp_path: Path) -> None:
+    """A token-guarded app (as beyond loopback): the printed link works, its token moves into the cookie, the
+    page and its embedded (sandboxed) viewer load with it; without it nothing does."""
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("name: r1\n")
+    (run / "metrics.jsonl").write_text('{"stage": "rl", "step": 1, "reward_mean": 0.5, "success_rate": 0.25}\n')
+    out = tmp_path / "app.out"
+    with out.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "rlf_train.ui", "--port", "0", "--runs-dir", str(run.parent),
+                                 "--token", "t0ken-for-tests"], cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+
+    async def go() -> None:
+        deadline = time.time() + 120
+        while "serving http" not in out.read_text() and time.time() < deadline:
+            await asyncio.sleep(0.1)
+        link = out.read_text().split("serving ")[1].split()[0]
+        assert link.endswith("/?token=t0ken-for-tests")
+        bare = link.split("?")[0]
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bare + "api/pool", timeout=30)
+        assert refused.value.code == 401
+        page = await browser.new_page(link)
+        await page.wait("document.body.dataset.ready === '1'")
+        assert await page.eval("location.href") == bare  # the token left the address bar
+        await page.eval("location.hash = 'runs/r1'")
+        await page.wait("Number(document.querySelector('#chart-reward').dataset.n) === 2")
+        await page.eval("document.querySelector('#viewer-details').open = true")
+        frame = None
+        for _ in range(100):
+            targets = (await browser.send("Target.getTargets"))["targetInfos"]
+            frame = next((t["targetId"] for t in targets if t["type"] == "iframe" and "/runs/r1/viewer" in t["url"]),
+                         None)
+            if frame is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert frame is not None, "the viewer's frame did not load"
+        session = (await browser.send("Target.attachToTarget", {"targetId": frame, "flatten": True}))["sessionId"]
+        ready = "document.body && document.body.dataset.ready === '1' && document.title"
+        for _ in range(100):
+            title = (await browser.send("Runtime.evaluate", {"expression": ready, "returnByValue": True},
+                                        session))["result"].get("value")
+            if title:
+                break
+            await asyncio.sleep(0.1)
+        assert title == "rlf viewer: r1"
+        await page.close()
+
+    try:
+        loop.run_until_complete(go())
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0

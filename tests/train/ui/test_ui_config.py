@@ -293,3 +293,46 @@ def test_the_command_line_prints_a_token_beyond_loopback_and_refuses_a_port_in_u
         first.send_signal(signal.SIGINT)
         out, _ = first.communicate(timeout=60)
     assert first.returncode == 0 and "stopped" in out
+
+
+def test_the_page_ships_in_the_package_and_never_parses_text_as_html() -> None:
+    from rlf_train.ui.app import STATIC, STATIC_FILES
+
+    html = (STATIC / "index.html").read_text()
+    for name in STATIC_FILES:
+        assert f"/static/{name}" in html and (STATIC / name).is_file()
+    js = (STATIC / "app.js").read_text()
+    for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
+        assert sink not in js, sink  # everything from the server is set as text
+    assert "<script>" not in html and " on" not in html.split("<body", 1)[1].split(">", 1)[0]  # no inline script
+
+
+def test_runs_stop_only_when_the_last_page_is_gone_for_the_grace(tmp_path: Path) -> None:
+    async def go() -> None:
+        ui = UiApp(Settings(runs_dir=tmp_path, cwd=REPO, page_grace_s=0.5))
+        closed: list[float] = []
+
+        async def last_page_closed() -> None:
+            closed.append(time.monotonic())
+
+        ui.on_last_page_closed = last_page_closed  # type: ignore[method-assign]
+        await ui.start(None)  # type: ignore[arg-type]
+        try:
+            ui.seen("a")
+            ui.seen("b")
+            ui.pages.pop("a")  # one of two tabs closed
+            await asyncio.sleep(1.2)
+            assert not closed
+            ui.pages.pop("b")
+            await asyncio.sleep(0.3)
+            ui.seen("c")  # a reload: the page is back within the grace
+            await asyncio.sleep(1.2)
+            assert not closed
+            ui.pages.pop("c")
+            gone = time.monotonic()
+            await asyncio.sleep(3.0)
+            assert len(closed) == 1 and closed[0] - gone >= 0.5
+        finally:
+            await ui.close()
+
+    asyncio.run(go())

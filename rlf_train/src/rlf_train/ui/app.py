@@ -541,10 +541,8 @@ async def serve(settings: Settings) -> int:
         else:
             print(f"error: cannot serve on {where}: {e.strerror or e}", file=sys.stderr)
         return 2
-    server = site._server
-    sockets = getattr(server, "sockets", None) or []
-    if sockets:
-        ui.port = sockets[0].getsockname()[1]
+    if runner.addresses:
+        ui.port = int(runner.addresses[0][1])
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     url = f"http://{'127.0.0.1' if settings.host in ('0.0.0.0', '::') else host}:{ui.port}/"
     if settings.token is not None:
