@@ -6,7 +6,7 @@ function tools and `ToolCaller`; configs are composed with `rlf_train.config`'s 
 code and checked by `python -m rlf_train --dry-run`; a run is the same `python -m rlf_train --config
 RUN_DIR/config.yaml` process; trajectories are shown by `rlf_envs.view`.
 
-- `app`: the aiohttp app (auth, routes, the page's lifecycle) and the command line.
+- `app`: the aiohttp app (routes, the page's lifecycle) and the command line; `security`: who may use it.
 - `pool`: the tool pool (MCP servers, Python tools), its live checks and tool trials.
 - `spec`: what the page sends (`RunSpec`) and how it becomes a config (`compose`), the dry-run check.
 - `runs`: the run processes (start, stop, resume) and what a run dir says (progress, curves, tool stats).

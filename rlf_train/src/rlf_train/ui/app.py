@@ -5,7 +5,7 @@ has the token (printed at start, or `--token` / RLF_UI_TOKEN), checked on every 
 compare (a cookie set from the first `?token=` link, or the `X-RLF-Token` header). Whoever passes can run commands
 here (an MCP server is a command), so the checks come first on every request: the Host header must be the
 app's own on a loopback bind (DNS rebinding), and a request that changes anything must carry `X-RLF-UI: 1` and a
-same-origin Origin (no other site's page can make it).
+same-origin Origin (no other site's page can make it): `rlf_train.ui.security`.
 
 Lifetime: runs started here are stopped (SIGINT, then killed after a grace) and the pool's servers closed when the
 app exits, and also when its last page closes (the page says goodbye on `pagehide`; one not heard from for
@@ -18,8 +18,6 @@ import argparse
 import asyncio
 import contextlib
 import errno
-import hmac
-import ipaddress
 import json
 import os
 import secrets
@@ -37,11 +35,11 @@ from aiohttp import web
 from rlf_train.config import ConfigError, load_config
 from rlf_train.ui.pool import PoolError, ToolPool, check_name, parse_servers_text
 from rlf_train.ui.runs import RunError, RunManager
+from rlf_train.ui.security import error_response, is_loopback, make_guard
 from rlf_train.ui.spec import POOL_ENV, DryRuns, PoolSnapshot, RunSpec, compose, write_files
 
 STATIC = Path(__file__).parent / "static"
 STATIC_FILES = {"app.js": "text/javascript", "app.css": "text/css"}
-COOKIE = "rlf_ui_token"
 DEFAULT_PORT = 8766
 PAGE_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
             "frame-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
@@ -68,15 +66,6 @@ class Settings:
     @property
     def state_dir(self) -> Path:
         return self.runs_dir / ".rlf-ui"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class ServerEntry(pydantic.BaseModel):
@@ -125,6 +114,14 @@ class UiApp:
         self.stop_event = asyncio.Event()
         self._ticker: asyncio.Task[None] | None = None
         self._closed = False
+
+    @property
+    def host(self) -> str:
+        return self.s.host
+
+    @property
+    def token(self) -> str | None:
+        return self.s.token
 
     def say(self, msg: str) -> None:
         print(f"rlf ui: {msg}", flush=True)
@@ -184,64 +181,6 @@ class UiApp:
         return PoolSnapshot(servers=self.pool.servers_file(None)["mcpServers"], python=self.pool.python_specs())
 
 
-# ----------------------------------------------------------------------------------------------- security
-def _allowed_hosts(ui: UiApp) -> set[str]:
-    names = {ui.s.host, "127.0.0.1", "localhost", "[::1]"} if ui.s.loopback else set()
-    return {f"{n}:{ui.port}" for n in names} | ({n for n in names} if ui.port == 80 else set())
-
-
-def _token_ok(ui: UiApp, given: str | None) -> bool:
-    token = ui.s.token
-    if token is None:
-        return True
-    return given is not None and hmac.compare_digest(given.encode("utf-8"), token.encode("utf-8"))
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
-
-
-def _secure(headers: Any) -> None:
-    headers.setdefault("X-Content-Type-Options", "nosniff")
-    headers.setdefault("Referrer-Policy", "no-referrer")
-    headers.setdefault("Cache-Control", "no-store")
-
-
-def make_guard(ui: UiApp) -> Any:
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if ui.s.loopback and request.host not in _allowed_hosts(ui):
-            return web.Response(status=421, text="rlf ui: unexpected Host header (open the app at the address it "
-                                                 "printed)")
-        query_token = request.query.get("token")
-        if ui.s.token is not None:
-            given = request.headers.get("X-RLF-Token") or request.cookies.get(COOKIE)
-            if not _token_ok(ui, given):
-                if query_token is not None and _token_ok(ui, query_token) and request.method == "GET":
-                    # the printed link: keep the token in a cookie, drop it from the address bar
-                    resp = web.HTTPFound(request.rel_url.with_query(
-                        {k: v for k, v in request.query.items() if k != "token"}).human_repr())
-                    resp.set_cookie(COOKIE, ui.s.token, httponly=True, samesite="Strict", path="/")
-                    raise resp
-                return web.Response(status=401, text="rlf ui: this app needs its token: open the link it printed "
-                                                     "(…/?token=…), or send the X-RLF-Token header")
-        if request.method not in ("GET", "HEAD"):
-            origin = request.headers.get("Origin")
-            if request.headers.get("X-RLF-UI") != "1" or (
-                    origin is not None and origin not in (f"http://{request.host}", f"https://{request.host}")):
-                return _error(403, "requests that change anything must come from the app's own page")
-        ui.seen(request.headers.get("X-RLF-Page"))
-        try:
-            resp = await handler(request)
-        except web.HTTPException as e:
-            _secure(e.headers)
-            raise
-        _secure(resp.headers)
-        return resp
-
-    return guard
-
-
 # ----------------------------------------------------------------------------------------------- handlers
 async def _body(request: web.Request) -> dict[str, Any]:
     try:
@@ -273,11 +212,11 @@ def routes(ui: UiApp) -> web.RouteTableDef:
             except web.HTTPException:
                 raise
             except RunError as e:
-                return _error(409, str(e))
+                return error_response(409, str(e))
             except (PoolError, ConfigError, ValueError) as e:
-                return _error(400, str(e))
+                return error_response(400, str(e))
             except Exception as e:  # a bug: say what, keep serving
-                return _error(500, f"{type(e).__name__}: {e}")
+                return error_response(500, f"{type(e).__name__}: {e}")
             if isinstance(out, web.StreamResponse):
                 return out
             return web.json_response(out, dumps=lambda o: json.dumps(o, default=str))
@@ -415,7 +354,7 @@ def routes(ui: UiApp) -> web.RouteTableDef:
         try:
             return await asyncio.to_thread(ui.runs.details, name, offset, inode)
         except RunError as e:
-            return _error(404, str(e))
+            return error_response(404, str(e))
 
     @r.post("/api/runs/{name}/stop")
     @api
