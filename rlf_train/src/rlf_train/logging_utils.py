@@ -152,7 +152,7 @@ def plot_reward_curve(run_dir: Path, out: Path | None = None) -> Path:
         pts = [(r["step"], r[key]) for r in evals if key in r]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o--", color=color, label=label)
-    ax.set_xlabel("GRPO step (step 0 = after SFT warm start)")
+    ax.set_xlabel("RL step (step 0 = after the SFT warm start)")
     ax.set_ylabel("success rate")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
