@@ -61,8 +61,16 @@ def test_search_env_trains_with_its_mcp_tool_and_its_rubric(tmp_path: Path, monk
     right = lambda entity: len(entity) % 2 == 0  # noqa: E731
     engine = script_policy(tr, monkeypatch, search_oracle(right))
     seen = keep_updates(tr, monkeypatch)
+    kept, counted = tr.update, []
+
+    def update(*a: Any, **k: Any) -> Any:  # between batches, the interception keeps no episode's upstream client
+        counted.extend(len(s.clients) for e in tr.source.backends["train"].envs.values()
+                       for s in e._interception.servers)
+        return kept(*a, **k)
+
+    monkeypatch.setattr(tr, "update", update)
     tr.run()
-    assert len(seen) == 2
+    assert len(seen) == 2 and counted and set(counted) == {0}
     for s in seen:
         eps = s["episodes"]
         assert eps is not None and len(eps.rewards) == P * G and eps.episode_of_row == list(range(P * G))

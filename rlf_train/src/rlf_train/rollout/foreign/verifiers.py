@@ -144,8 +144,30 @@ class VerifiersBackend(Backend):
             # the session is named by the URL path; verifiers reads the key from an env var, unset here ("EMPTY")
             client=vf.EvalClientConfig(base_url=ep.base_url, api_key_var="RLF_ENDPOINT_NO_KEY"),
             sampling=vf.SamplingConfig(temperature=ep.temperature, top_p=ep.top_p, max_tokens=ep.max_tokens))
-        episode = await env.run_episode(task, ctx)
+        try:
+            episode = await env.run_episode(task, ctx)
+        finally:
+            await _release_client(env, ctx.client)
         return outcome(episode)
+
+
+async def _release_client(env: Any, client: Any) -> None:
+    """Close the interception server's upstream client for this episode's endpoint. verifiers keeps one per distinct
+    endpoint config for the server's life (a run has one endpoint); rlf's endpoint is a session URL per episode, so
+    without this every episode would leave an HTTP client and its connection pool behind (~1 MB each)."""
+    key = client.model_dump_json()
+    for server in getattr(getattr(env, "_interception", None), "servers", None) or []:
+        clients = getattr(server, "clients", None)
+        got = clients.pop(key, None) if isinstance(clients, dict) else None
+        if got is None:
+            continue
+        # ... and the server's exit callback that would close it at the end holds it alive till then: drop it
+        callbacks = getattr(getattr(server, "stack", None), "_exit_callbacks", None)
+        if callbacks is not None:
+            for entry in [e for e in callbacks if getattr(getattr(e[1], "__wrapped__", None), "__self__", None)
+                          is got]:
+                callbacks.remove(entry)
+        await got.close()
 
 
 def _errors(episode: Any) -> list[tuple[str, str]]:
