@@ -169,13 +169,18 @@ def test_the_pool_env_id_makes_a_tool_env_with_them(monkeypatch: pytest.MonkeyPa
 # ----------------------------------------------------------------------------------------------- pool checks
 @pytest.fixture()
 def pool(tmp_path: Path) -> Any:
+    before = {c.pid for c in leftover_children()}  # what earlier tests of the session keep up (shared MCP servers)
+
+    def ours() -> list[Any]:
+        return [c for c in leftover_children() if c.pid not in before]
+
     p = ToolPool(tmp_path / "pool.json", log_dir=tmp_path / "logs")
     yield p
     runtime.run(p.disconnect_all())
     deadline = time.time() + 10
-    while leftover_children() and time.time() < deadline:
+    while ours() and time.time() < deadline:
         time.sleep(0.05)
-    assert leftover_children() == [], "MCP server processes left behind"
+    assert ours() == [], "MCP server processes left behind"
 
 
 def test_the_pool_checks_servers_live_and_says_why_one_did_not_start(pool: ToolPool, tmp_path: Path) -> None:
