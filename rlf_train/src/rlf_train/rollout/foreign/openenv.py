@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rlf_envs.errors import RlfError
 from rlf_envs.types import Task
 from rlf_train.config import ConfigError
 from rlf_train.rollout.foreign import Backend, Episode, Outcome, require
@@ -47,7 +48,7 @@ EVAL_SEED0 = 1_000_000
 STEP_FIELDS = {"done", "reward", "metadata"}
 
 
-class ServerFailed(RuntimeError):
+class ServerFailed(RlfError, RuntimeError):
     """The OpenEnv server failed the episode (the host's failure)."""
 
 
