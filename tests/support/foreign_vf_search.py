@@ -133,7 +133,8 @@ class SearchHarness(vf.Harness[SearchHarnessConfig]):
             bare = {dispatch[t["function"]["name"]][1]: t["function"]["name"] for t in tools}
             for t in tools:
                 t["function"]["name"] = dispatch[t["function"]["name"]][1]
-            async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
+            # retries: a connection to the interception server can time out while it grows its pool under load
+            async with openai.AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=2, timeout=120.0) as client:
                 for _ in range(self.config.max_turns):
                     reply = await client.chat.completions.create(model=ctx.model, messages=messages, tools=tools,
                                                                  max_tokens=self.config.max_tokens)
