@@ -33,7 +33,7 @@ def _registers_by_hand() -> None:
 
 
 def _ep(name: str, attr: str) -> EntryPoint:
-    return EntryPoint(name=name, value=f"tests.test_env_packages:{attr}", group="rlf_envs.envs")
+    return EntryPoint(name=name, value=f"tests.adapters.test_env_packages:{attr}", group="rlf_envs.envs")
 
 
 def test_entry_points_register_ids_and_bad_packages_are_skipped_with_a_warning() -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlf_envs.env.tool_env import ToolEnv
+from rlf_envs.errors import RlfError
 from rlf_envs.registration import register_env
 from rlf_envs.types import Task
 from rlf_train.config import FOREIGN_ENV_ID, ConfigError
@@ -66,6 +67,11 @@ def require(ecosystem: str, module: str) -> Any:
         raise ConfigError(f"rollout.environment: the {ecosystem} ecosystem needs the `{module.split('.')[0]}` "
                           f"package, which is not importable here ({e}); install it: {ECOSYSTEMS[ecosystem][1]}"
                           ) from None
+
+
+class ForeignHostFailed(RlfError, RuntimeError):
+    """The foreign environment's host failed (its server died or did not start): the host's failure, not the
+    policy's, and at start a clear error (`ForeignStartFailed`)."""
 
 
 @dataclass

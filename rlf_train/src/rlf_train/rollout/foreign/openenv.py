@@ -39,16 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rlf_envs.errors import RlfError
 from rlf_envs.types import Task
 from rlf_train.config import ConfigError
-from rlf_train.rollout.foreign import Backend, Episode, Outcome, require
+from rlf_train.rollout.foreign import Backend, Episode, ForeignHostFailed, Outcome, require
 
 EVAL_SEED0 = 1_000_000
 STEP_FIELDS = {"done", "reward", "metadata"}
 
 
-class ServerFailed(RlfError, RuntimeError):
+class ServerFailed(ForeignHostFailed):
     """The OpenEnv server failed the episode (the host's failure)."""
 
 

@@ -34,7 +34,7 @@ from rlf_train.rollout.endpoint.engine import EngineFront
 from rlf_train.rollout.endpoint.sessions import EndpointLimits
 from rlf_train.rollout.env_factory import Stage
 from rlf_train.rollout.env_source import EnvSource
-from rlf_train.rollout.foreign import Backend, Episode, Outcome
+from rlf_train.rollout.foreign import Backend, Episode, ForeignHostFailed, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -207,6 +207,9 @@ class ForeignSource(AgentSource):
         self.started.append(backend)  # (before it starts: close() ends whatever a failed start left running)
         try:
             self.host.submit(backend.start()).result(timeout=600)
+        except ForeignHostFailed as e:
+            raise ForeignStartFailed(f"rollout.environment {self.spec!r}: the {backend.ecosystem} environment did "
+                                     f"not start: {e}") from e
         except RlfError:
             raise
         except Exception as e:
