@@ -49,7 +49,8 @@ def configs(model: str, openenv: bool) -> dict[str, list[str]]:
         print("(verifiers not installed: its row is skipped)", file=sys.stderr)
     if openenv:
         out["openenv"] = [*base, "rollout.environment=openenv:foreign_openenv_lookup:app",
-                          "rollout.max_new_tokens_per_turn=48"]
+                          "rollout.max_new_tokens_per_turn=48",
+                          "rollout.max_total_tokens=2048"]  # (its tools in the prompt)
     return out
 
 
