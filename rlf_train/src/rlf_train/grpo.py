@@ -169,6 +169,17 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     return lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
+def model_body(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """A causal LM's body (the transformer whose `last_hidden_state` the head reads) and its output head, through a
+    peft wrapper; None for a model without that split."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its adapted model
+    body = getattr(inner, getattr(inner, "base_model_prefix", "model"), None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if body is None or head is None or body is inner:
+        return None
+    return body, head
+
+
 def masked_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool = False,
                     temperature: float = 1.0, top_p: float = 1.0, hidden_out: list[torch.Tensor] | None = None,
@@ -179,15 +190,14 @@ def masked_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_m
     The vocabulary projection runs on the masked (policy) positions only: with short actions inside
     long prompts/observations this is most of the compute saved. `hidden_out`: the body's last hidden state
     [B, T, H] is appended to it (a PPO value head reads the same forward), when the model has a body."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its adapted model
-    body = getattr(inner, getattr(inner, "base_model_prefix", "model"), None)
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    split = model_body(model)
     sel = mask.bool()
-    if body is None or head is None or body is inner:
+    if split is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         lp = token_logprobs(logits, targets, temperature, top_p) * mask
         ent = entropy_from_logits(sampling_logits(logits, temperature, top_p)) * mask if with_entropy else None
         return lp, ent
+    body, head = split
     hidden = body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     if hidden_out is not None:
         hidden_out.append(hidden)

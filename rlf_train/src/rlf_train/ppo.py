@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from rlf_envs.types import Trajectory
-from rlf_train.grpo import LossAgg, aggregate
+from rlf_train.grpo import LossAgg, aggregate, model_body
 
 
 def policy_positions(traj: Trajectory, T: int) -> list[int]:
@@ -95,11 +95,10 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 def _body(model: torch.nn.Module) -> torch.nn.Module:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body = getattr(inner, getattr(inner, "base_model_prefix", "model"), None)
-    if body is None or body is inner:
-        raise ValueError(f"algorithm.name: ppo needs a causal LM with a body (found {type(inner).__name__})")
-    return body
+    split = model_body(model)
+    if split is None:
+        raise ValueError(f"algorithm.name: ppo needs a causal LM with a body and a head (found {type(model).__name__})")
+    return split[0]
 
 
 class Critic(torch.nn.Module):

@@ -467,22 +467,22 @@ class Trainer:
                 with lora.reference(self.ref_model) as ref:  # LoRA: the policy with its adapter off
                     ref_lp = all_logprobs(ref)
         behav_lp = self.behaviour_logprobs(trajs, T).to(self.device) if behaviour else None
+        recorded = has_behaviour(trajs)  # the rollout recorded what it sampled with
+        critic = self.critic if a.name == "ppo" else None
+        # [N, T] the policy positions, on the CPU, once, for whatever below needs it (not on GRPO's plain path)
+        pmask = pad_batch(trajs, self.pad_id, torch.device("cpu"))[3] \
+            if recorded or critic is not None or trace is not None else None
         agree: dict[str, float] = {}
-        if has_behaviour(trajs):  # the rollout recorded what it sampled with: how far the learner is from it
-            mask_all = torch.zeros((N, T))
-            for i, tr in enumerate(trajs):
-                m = (tr.loss_mask or [])[1:T + 1]
-                mask_all[i, :len(m)] = torch.tensor(m, dtype=torch.float32)
+        if recorded and pmask is not None:  # how far the learner is from what the rollout sampled with
             seen = behav_lp if behav_lp is not None else self.behaviour_logprobs(trajs, T)
             engine = "agent" if episodes is not None else r.engine
-            agree = agreement_stats(old_lp, seen, mask_all, staleness(trajs, T, step - 1), engine)
-        critic = self.critic if a.name == "ppo" else None
+            agree = agreement_stats(old_lp, seen, pmask, staleness(trajs, T, step - 1), engine)
         if episodes is None:
             returns, ep_returns = token_returns(trajs, T, a.per_turn_rewards)
             if critic is None:
                 adv = token_advantages(returns, ep_returns, r.samples_per_prompt, a.std_normalize, a.eps)
             else:  # PPO: GAE over the policy's tokens with the critic's values (rlf_train.ppo)
-                pmask = pad_batch(trajs, self.pad_id, torch.device("cpu"))[3]
+                assert pmask is not None
                 old_v = self._values(critic, trajs, N, T)
                 tok_r = token_rewards(trajs, T, a.per_turn_rewards)
                 adv_raw, v_target = gae(tok_r, old_v, pmask, a.gamma, a.lam)
@@ -497,8 +497,8 @@ class Trainer:
             trace.trajectories, trace.task_indices, trace.behaviour = list(trajs), list(task_indices), behaviour
             if episodes is not None:
                 trace.episode_of_row, trace.episode_rewards = list(episodes.episode_of_row), ep_returns.tolist()
-            staged = {"ep_returns": ep_returns, "adv": adv, "old_lp": old_lp, "mask": pad_batch(trajs, self.pad_id,
-                                                                                               self.device)[3]}
+            assert pmask is not None
+            staged = {"ep_returns": ep_returns, "adv": adv, "old_lp": old_lp, "mask": pmask}
             if episodes is None:
                 staged["returns"] = returns
             for name, value in (("ref_lp", ref_lp), ("behav_lp", behav_lp), ("row_weight", row_w)):
