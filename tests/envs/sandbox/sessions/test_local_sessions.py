@@ -350,6 +350,32 @@ def test_a_session_killed_from_outside_is_an_infra_error() -> None:
     run(go)
 
 
+def test_agents_are_forked_by_one_zygote_whose_death_is_an_infra_failure_and_is_recovered() -> None:
+    """Agents are forked by the backend's zygote (one interpreter for all of them, not one per session: no agent is a
+    child of the trainer, so nothing of ours reaps a process behind asyncio's child watcher, which then logged
+    "Unknown child process pid N"); a zygote killed from outside takes its sessions with it (the host's failure:
+    SessionInfraError), and the next create starts a new zygote."""
+    async def go(b: LocalBackend) -> None:
+        s1 = await b.create(SessionSpec(limits=FAST))
+        s2 = await b.create(SessionSpec(limits=FAST))
+        z = b._zygote.proc
+        assert z is not None and z.returncode is None
+        for s in (s1, s2):
+            p_pid = s._agent.proc.pid
+            with open(f"/proc/{p_pid}/stat") as f:
+                assert int(f.read().rsplit(")", 1)[1].split()[2]) == z.pid  # P's parent is Z
+        os.kill(z.pid, signal.SIGKILL)
+        for s in (s1, s2):
+            with pytest.raises(SessionInfraError):
+                await s.exec("true")
+            await s.aclose()
+        async with await b.create(SessionSpec(limits=FAST)) as s3:
+            assert (await s3.exec(["echo", "again"])).stdout == "again\n"
+            assert b._zygote.proc is not None and b._zygote.proc.pid != z.pid
+
+    run(go)
+
+
 def test_bad_specs_are_refused_with_a_reason(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="workdir"):
         SessionSpec(workdir="relative")

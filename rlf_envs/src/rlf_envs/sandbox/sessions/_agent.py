@@ -6,7 +6,9 @@ the one seccomp filter of the sandbox (`_seccomp`: every exec gets exactly a sta
 
 Process tree of one session::
 
-    trainer ──stdin/stdout frames──▶ P (host pid ns: unshares mount/pid/ipc/uts[/net], forks C, waits for it)
+    trainer ──requests──▶ Z (`--zygote`: one per backend, everything imported and the seccomp program built; forks
+                             a P per request, so an agent costs a fork, not an interpreter's start: ~50 ms of CPU)
+    trainer ──socket frames──▶ P (host pid ns: unshares mount/pid/ipc/uts[/net], forks C, waits for it)
                                       └─ C = pid 1 of the session's pid namespace: builds the root (tmpfs + read-only
                                          binds of the host's system dirs, or an overlay over an image root) and the
                                          session's one scratch tmpfs (disk_mb: the overlay's upper layer, the
@@ -26,10 +28,10 @@ CAP_SYS_RESOURCE), every exec starts at 1000 (the OOM killer's first choice, in 
 
 Frames: a 4-byte big-endian length + a JSON header, then, where the header says "blob": n, n raw bytes (a file's
 data, an exec's stdin or output, a patch: never base64 nor JSON-escaped), on the agent's stdin (requests) and stdout
-(replies). The first frame P writes is {"pid": <C's host pid>} so the owner label can name it before anything waits
-on C. Every process of the session dies with C (pid 1), C asks for SIGKILL when P dies and P when the trainer dies
-(PR_SET_PDEATHSIG); the owner reaper covers what that misses. All mounts live in the session's mount namespace only,
-so they go with it.
+(replies), over the one socket Z made for P. The first frame P writes is {"pid": <C's host pid>} so the owner label can
+name it before anything waits on C. Every process of the session dies with C (pid 1), C asks for SIGKILL when P dies,
+P when Z dies and Z when the trainer dies (PR_SET_PDEATHSIG); the owner reaper covers what that misses. All mounts
+live in the session's mount namespace only, so they go with it.
 """
 
 from __future__ import annotations
@@ -901,12 +903,11 @@ def session_main(parent_fd: int) -> None:
     serve(st)
 
 
-def main() -> None:
-    """P: in the host's pid namespace."""
+def agent_main(network: bool, parent: int) -> None:
+    """P: in the host's pid namespace (forked by Z, `parent`, with its socket on fds 0 and 1)."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() == 1:
+    if os.getppid() != parent:  # Z died before we asked to die with it
         os._exit(1)
-    network = "--network" in sys.argv
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (0 if network else CLONE_NEWNET)
     _check(_libc.unshare(flags), "unshare")
     # the session's processes are re-parented to us when C (their pid 1) dies: we reap them, so that the session's
@@ -942,5 +943,74 @@ def main() -> None:
     os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
 
 
+def _reap_agents(*_a: Any) -> None:
+    with contextlib.suppress(ChildProcessError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+
+
+def zygote() -> None:
+    """Z: the backend's agent forker. Requests are SEQPACKET messages on fd 0, `{"network": bool}`; each gets a P
+    (`agent_main`) and the reply `{"pid": P}` carries two descriptors: the backend's end of P's socket and a pidfd of
+    P (so the backend waits for and kills exactly that process, never a reused pid). EOF: exit (the backend closes
+    us only once its agents are gone; those left die with us). Z holds nothing but this socket: its environment is
+    empty and it never reads a session's data."""
+    import socket
+
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:
+        os._exit(1)
+    _set_name(b"rlf-zygote")
+    _seccomp_prog()  # built once: every session's C inherits it
+    signal.signal(signal.SIGCHLD, _reap_agents)
+    ctl = socket.socket(fileno=0)
+    me = os.getpid()
+    while True:
+        try:
+            msg = ctl.recv(4096)
+        except InterruptedError:  # pragma: no cover - PEP 475 retries
+            continue
+        if not msg:
+            os._exit(0)
+        try:
+            req = json.loads(msg)
+            network = bool(req.get("network"))
+        except (ValueError, AttributeError):
+            ctl.send(json.dumps({"error": "bad request"}).encode())
+            continue
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        # no reaping between the fork and the pidfd: the pidfd must name P, not a process that reused its pid
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+        try:
+            pid = os.fork()
+        except OSError as e:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+            ours.close()
+            theirs.close()
+            ctl.send(json.dumps({"error": f"fork: {e.strerror or e}"}).encode())
+            continue
+        if pid == 0:  # pragma: no cover - P
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_SETMASK, [])
+                os.dup2(theirs.fileno(), 0)
+                os.dup2(theirs.fileno(), 1)
+                os.closerange(3, 65536)  # Z's socket, our end's twin: P holds its own socket only
+                agent_main(network, me)
+            finally:
+                os._exit(1)
+        theirs.close()
+        pidfd = os.pidfd_open(pid)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+        try:
+            socket.send_fds(ctl, [json.dumps({"pid": pid}).encode()], [ours.fileno(), pidfd])
+        finally:
+            ours.close()
+            os.close(pidfd)
+
+
 if __name__ == "__main__":
-    main()
+    if "--zygote" in sys.argv:
+        zygote()
+    else:  # one agent on this process's own stdin/stdout (what Z forks, started by hand: debugging)
+        agent_main("--network" in sys.argv, os.getppid())

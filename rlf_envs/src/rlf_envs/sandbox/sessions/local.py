@@ -26,11 +26,12 @@ import logging
 import os
 import random
 import signal
+import socket
 import struct
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -145,7 +146,7 @@ CGROUP_GONE_S = 20.0
 class _Agent:
     """One spawned agent process (P, and C = pid 1 of its session), talking frames on its stdin/stdout."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, label: owners.Label, key: tuple[str, bool]) -> None:
+    def __init__(self, proc: _AgentProc, label: owners.Label, key: tuple[str, bool]) -> None:
         self.proc = proc
         self.label = label
         self.key = key
@@ -232,11 +233,9 @@ class _Agent:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(c[0], signal.SIGKILL)  # P reaps the session's processes, then exits (`_finish`)
         else:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-        if self.proc.stdin is not None:
-            with contextlib.suppress(Exception):
-                self.proc.stdin.close()
+            self.proc.kill()
+        with contextlib.suppress(Exception):
+            self.proc.stdin.close()
         try:
             self._cleanup = asyncio.get_running_loop().create_task(self._finish())
         except RuntimeError:  # no loop (interpreter exit): best effort now, the reaper does the rest
@@ -248,13 +247,10 @@ class _Agent:
             await asyncio.wait_for(self.proc.wait(), 15)
         except TimeoutError:  # P did not end by itself: kill it
             owners.kill_label(self.label)
-            with contextlib.suppress(asyncio.TimeoutError, ProcessLookupError):
+            with contextlib.suppress(asyncio.TimeoutError):
                 self.proc.kill()
                 await asyncio.wait_for(self.proc.wait(), 5)
-        transport = getattr(self.proc, "_transport", None)  # its pipes, now, on this loop (not at GC, maybe later)
-        if transport is not None:
-            with contextlib.suppress(Exception):
-                transport.close()
+        self.proc.close()  # its socket and pidfd, now, on this loop (not at GC, maybe later)
         # the session's last processes may take seconds to leave their cgroup on a loaded host (the kernel frees their
         # memory and tmpfs pages first): wait for them here, bounded, rather than leave a label of a live owner behind
         if await _off_loop(_cgroup.remove_cgroups, self.label.cgroups, CGROUP_GONE_S, True):
@@ -266,7 +262,129 @@ class _Agent:
                 await self._cleanup
 
 
-async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int, made: set[str] | None = None) -> _Agent:
+class _AgentProc:
+    """An agent P as the backend sees it: its socket (frames both ways, as asyncio streams) and a pidfd (P is Z's
+    child, not ours: the pidfd says when it exits and signals exactly it, never a reused pid)."""
+
+    def __init__(self, pid: int, pidfd: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.pid = pid
+        self.stdin = writer
+        self.stdout = reader
+        self.returncode: int | None = None  # -1 once P has exited (its status is Z's: we only learn that it ended)
+        self._pidfd = pidfd
+        self._loop = asyncio.get_running_loop()
+        self._exited = self._loop.create_future()
+        self._loop.add_reader(pidfd, self._on_exit)
+
+    def _on_exit(self) -> None:
+        self._loop.remove_reader(self._pidfd)
+        self.returncode = -1
+        if not self._exited.done():
+            self._exited.set_result(None)
+
+    def kill(self) -> None:
+        if self.returncode is None and self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+
+    async def wait(self) -> int:
+        await asyncio.shield(self._exited)
+        return -1
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stdin.close()
+        if self._pidfd >= 0:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+
+class _Zygote:
+    """The backend's agent forker (Z in `_agent.py`): started on the first spawn, asked for one P at a time, closed
+    with the backend (after its agents, which die with it). If it dies, the next spawn starts a new one."""
+
+    def __init__(self) -> None:
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ctl: socket.socket | None = None
+        self._lock = asyncio.Lock()
+
+    async def _start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            # an empty environment: nothing of the trainer's (tokens, keys) is in Z or in the agents it forks, whose
+            # file requests run with the session user's rights in their own process
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-I", "-S", AGENT, "--zygote", stdin=theirs, stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL, start_new_session=True, env={})
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self.ctl = ours
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None and self.ctl is not None
+
+    async def spawn(self, network: bool) -> _AgentProc:
+        loop = asyncio.get_running_loop()
+        async with self._lock:
+            if not self.alive():
+                self.close_now()
+                await self._start()
+            ctl = self.ctl
+            assert ctl is not None
+            try:
+                await loop.sock_sendall(ctl, json.dumps({"network": network}).encode())
+                got = loop.create_future()
+                loop.add_reader(ctl.fileno(), lambda: got.done() or got.set_result(None))
+                try:
+                    await asyncio.wait_for(got, START_TIMEOUT_S)
+                finally:
+                    loop.remove_reader(ctl.fileno())
+                msg, fds, _flags, _addr = socket.recv_fds(ctl, 4096, 2)
+            except (OSError, TimeoutError) as e:
+                self.close_now()
+                raise SessionInfraError(f"session agent forker failed ({e!r}); is this root?") from None
+        if not msg or len(fds) != 2:
+            for fd in fds:
+                os.close(fd)
+            self.close_now()
+            raise SessionInfraError(f"session agent forker gave no agent ({msg[:200]!r})")
+        reply = json.loads(msg)
+        sock = socket.socket(fileno=fds[0])
+        try:
+            reader, writer = await asyncio.open_unix_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            os.close(fds[1])
+            raise
+        return _AgentProc(int(reply["pid"]), fds[1], reader, writer)
+
+    def close_now(self) -> None:
+        """Close our end: Z reads EOF and exits (every agent it forked dies with it)."""
+        if self.ctl is not None:
+            self.ctl.close()
+            self.ctl = None
+
+    async def aclose(self) -> None:
+        self.close_now()
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.returncode is None:
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)  # not proc.kill(): its poll would race asyncio's watcher
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), 5)
+
+
+async def _spawn(zygote: _Zygote, key: tuple[str, bool], root_mount: str, disk_mb: int,
+                 made: set[str] | None = None) -> _Agent:
     """Start an agent for (image root, network) and have it build the image's root; labelled before any wait."""
     image, network = key
     label = owners.Label.new("loc-" + uuid.uuid4().hex[:16])
@@ -275,12 +393,7 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int, made: set
         made.add(label.id)
     proc = None
     try:
-        args = [sys.executable, "-I", "-S", AGENT] + (["--network"] if network else [])
-        # an empty environment: nothing of the trainer's (tokens, keys) is in the agent, whose file requests run
-        # with the session user's rights in its own process
-        proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.DEVNULL, start_new_session=True, env={})
+        proc = await zygote.spawn(network)
         label.procs.append((proc.pid, owners.start_time(proc.pid)))
         label.save()
         agent = _Agent(proc, label, key)
@@ -310,9 +423,9 @@ async def _spawn(key: tuple[str, bool], root_mount: str, disk_mb: int, made: set
         agent.how = str(reply.get("how", ""))
         return agent
     except BaseException:
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+        if proc is not None:
+            proc.kill()
+            proc.close()
         owners.kill_label(label)
         if _cgroup.remove_cgroups(label.cgroups, 0.5, kill=True):
             label.remove()
@@ -462,6 +575,7 @@ class LocalBackend(PooledBackend):
             self.pool_size, usable=lambda a: a.proc.returncode is None and not a.dead, discard=_discard_agent,
             what="local session")
         self._made: set[str] = set()  # ids of the labels this backend made
+        self._zygote = _Zygote()
         self._uids: set[int] = set()
         self._pid = os.getpid()
         _OPEN.add(self)
@@ -492,14 +606,17 @@ class LocalBackend(PooledBackend):
             root = images.resolve_local(spec.image)
             key = (root, spec.network)
             agent = self.pool.lease(key)
-            self.pool.fill(key, lambda: _spawn(key, self.root_mount, spec.limits.disk_mb, self._made))
+            self.pool.fill(key, lambda: self._spawn(key, spec.limits.disk_mb))
             if agent is not None:
                 try:
                     return await self._start(agent, spec)
                 except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
                     log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
             await self.rate_limit()
-            return await self._start(await _spawn(key, self.root_mount, spec.limits.disk_mb, self._made), spec)
+            return await self._start(await self._spawn(key, spec.limits.disk_mb), spec)
+
+    def _spawn(self, key: tuple[str, bool], disk_mb: int) -> Awaitable[_Agent]:
+        return _spawn(self._zygote, key, self.root_mount, disk_mb, self._made)
 
     async def _start(self, agent: _Agent, spec: SessionSpec) -> LocalSession:
         """Give a prepared agent its session: cgroup limits, then the workspace, seed, uid and chroot."""
@@ -534,6 +651,7 @@ class LocalBackend(PooledBackend):
         # failed, a clean-up cut short on a loaded host) names only what is left to kill and remove, bounded
         made, self._made = self._made, set()
         await _off_loop(_sweep_labels, made)
+        await self._zygote.aclose()
         _OPEN.discard(self)
 
 
