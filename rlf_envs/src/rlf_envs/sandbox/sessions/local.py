@@ -301,6 +301,11 @@ class _AgentProc:
             self._pidfd = -1
 
 
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class _Zygote:
     """The backend's agent forker (Z in `_agent.py`): started on the first spawn, asked for one P at a time, closed
     with the backend (after its agents, which die with it). If it dies, the next spawn starts a new one."""
@@ -316,7 +321,7 @@ class _Zygote:
             # an empty environment: nothing of the trainer's (tokens, keys) is in Z or in the agents it forks, whose
             # file requests run with the session user's rights in their own process
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-I", "-S", AGENT, "--zygote", stdin=theirs, stdout=asyncio.subprocess.DEVNULL,
+                sys.executable, "-I", "-S", AGENT, "--zygote", stdin=theirs.fileno(), stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL, start_new_session=True, env={})
         except BaseException:
             ours.close()
@@ -340,7 +345,7 @@ class _Zygote:
             try:
                 await loop.sock_sendall(ctl, json.dumps({"network": network}).encode())
                 got = loop.create_future()
-                loop.add_reader(ctl.fileno(), lambda: got.done() or got.set_result(None))
+                loop.add_reader(ctl.fileno(), _settle, got)
                 try:
                     await asyncio.wait_for(got, START_TIMEOUT_S)
                 finally:
