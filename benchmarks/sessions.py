@@ -13,7 +13,10 @@ Measured:
             session, beside `docker exec <c> true`
             (the CLI, what the goal compares with) and the SDK's raw `exec_run` on the same container
   episodes/s at each concurrency: N episodes at once, each create + 3 execs + write_file + read_file + diff + close;
-            the bare baseline runs the same 3 commands per episode as plain subprocesses at the same concurrency
+            the bare baseline runs the same 3 commands per episode as plain subprocesses at the same concurrency;
+            beside it, back to back at each level, the whole episode unisolated (`unisolated_episode`: a copy of the
+            seed, every step a shell command the way mini-swe-agent's LocalEnvironment runs it, a thread per
+            episode) and, for docker, the whole episode in plain docker-py (`dockerpy_episode`)
   ray       the ray backend (a host actor per node, each running the local backend there) on a multi-raylet
             cluster started here (`ray.cluster_utils.Cluster`: a head without sessions and --ray-nodes session
             nodes, all on this machine) or on --ray-address; beside a local backend in the same run: the hop's
@@ -69,6 +72,84 @@ async def bare_episodes(n: int) -> float:
     t = time.perf_counter()
     await asyncio.gather(*(one() for _ in range(n)))
     return n / (time.perf_counter() - t)
+
+
+def _mini_run(command: str, cwd: str) -> tuple[int, str]:
+    """One action the way an unisolated agent runtime runs it: mini-swe-agent's LocalEnvironment (its own `execute`
+    when the package is installed, else the same call: `Popen(command, shell=True, cwd=..., start_new_session=True)`,
+    output piped, `communicate` with a timeout). No namespaces, no uid, no limits."""
+    try:
+        from minisweagent.environments.local import LocalEnvironment
+    except ImportError:
+        p = subprocess.Popen(command, shell=True, text=True, cwd=cwd, env=os.environ.copy(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True)
+        out, _ = p.communicate(timeout=120)
+        return p.returncode, out
+    r = LocalEnvironment(cwd=cwd, timeout=120).execute({"command": command})
+    return int(r["returncode"]), str(r["output"])
+
+
+def unisolated_episode(seed: str) -> None:
+    """The benchmark's episode without isolation: a copy of the seed as the workspace, every step a shell command
+    (create, 3 commands, write, read, a git diff against the seed, close = remove the copy)."""
+    ws = tempfile.mkdtemp(prefix="rlf-bench-ws-")
+    try:
+        shutil.copytree(seed, ws, dirs_exist_ok=True)
+        for cmd in ("true", "echo hi", "echo x > /dev/null", "printf 'data\\n' > f.txt", "cat f.txt"):
+            code, _ = _mini_run(cmd, ws)
+            assert code == 0, cmd
+        code, _ = _mini_run(f"git diff --no-index --binary -- {seed} . || true", ws)
+    finally:
+        shutil.rmtree(ws, ignore_errors=True)
+
+
+async def unisolated_episodes(n: int, seed: str) -> float:
+    """`unisolated_episode` n at once, each in a thread of its own (the runtime is synchronous)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        t = time.perf_counter()
+        await asyncio.gather(*(loop.run_in_executor(pool, unisolated_episode, seed) for _ in range(n)))
+        return n / (time.perf_counter() - t)
+
+
+def dockerpy_episode(client: Any, image: str, seed_tar: bytes) -> None:
+    """The benchmark's episode written directly with docker-py, as a user without rlf would: a container, the seed put
+    in, every step an `exec_run`, removed at the end."""
+    c = client.containers.run(image, ["sleep", "infinity"], detach=True, network_mode="none", mem_limit="512m")
+    try:
+        c.exec_run(["mkdir", "-p", "/work"])
+        c.put_archive("/work", seed_tar)
+        for cmd in (["true"], ["echo", "hi"], ["sh", "-c", "echo x > /dev/null"],
+                    ["sh", "-c", "printf 'data\\n' > /work/f.txt"], ["cat", "/work/f.txt"]):
+            r = c.exec_run(cmd, workdir="/work")
+            assert r.exit_code == 0, (cmd, r)
+        c.exec_run(["sh", "-c", "cd /work && git diff --no-index --binary -- /dev/null f.txt || true"])
+    finally:
+        c.remove(force=True)
+
+
+async def dockerpy_episodes(n: int, image: str, seed: str) -> float:
+    import io
+    import tarfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    import docker as sdk
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        tf.add(seed, arcname=".")
+    client = sdk.from_env(timeout=120, max_pool_size=max(10, n))
+    loop = asyncio.get_running_loop()
+    try:
+        with ThreadPoolExecutor(max_workers=n) as pool:
+            t = time.perf_counter()
+            await asyncio.gather(*(loop.run_in_executor(pool, dockerpy_episode, client, image, buf.getvalue())
+                                   for _ in range(n)))
+            return n / (time.perf_counter() - t)
+    finally:
+        client.close()
 
 
 async def episodes(b: SessionBackend, spec: SessionSpec, n: int) -> tuple[float, int]:
@@ -138,13 +219,14 @@ async def local(runs: int, levels: list[int], seed: str) -> dict[str, Any]:
         res.update(await exec_p50(warm, spec, runs))
     finally:
         await warm.aclose()
-    for n in levels:
+    for n in levels:  # rlf's local backend and the unisolated runtime back to back at each level
         b = LocalBackend(pool_size=8)
         try:
             eps, fail = await episodes(b, spec, n)
         finally:
             await b.aclose()
         res[f"episodes_per_s_{n}"], res[f"failures_{n}"] = eps, fail
+        res[f"unisolated_episodes_per_s_{n}"] = await unisolated_episodes(n, seed)
     return res
 
 
@@ -180,13 +262,14 @@ async def docker(runs: int, levels: list[int], image: str, seed: str) -> dict[st
         res["sdk_exec_run_p50_s"] = statistics.median(raw)
     finally:
         await b.aclose()
-    for n in levels:
+    for n in levels:  # rlf's docker backend and the same episode in plain docker-py back to back at each level
         b = DockerBackend()
         try:
             eps, fail = await episodes(b, spec, n)
         finally:
             await b.aclose()
         res[f"episodes_per_s_{n}"], res[f"failures_{n}"] = eps, fail
+        res[f"dockerpy_episodes_per_s_{n}"] = await dockerpy_episodes(n, image, seed)
     return res
 
 
@@ -288,8 +371,10 @@ def print_local(L: dict[str, Any], b50: float, levels: list[int], bare: dict[str
     print(f"local  exec ['true'] p50 {L['exec_argv_p50_s'] * 1e3:.1f} ms ({L['exec_argv_p50_s'] / b50:.2f}x bare)"
           f"  exec 'true' (bash -lc) p50 {L['exec_shell_p50_s'] * 1e3:.1f} ms")
     for n in levels:
-        print(f"local  {n:4d} concurrent episodes: {L[f'episodes_per_s_{n}']:.1f}/s "
-              f"(bare commands {bare[f'episodes_per_s_{n}']:.1f}/s), failures {L[f'failures_{n}']}")
+        uni = L[f"unisolated_episodes_per_s_{n}"]
+        print(f"local  {n:4d} concurrent episodes: {L[f'episodes_per_s_{n}']:.1f}/s = "
+              f"{L[f'episodes_per_s_{n}'] / uni:.2f}x unisolated (mini-swe-agent's way: {uni:.1f}/s; "
+              f"bare commands {bare[f'episodes_per_s_{n}']:.1f}/s), failures {L[f'failures_{n}']}")
 
 
 def ray_reason() -> str | None:
@@ -364,7 +449,9 @@ async def main() -> None:
               f"{D['exec_p50_s'] / D['sdk_exec_run_p50_s']:.2f}x the SDK's exec_run "
               f"({D['sdk_exec_run_p50_s'] * 1e3:.1f} ms)")
         for n in a.docker_levels:
-            print(f"docker {n:4d} concurrent episodes: {D[f'episodes_per_s_{n}']:.1f}/s, failures {D[f'failures_{n}']}")
+            dpy = D[f"dockerpy_episodes_per_s_{n}"]
+            print(f"docker {n:4d} concurrent episodes: {D[f'episodes_per_s_{n}']:.1f}/s = "
+                  f"{D[f'episodes_per_s_{n}'] / dpy:.2f}x plain docker-py ({dpy:.1f}/s), failures {D[f'failures_{n}']}")
     R = out["ray"]
     if "skipped" in R:
         print(f"ray skipped: {R['skipped']}")

@@ -376,6 +376,58 @@ def test_agents_are_forked_by_one_zygote_whose_death_is_an_infra_failure_and_is_
     run(go)
 
 
+LAUNCHER_PROBE = r"""
+L=$PPID
+test "$(cat /proc/$L/comm)" = rlf-launcher || { echo "parent is $(cat /proc/$L/comm)"; exit 9; }
+ls /proc/$L/fd >/dev/null 2>&1 && echo "fd readable"
+cat /proc/$L/environ >/dev/null 2>&1 && echo "environ readable"
+head -c1 /proc/$L/mem >/dev/null 2>&1 && echo "mem readable"
+grep -E '^(Uid|NoNewPrivs|Seccomp):' /proc/$L/status
+echo uid=$(id -u)
+"""
+
+
+def test_the_launcher_is_confined_like_its_commands_and_not_readable_by_them() -> None:
+    """Every exec is started by the session's launcher (L), which runs with the session's uid, no_new_privs and the
+    seccomp filter, like the commands it starts; the session's code, of the same uid, cannot read L's descriptors,
+    environment or memory (L is not dumpable)."""
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=FAST)) as s:
+            r = await s.exec(LAUNCHER_PROBE)
+            assert r.exit_code == 0, (r.stdout, r.stderr)
+            assert "readable" not in r.stdout, r.stdout
+            uid = r.stdout.split("uid=")[1].split()[0]
+            assert f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}" in r.stdout, r.stdout
+            assert "NoNewPrivs:\t1" in r.stdout and "Seccomp:\t2" in r.stdout, r.stdout
+
+    run(go)
+
+
+def test_the_launcher_killed_or_stopped_by_the_session_fails_only_its_own_exec() -> None:
+    """The session's code may signal its launcher (the verifier's own `kill -9 -1` does): killed, the exec in flight
+    goes on to its end (its command, re-parented to the session's pid 1, is waited for there: its output and exit
+    code are whole); stopped, that exec ends at its deadline; either way no SessionInfraError, and the next exec gets
+    a new launcher and works."""
+    async def go(b: LocalBackend) -> None:
+        async with await b.create(SessionSpec(limits=FAST)) as s:
+            r = await s.exec("kill -KILL $PPID; sleep 0.3; echo survived; exit 3")
+            assert (r.exit_code, r.stdout, r.timed_out) == (3, "survived\n", False), r
+            r = await s.exec("kill -9 -1; echo after-kill-all")
+            assert (r.exit_code, r.stdout) == (0, "after-kill-all\n"), r
+            r = await s.exec(["echo", "again"])
+            assert (r.exit_code, r.stdout) == (0, "again\n")
+            t = time.monotonic()
+            r = await s.exec("kill -STOP $PPID; echo stopped", timeout_s=2)
+            assert r.timed_out and r.stdout == "stopped\n", r
+            assert time.monotonic() - t < 2 + 1 + 5  # the deadline, the launcher's report bound, slack
+            r = await s.exec(["echo", "after"])
+            assert (r.exit_code, r.stdout) == (0, "after\n")
+            r = await s.exec("ps -o comm= -u $(id -u) | grep -c rlf-launcher")
+            assert r.stdout.strip() == "1", r.stdout  # the stopped one is gone, one launcher serves
+
+    run(go)
+
+
 def test_bad_specs_are_refused_with_a_reason(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="workdir"):
         SessionSpec(workdir="relative")

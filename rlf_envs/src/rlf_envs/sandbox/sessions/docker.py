@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -61,9 +62,10 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from rlf_envs.sandbox import cleanup
 from rlf_envs.sandbox.sessions import gitdiff, owners
@@ -415,6 +417,24 @@ def _discard_when_done(fut: asyncio.Future[Any]) -> None:
     fut.add_done_callback(done)
 
 
+T = TypeVar("T")
+
+#: engine calls block a thread each (the SDK is synchronous): sessions' calls get a pool of their own, sized for many
+#: concurrent episodes (asyncio's default pool has min(32, cpus + 4) threads: 6 on 2 cores, so 64 concurrent
+#: sessions queued behind each other's engine round trips); the SDK's connection pool is as large
+DOCKER_THREADS = int(os.environ.get("RLF_DOCKER_THREADS", 64))
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _thread(fn: Callable[..., T], /, *args: Any, **kw: Any) -> asyncio.Future[T]:
+    """`fn(*args, **kw)` on the docker calls' thread pool (RuntimeError "... after interpreter shutdown" at exit, as
+    `asyncio.to_thread` gives: callers then run it inline)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=DOCKER_THREADS, thread_name_prefix="rlf-docker")
+    return asyncio.get_running_loop().run_in_executor(_POOL, functools.partial(fn, *args, **kw))
+
+
 async def _remove_quietly(c: Any) -> None:
     with contextlib.suppress(Exception):
         await _remove(c)
@@ -424,7 +444,7 @@ async def _remove(c: Any) -> None:
     """Force-remove a container off the loop; at interpreter exit (atexit closers run after the executors shut
     down, so `to_thread` refuses) inline, so a backend closed at exit still leaves no container behind."""
     try:
-        await asyncio.wait_for(asyncio.to_thread(c.remove, force=True), API_TIMEOUT_S)
+        await asyncio.wait_for(_thread(c.remove, force=True), API_TIMEOUT_S)
     except RuntimeError as e:  # "cannot schedule new futures after [interpreter] shutdown"
         if "shutdown" not in str(e):
             raise
@@ -468,6 +488,7 @@ class DockerSession(Session):
         self._b = backend
         self._c = box.c
         self._image = box.image
+        self._last_tick = -1  # the boot tick in which the last exec ended (`_run_exec`)
         #: the host's view of the container's processes (None: kill from inside)
         self._host = box.host
         self._lock = asyncio.Lock()
@@ -507,7 +528,7 @@ class DockerSession(Session):
 
     async def _api(self, fn: Any, *args: Any, timeout_s: float = API_TIMEOUT_S, **kw: Any) -> Any:
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args, **kw), timeout_s)
+            return await asyncio.wait_for(_thread(fn, *args, **kw), timeout_s)
         except TimeoutError:
             raise SessionInfraError(f"the docker engine did not answer within {timeout_s:.0f} s") from None
         except Exception as e:
@@ -519,6 +540,11 @@ class DockerSession(Session):
         ex = api.exec_create(self._c.id, argv, stdin=bool(stdin), workdir=cwd, environment=env,
                              user=self._image.user)
         if mark is not None:  # the call's start, as the kernel counts it: nothing of the call runs before this
+            # ... and nothing of the previous call starts at it: the kernel counts starts in ticks (10 ms), so a call
+            # right after another waits for the tick in which that one ended to pass (else what it left running,
+            # `server &`, would look started by this call and die at this call's deadline)
+            while _boot_ticks() <= self._last_tick:
+                time.sleep(0.001)
             mark.append((_boot_ticks(), time.monotonic()))
         out, err, trunc = bytearray(), bytearray(), False
         if stdin:
@@ -542,6 +568,7 @@ class DockerSession(Session):
             if len(data) > max(room, 0):
                 trunc = True
         code = api.exec_inspect(ex["Id"]).get("ExitCode")
+        self._last_tick = _boot_ticks()
         return {"out": bytes(out), "err": bytes(err), "trunc": trunc, "code": code}
 
     async def _kill_since(self, ticks0: int, t0: float) -> None:
@@ -549,14 +576,14 @@ class DockerSession(Session):
         host = self._host
         if host is not None:
             try:
-                if await asyncio.to_thread(host.kill_since, ticks0):
+                if await _thread(host.kill_since, ticks0):
                     return
             except Exception:  # fall back to the in-container kill
                 pass
         with contextlib.suppress(Exception):
             off = await self._clock_offset()
             t = math.floor((t0 + off) * USER_HZ) - 1
-            await asyncio.wait_for(asyncio.to_thread(self._run_exec, ["/bin/sh", "-c", f"t0={t}\n{KILL_SCRIPT}"],
+            await asyncio.wait_for(_thread(self._run_exec, ["/bin/sh", "-c", f"t0={t}\n{KILL_SCRIPT}"],
                                                      b"", "/", {}, 4096), 30)
 
     async def _clock_offset(self) -> float:
@@ -565,7 +592,7 @@ class DockerSession(Session):
         S - ta is at most the true offset. A call's start mapped with it is never late: the fallback kill may take
         processes started up to that exec's round trip before the call, never spare one of the call's."""
         if self._offset is None:
-            r = await asyncio.wait_for(asyncio.to_thread(
+            r = await asyncio.wait_for(_thread(
                 self._run_exec, ["/bin/sh", "-c", 'read -r l < /proc/self/stat && echo "$l"'], b"", "/", {}, 4096), 30)
             ta = time.monotonic()
             line = r["out"].decode("ascii", "replace")
@@ -633,7 +660,7 @@ class DockerSession(Session):
             self._check()
             timeout = max(0.001, min(timeout, self._deadline - time.monotonic()))
             mark = [(_boot_ticks(), time.monotonic())]  # replaced by the sample taken just before the exec starts
-            fut = asyncio.ensure_future(asyncio.to_thread(self._run_exec, argv, data, where, environment,
+            fut = asyncio.ensure_future(_thread(self._run_exec, argv, data, where, environment,
                                                           self.spec.limits.output_bytes, mark))
             t0 = mark[0][1]
             timed_out = False
@@ -821,8 +848,9 @@ class DockerBackend(PooledBackend):
 
             raise SessionInfraError(f"the docker backend needs the docker SDK: {install_hint('docker')}") from None
         try:
-            self.client = docker.DockerClient(base_url=base_url, timeout=API_TIMEOUT_S) if base_url \
-                else docker.from_env(timeout=API_TIMEOUT_S)
+            self.client = docker.DockerClient(base_url=base_url, timeout=API_TIMEOUT_S,
+                                              max_pool_size=DOCKER_THREADS) if base_url \
+                else docker.from_env(timeout=API_TIMEOUT_S, max_pool_size=DOCKER_THREADS)
             self.client.ping()
         except Exception as e:
             where = base_url or os.environ.get("DOCKER_HOST") or "the default socket"
@@ -857,7 +885,7 @@ class DockerBackend(PooledBackend):
 
     async def _healthy(self) -> bool:
         try:
-            return bool(await asyncio.wait_for(asyncio.to_thread(self.client.ping), 30))
+            return bool(await asyncio.wait_for(_thread(self.client.ping), 30))
         except Exception:
             return False
 
@@ -926,7 +954,7 @@ class DockerBackend(PooledBackend):
         return n
 
     async def reap_round(self) -> None:
-        await asyncio.to_thread(self.reap)
+        await _thread(self.reap)
         # warm containers past the pool's idle cap go (their pid 1 ends them soon anyway)
         self.pool.prune(lambda box: time.monotonic() - box.born > self.pool_idle_s)
 
@@ -940,7 +968,7 @@ class DockerBackend(PooledBackend):
         """A warm container for the pool: the spec without its seed, living `pool_idle_s` longer."""
         bare = SessionSpec(image=spec.image, workdir=spec.workdir, env=spec.env, network=spec.network,
                            limits=spec.limits)
-        fut = asyncio.ensure_future(asyncio.to_thread(self._create, bare, self.pool_idle_s))
+        fut = asyncio.ensure_future(_thread(self._create, bare, self.pool_idle_s))
         try:
             box, _ = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
         except BaseException:
@@ -1082,11 +1110,11 @@ class DockerBackend(PooledBackend):
             box = self.pool.lease(self._key(spec))
             if box is not None:
                 with contextlib.suppress(Exception):  # a warm container that cannot take the seed: make one instead
-                    got = await asyncio.wait_for(asyncio.to_thread(self._seed_warm, box, spec), API_TIMEOUT_S)
+                    got = await asyncio.wait_for(_thread(self._seed_warm, box, spec), API_TIMEOUT_S)
             self.pool.fill(self._key(spec), lambda: self._warm(spec))
             if got is None:
                 await self.rate_limit()
-                fut = asyncio.ensure_future(asyncio.to_thread(self._create, spec))
+                fut = asyncio.ensure_future(_thread(self._create, spec))
                 try:
                     got = await asyncio.wait_for(asyncio.shield(fut), API_TIMEOUT_S)
                 except TimeoutError:
@@ -1108,6 +1136,6 @@ class DockerBackend(PooledBackend):
         if not await self.close_lifecycle(self.pool, API_TIMEOUT_S):
             return
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.to_thread(self.remove_built_images), API_TIMEOUT_S)
+            await asyncio.wait_for(_thread(self.remove_built_images), API_TIMEOUT_S)
         with contextlib.suppress(Exception):
             self.client.close()
