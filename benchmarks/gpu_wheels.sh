@@ -3,16 +3,27 @@
 # torch, transformers, peft, accelerate, numpy, safetensors, tokenizers), downloaded here into one folder to carry
 # to a GPU machine that cannot reach PyPI:
 #
-#   bash benchmarks/gpu_wheels.sh [DEST] [PYTHON_VERSION]         # here, with internet (default: wheels/, 3.11)
+#   bash benchmarks/gpu_wheels.sh [DEST] [PYTHON_VERSION] [--image FILE]   # here, with internet (wheels/, 3.11)
 #   # there, from the repository root:
 #   pip install --no-index --find-links DEST -r DEST/requirements.txt
 #   pip install --no-index --find-links DEST --no-deps DEST/rlf_envs-*.whl DEST/rlf_train-*.whl
 #   python benchmarks/gpu_train.py --shape 4b --json out/gpu_train_4b.json
 #
 # PYTHON_VERSION must be the GPU image's Python (`python -c 'import sys; print(sys.version[:4])'` there).
+# --image FILE (one package name per line, `#` comments: benchmarks/gpu_image_packages.txt is the lent H200's
+# image) drops the wheels of what the image already holds: 29 wheels, 15 MB for 3.12 instead of 75 and 80 MB, so the
+# set travels in one device call (64 MiB); benchmarks/gpu_check.sh installs them there with --no-deps.
 set -euo pipefail
-DEST=${1:-wheels}
-PYV=${2:-3.11}
+IMAGE=""
+ARGS=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --image) IMAGE=$2; shift 2;;
+    *) ARGS+=("$1"); shift;;
+  esac
+done
+DEST=${ARGS[0]:-wheels}
+PYV=${ARGS[1]:-3.11}
 PIP=${PIP:-python3 -m pip}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$DEST"
@@ -38,4 +49,13 @@ timeout 900 $PIP download --dest "$DEST" --only-binary=:all: --python-version "$
   --platform linux_x86_64 --platform any -r "$DEST/requirements.txt"
 # rlf itself (no dependencies: they are above, or in the image)
 timeout 600 $PIP wheel --no-deps --wheel-dir "$DEST" "$ROOT/rlf_envs" "$ROOT/rlf_train"
-ls "$DEST" | wc -l | xargs echo "wheels in $DEST:"
+if [ -n "$IMAGE" ]; then  # what the image holds stays out (names compared as PEP 503 normalises them)
+  norm() { tr 'A-Z_.' 'a-z--' | sed 's/--*/-/g'; }
+  have=$(grep -v '^#' "$IMAGE" | norm)
+  for w in "$DEST"/*.whl; do
+    n=$(basename "$w" | cut -d- -f1 | norm)
+    if printf '%s\n' "$have" | grep -qx "$n"; then rm -f "$w"; fi
+  done
+fi
+ls "$DEST"/*.whl | wc -l | xargs echo "wheels in $DEST:"
+du -sh "$DEST" | cut -f1 | xargs echo "size:"
