@@ -1,6 +1,6 @@
 """Which child processes of the test process are leftovers: every live child except the warm pools that live as long
 as the process that started them, by design: the sandbox's (`rlf_envs.sandbox.pool`: a trusted zygote and its idle
-supervisors, after any test that ran Code-v0) and the idle agents of open local session backends (the SWE env's
+supervisors, after any test that ran Code-v0) and the agent forker and idle agents of open local session backends (the SWE env's
 shared backend, closed when the process exits)."""
 
 from __future__ import annotations
@@ -22,12 +22,16 @@ def sandbox_pool_pids() -> set[int]:
 
 
 def session_pool_pids() -> set[int]:
-    """The idle (pooled, sessionless) agents of this process's open local session backends, and their children."""
+    """The agent forker (zygote) of this process's open local session backends, their idle (pooled, sessionless)
+    agents, and those agents' children (an agent of an open session is a leftover)."""
     import sys
 
     local = sys.modules.get("rlf_envs.sandbox.sessions.local")
     out: set[int] = set()
     for backend in list(getattr(local, "_OPEN", ())):
+        z = backend._zygote.proc
+        if z is not None and z.returncode is None:
+            out.add(z.pid)
         for agent in backend.pool.all_idle():
             try:
                 proc = psutil.Process(agent.proc.pid)
