@@ -121,6 +121,30 @@ def test_openenv_init_template_trains_the_tiny_policy(tmp_path: Path, monkeypatc
     assert leftover_children() == []
 
 
+def test_the_eval_command_runs_the_foreign_environment(tmp_path: Path) -> None:
+    """`python -m rlf_train.eval` on a `rollout.environment` config: the foreign env's own episodes on its eval split
+    (OpenEnv: reset seeds from 1,000,000), scored by it, greedy and sampled, episodes recorded for the viewer, its
+    server stopped afterwards."""
+    from rlf_train.eval import main as eval_main
+
+    run = tmp_path / "run"
+    cfg_file = tmp_path / "cfg.yaml"
+    cfg = foreign_cfg(run, LOOKUP, "rollout.max_new_tokens_per_turn=16", "eval.sampled=true", "eval.num_tasks=3")
+    cfg_file.write_text(json.dumps(cfg.model_dump(mode="json", exclude_unset=True)))
+    out = tmp_path / "eval.json"
+    assert eval_main(["--config", str(cfg_file), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["environment"] == LOOKUP and res["num_tasks"] == 3
+    for mode in ("greedy", "sampled"):
+        st = res[mode]
+        assert 0.0 <= st["reward_mean"] <= 1.0 and st["turns_mean"] >= 1, st
+        assert st["foreign_infra_failed"] == 0 and "foreign/steps_mean" in st, st
+    recs = [json.loads(line) for line in (run / "trajectories" / "step_0.jsonl").read_text().splitlines()]
+    assert sorted(r["source"] for r in recs) == ["offline_eval_greedy"] * 3 + ["offline_eval_sampled"] * 3
+    assert all(r["task"]["id"].startswith("test-seed100000") for r in recs), [r["task"]["id"] for r in recs]
+    assert leftover_children() == []
+
+
 def test_a_server_that_dies_mid_episode_is_an_infrastructure_failure(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     tr = Trainer(foreign_cfg(tmp_path / "run", LOOKUP, "rollout.max_new_tokens_per_turn=64", "eval.before_rl=false",
