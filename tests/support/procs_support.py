@@ -1,7 +1,7 @@
 """Which child processes of the test process are leftovers: every live child except the warm pools that live as long
 as the process that started them, by design: the sandbox's (`rlf_envs.sandbox.pool`: a trusted zygote and its idle
-supervisors, after any test that ran Code-v0) and the agent forker and idle agents of open local session backends (the SWE env's
-shared backend, closed when the process exits)."""
+supervisors, after any test that ran Code-v0) and the agent forker and idle agents of open local session backends
+(the SWE env's shared backend, closed when the process exits)."""
 
 from __future__ import annotations
 
