@@ -9,6 +9,9 @@ own rollout source with the same policy, interleaved round by round so machine l
   server and rubric (needs verifiers: tox -e adapters' venv);
 - `openenv` (with --openenv): tests/support/foreign_openenv_lookup.py, a two-tool MCPEnvironment over OpenEnv's
   WebSocket server (needs openenv-core: tox -e adapters-rl's venv; a different, equally short task).
+- `nemo_gym` (with --nemo-gym): tests/support/nemo_gym_project's rlf_lookup, a NeMo-Gym resources server with a
+  search tool, run by NeMo-Gym's simple_agent and vllm_model (needs a NeMo-Gym interpreter in $RLF_NEMO_GYM_PYTHON:
+  tests/support/nemo_gym_venv.py; a different, equally short task).
 
     PYTHONPATH=$PWD/tests/support python benchmarks/foreign_envs.py --model runs/qs-sft/checkpoints/sft
 
@@ -31,7 +34,19 @@ SEARCH_KW = ("{format: search_r1, world: quickstart, topk: 1, format_kwargs: {in
 FOREIGN_KW = "{format: search_r1, format_kwargs: {instruction: 'Question: {question}\\n'}}"
 
 
-def configs(model: str, openenv: bool) -> dict[str, list[str]]:
+def nemo_gym_rows(path: Path, n: int) -> Path:
+    """`n` rows of the rlf_lookup task (its own data has 8): one per person."""
+    src = REPO / "tests/support/nemo_gym_project/resources_servers/rlf_lookup/data/train.jsonl"
+    first = json.loads(src.read_text().splitlines()[0])
+    with path.open("w") as f:
+        for i in range(n):
+            row = json.loads(json.dumps(first).replace("Person00", f"Person{i:02d}"))
+            row["id"] = i
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+def configs(model: str, openenv: bool, nemo_gym: Path | None = None) -> dict[str, list[str]]:
     base = [f"model.name_or_path={model}"] if model != "tiny" else [
         "model.tiny={hidden_size: 96, num_layers: 2, num_heads: 4, num_kv_heads: 2, intermediate_size: 256, "
         "tokenizer_file: quickstart_tokenizer.json}"]
@@ -51,6 +66,11 @@ def configs(model: str, openenv: bool) -> dict[str, list[str]]:
         out["openenv"] = [*base, "rollout.environment=openenv:foreign_openenv_lookup:app",
                           "rollout.max_new_tokens_per_turn=48",
                           "rollout.max_total_tokens=2048"]  # (its tools in the prompt)
+    if nemo_gym is not None:
+        lookup = REPO / "tests/support/nemo_gym_project/resources_servers/rlf_lookup/configs/rlf_lookup.yaml"
+        out["nemo_gym"] = [*base, f"rollout.environment=nemo_gym:{lookup}", "rollout.max_new_tokens_per_turn=48",
+                           "rollout.max_total_tokens=2048",
+                           f"env.kwargs.options={{datasets: {{train: {nemo_gym}, test: {nemo_gym}}}}}"]
     return out
 
 
@@ -61,6 +81,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--openenv", action="store_true")
+    ap.add_argument("--nemo-gym", action="store_true", help="add the NeMo-Gym row ($RLF_NEMO_GYM_PYTHON)")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args()
 
@@ -71,7 +92,8 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="rlf-foreign-bench-"))
     trainers: dict[str, Any] = {}
-    for name, sets in configs(args.model, args.openenv).items():
+    rows_file = nemo_gym_rows(tmp / "nemo_gym_rows.jsonl", (args.rounds + 1) * args.prompts) if args.nemo_gym else None
+    for name, sets in configs(args.model, args.openenv, rows_file).items():
         cfg = load_config(None, [*sets, f"rollout.prompts_per_step={args.prompts}",
                                  f"rollout.samples_per_prompt={args.samples}", f"logging.run_dir={tmp / name}"])
         trainers[name] = Trainer(cfg)

@@ -3,11 +3,12 @@
 
     rollout.environment: "verifiers:my_taskset"          # a verifiers (v1) environment: taskset id / module
     rollout.environment: "openenv:http://127.0.0.1:8000" # a running OpenEnv server, or "openenv:pkg.server.app:app"
+    rollout.environment: "nemo_gym:example_multi_step"   # a NeMo-Gym config (or resources server): its own servers
 
 The foreign environment's own rollout and scoring code runs unchanged; its model calls go to rlf's policy
 endpoint (one session per episode, `rlf_train.rollout.endpoint`), so every episode becomes token-exact GRPO
 rows as with `rollout.agent`, and its reward is the foreign scorer's. Each ecosystem is one small module
-(`verifiers.py`, `openenv.py`) implementing `Backend`; the packages themselves are imported only
+(`verifiers.py`, `openenv.py`, `nemo_gym.py`) implementing `Backend`; the packages themselves are imported only
 when a config names them, and a missing one is a ConfigError naming its install line.
 
 This module is what the trainer's env factory imports (`env.imports`): it registers `rlf/Foreign-v0`, the rlf env
@@ -39,10 +40,12 @@ ECOSYSTEMS: dict[str, tuple[str, str]] = {
                   "(the list in tox.ini's [testenv:adapters]; verifiers pins mcp==2.0.0, openai<3, which rlf cannot "
                   "use)"),
     "openenv": ("rlf_train.rollout.foreign.openenv", "pip install 'openenv-core>=0.3,<0.4'"),
+    # NeMo-Gym runs in an interpreter of its own (Python >= 3.12): nothing to import here (nemo_gym.find_interpreter)
+    "nemo_gym": ("rlf_train.rollout.foreign.nemo_gym", "a Python >= 3.12 with nemo-gym, named in "
+                 "env.kwargs.options.python or $RLF_NEMO_GYM_PYTHON (docs/guides/foreign-envs.md)"),
 }
 #: ecosystems named in the docs that have no backend yet: a ConfigError saying so, not an import error
-NOT_YET = {"nemo_gym": "NeMo-Gym's resources servers are not trainable through rollout.environment yet (rlf's envs "
-                       "run inside NeMo-Gym: rlf_envs.adapters.nemo_gym; docs/guides/foreign-envs.md)"}
+NOT_YET: dict[str, str] = {}
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -191,7 +194,7 @@ class ForeignEnv(ToolEnv):
     def reset(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(f"{FOREIGN_ENV_ID} is not stepped: its episodes are the foreign environment's own "
                            f"({self.environment}), run by the trainer's rollout source for rollout.environment "
-                           "(rlf_train.rollout.foreign.source); `python -m rlf_train.eval` does not run them yet")
+                           "(rlf_train.rollout.foreign.source), and for `python -m rlf_train.eval` by the same source")
 
     async def areset(self, *args: Any, **kwargs: Any) -> Any:
         return self.reset()
