@@ -556,6 +556,9 @@ class NemoGymBackend(Backend):
         if isinstance(extra, str):
             extra = [extra]
         self.configs += [str(x) for x in extra]
+        # a path from where the trainer runs is made absolute (NeMo-Gym runs from the project directory)
+        self.configs = [str(Path(c).expanduser().resolve()) if Path(c).expanduser().is_file() else c
+                        for c in self.configs]
         self.project_dir = str(Path(o["project_dir"]).expanduser().resolve()) if o.get("project_dir") else \
             self._project_dir()
         if not Path(self.project_dir).is_dir():
@@ -580,7 +583,9 @@ class NemoGymBackend(Backend):
         for c in self.configs:
             p = Path(c).expanduser()
             if not p.is_absolute():
-                continue
+                p = Path.cwd() / p
+                if not p.is_file():  # (a name, or a path in NeMo-Gym's install)
+                    continue
             parts = p.parts
             for k, part in enumerate(parts):
                 if part in SERVER_TYPES and k > 0:
