@@ -207,7 +207,8 @@ def test_bad_input_is_a_config_error_naming_it(tmp_path: Path, monkeypatch: pyte
         make(SEARCH, "env.kwargs.options={taskset: {no_such_option: 1}}")
     with pytest.raises(ConfigError, match="unknown ecosystem 'gymnasium'"):
         make("gymnasium:CartPole-v1")
-    with pytest.raises(ConfigError, match="NeMo-Gym's resources servers are not trainable"):
+    monkeypatch.delenv("RLF_NEMO_GYM_PYTHON", raising=False)  # (no NeMo-Gym interpreter named: said how to name one)
+    with pytest.raises(ConfigError, match="NeMo-Gym runs in a Python >= 3.12 of its own and none is named"):
         make("nemo_gym:config.yaml")
     # verifiers itself missing: the error names the install line
     forget_backends()
