@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import socket
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -60,6 +61,13 @@ def parse_spec(spec: str) -> tuple[str, str]:
     if eco not in ECOSYSTEMS:
         raise ConfigError(f"rollout.environment {spec!r}: unknown ecosystem {eco!r}; one of {', '.join(ECOSYSTEMS)}")
     return eco, target.strip()
+
+
+def free_port() -> int:
+    """A free loopback TCP port (for a foreign environment's servers rlf starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def require(ecosystem: str, module: str) -> Any:

@@ -40,7 +40,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -52,7 +51,7 @@ from typing import Any
 
 from rlf_envs.types import Task
 from rlf_train.config import ConfigError
-from rlf_train.rollout.foreign import Backend, Episode, ForeignHostFailed, Outcome
+from rlf_train.rollout.foreign import Backend, Episode, ForeignHostFailed, Outcome, free_port
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +83,6 @@ KNOWN_OPTIONS = {"python", "agent", "config_paths", "config", "model_server", "d
 
 class ServerFailed(ForeignHostFailed):
     """NeMo-Gym's servers failed (did not start, or stopped): the host's failure."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------- the interpreter
@@ -387,7 +380,7 @@ class SessionRouter:
         app.add_routes([web.post("/v1/chat/completions", self.chat)])
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        port = _free_port()
+        port = free_port()
         await web.TCPSite(self._runner, "127.0.0.1", port).start()
         self.url = f"http://127.0.0.1:{port}/v1"
         self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),

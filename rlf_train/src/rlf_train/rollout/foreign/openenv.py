@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,7 +40,7 @@ from typing import Any
 
 from rlf_envs.types import Task
 from rlf_train.config import ConfigError
-from rlf_train.rollout.foreign import Backend, Episode, ForeignHostFailed, Outcome, require
+from rlf_train.rollout.foreign import Backend, Episode, ForeignHostFailed, Outcome, free_port, require
 
 EVAL_SEED0 = 1_000_000
 STEP_FIELDS = {"done", "reward", "metadata"}
@@ -49,12 +48,6 @@ STEP_FIELDS = {"done", "reward", "metadata"}
 
 class ServerFailed(ForeignHostFailed):
     """The OpenEnv server failed the episode (the host's failure)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def obs_text(obs: Any, key: str | None = None) -> str:
@@ -156,7 +149,7 @@ class OpenEnvBackend(Backend):
         await self._probe()
 
     def _spawn(self) -> None:
-        port = _free_port()
+        port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115  (kept open while the server runs; closed in close())
         env = dict(os.environ)
