@@ -520,7 +520,7 @@ def launcher_main(sock: Any, st: dict[str, Any]) -> None:  # pragma: no cover - 
                                  start_new_session=True, close_fds=True)
         except OSError as e:
             cwd_failed = getattr(e, "filename", None) == req["cwd"]
-            kind = ("limit" if e.errno in (errno.EAGAIN, errno.ENOMEM) else None)
+            kind = "limit" if e.errno in (errno.EAGAIN, errno.ENOMEM) else None
             text = (f"session exec set-up failed: {e!r}" if cwd_failed else f"{req['argv'][0]}: {e.strerror or e}")
             sock.send(json.dumps({"error": text, "errno": e.errno, "kind": kind,
                                   "code": 126 if cwd_failed or e.errno != errno.ENOENT else 127}).encode())
@@ -563,19 +563,22 @@ def _reap_orphans() -> dict[int, int]:
     return got
 
 
+def _kill_round(before: set[int]) -> bool:
+    """SIGKILL once every process of the session that did not exist before the call; whether there was any."""
+    new = _session_pids() - before
+    for p in new:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return bool(new)
+
+
 def _kill_new(before: set[int]) -> dict[int, int]:
     """SIGKILL every process of the session that did not exist before the call (what the call started, wherever it
     moved: a new session, a double fork), until none is left. Returns the wait statuses reaped on the way."""
     reaped: dict[int, int] = {}
     for _ in range(10000):
-        new = _session_pids() - before
-        if not new:
+        if not _kill_round(before):
             break
-        for p in new:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         reaped.update(_reap_orphans())
         time.sleep(0.001)
     return reaped
@@ -622,8 +625,8 @@ def _launcher(st: dict[str, Any]) -> Launcher | None:
 
 
 def _launch(la: Launcher, req: dict[str, Any], st: dict[str, Any], fds: tuple[int, int, int],
-            before: set[int]) -> tuple[int, str] | dict[str, Any] | None:
-    """Ask L to start the exec: (the command's pid, "") or a refusal ({"error", "code", "kind"}: L's, or L lost
+            before: set[int]) -> int | dict[str, Any] | None:
+    """Ask L to start the exec: the command's pid, or a refusal ({"error", "code", "kind"}: L's, or L lost
     after it took the request: the command may have run, so it is never run again; whatever it started is killed);
     None: L was gone before it took the request, the caller forks instead."""
     argv, env, cwd = _argv_env(req, st)
@@ -646,7 +649,7 @@ def _launch(la: Launcher, req: dict[str, Any], st: dict[str, Any], fds: tuple[in
         return {"error": f"the session's launcher was lost while it started the command ({e.strerror or e}: killed "
                          "by the session's own processes?); what the command started is killed", "code": 137}
     if "pid" in reply:
-        return int(reply["pid"]), ""
+        return int(reply["pid"])
     return reply
 
 
@@ -682,7 +685,7 @@ def do_exec(req: dict[str, Any], st: dict[str, Any], blob: Blob) -> tuple[dict[s
     cmd_fd = -1  # (the L path) a pidfd of the command: where to wait for it if L dies while it runs
     exit_is_pidfd = started is None  # what says the command ended: its pidfd (ours to close), or L's socket
     if started is not None:
-        pid, exit_fd = started[0], la.sock.fileno()  # type: ignore[union-attr]
+        pid, exit_fd = started, la.sock.fileno()  # type: ignore[union-attr]
         with contextlib.suppress(OSError):  # (gone already: L's report of it is on its way)
             cmd_fd = os.pidfd_open(pid)
     else:
@@ -766,9 +769,7 @@ def do_exec(req: dict[str, Any], st: dict[str, Any], blob: Blob) -> tuple[dict[s
         # L reaps the command: kill what the call started once, and read L's report of it (so the next exec's first
         # reply is its own); an L that does not report within LAUNCHER_REPORT_S (stopped by the session's code: its
         # children then stay zombies) is killed, and its children come to us
-        for p in _session_pids() - before:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p, signal.SIGKILL)
+        _kill_round(before)
         if select.select([exit_fd], [], [], LAUNCHER_REPORT_S)[0]:
             code = ended()
         else:
