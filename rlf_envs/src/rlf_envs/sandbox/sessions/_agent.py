@@ -494,10 +494,13 @@ class Launcher:
         return self.pid > 0
 
     def lost(self) -> None:
-        """L is gone or unusable: kill it (we are root: a stopped L dies too) and never use it again."""
+        """L is gone or unusable: kill it (we are root: a stopped L dies too) and never use it again. Returns once
+        L has exited (bounded): its children are ours then. (A dying L closes its socket before the kernel re-parents
+        its children: until then the command in flight is not yet our child, and its status not ours to read.)"""
         if self.pid > 0:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                select.select([self.pidfd], [], [], LAUNCHER_EXIT_S)
             os.close(self.pidfd)
             self.pid = -1
         self.sock.close()
@@ -529,7 +532,13 @@ def launcher_main(sock: Any, st: dict[str, Any]) -> None:  # pragma: no cover - 
             for fd in fds:
                 os.close(fd)
         sock.send(json.dumps({"pid": p.pid}).encode())
-        sock.send(json.dumps({"returncode": p.wait()}).encode())
+        # the command's status is read without reaping it (WNOWAIT) and reaped only once it is reported: an L killed in
+        # between (the command's own `kill -9 -1` may reach it just as the command ends) leaves a zombie to C, which
+        # reads the status itself; reaped first, that status would be lost with L
+        w = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
+        code = w.si_status if w.si_code == os.CLD_EXITED else -w.si_status
+        sock.send(json.dumps({"returncode": code}).encode())
+        p.wait()
 
 
 def _resolve(argv0: str, env: dict[str, str]) -> str:
@@ -607,6 +616,8 @@ def _exec_request(req: dict[str, Any]) -> float:
 
 #: how long the launcher may take to report a command killed at its deadline before it counts as lost
 LAUNCHER_REPORT_S = 1.0
+#: how long a killed launcher may take to exit (a process stuck in the kernel: we go on without it)
+LAUNCHER_EXIT_S = 5.0
 
 
 def _launcher(st: dict[str, Any]) -> Launcher | None:
@@ -731,7 +742,7 @@ def do_exec(req: dict[str, Any], st: dict[str, Any], blob: Blob) -> tuple[dict[s
     def own_status() -> int:
         try:
             return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        except ChildProcessError:  # (L reaped it, then died before it could report)
+        except ChildProcessError:  # (never expected: L reaps a command only after reporting its status)
             return -signal.SIGKILL
 
     def ended() -> int | None:
