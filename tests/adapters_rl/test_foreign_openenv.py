@@ -64,15 +64,24 @@ def lookup_policy(right: Any) -> Any:
     return script
 
 
-def test_mcp_env_trains_with_its_tools_and_step_rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+ASYNC = ("rollout.mode=async", "rollout.async_worker=thread")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_mcp_env_trains_with_its_tools_and_step_rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        mode: str) -> None:
+    """Sync, and `rollout.mode: async` (the agent worker runs the foreign episodes ahead of the learner, group by
+    group, on a copy of the policy): the same rows, rewards, records."""
     run = tmp_path / "run"
-    tr = Trainer(foreign_cfg(run, LOOKUP, "rollout.max_new_tokens_per_turn=64"))
+    tr = Trainer(foreign_cfg(run, LOOKUP, "rollout.max_new_tokens_per_turn=64", *(ASYNC if mode == "async" else ())))
     assert tr.train_tasks[0].id == "train-seed0" and tr.eval_envs().envs[0].tasks[0].id == "test-seed1000000"
     right = lambda person: int(person[-1]) % 2 == 0  # noqa: E731
     script_policy(tr, monkeypatch, lookup_policy(right))
     seen = keep_updates(tr, monkeypatch)
     tr.run()
     assert tr.source.backends["train"].mode == "tools", "detected: the server answers list_tools"
+    assert (type(tr.async_worker).__name__ if tr.async_worker else None) == ("AgentWorker" if mode == "async"
+                                                                             else None)
     assert len(seen) == 2
     for s in seen:
         eps = s["episodes"]
@@ -90,7 +99,8 @@ def test_mcp_env_trains_with_its_tools_and_step_rewards(tmp_path: Path, monkeypa
             assert row.turns[1].results[0].content == NO_TOOL_MESSAGE
             assert sum(row.loss_mask) == sum(len(t.behaviour_logprobs) for t in row.turns)
     rl = [m for m in metrics(run) if m["stage"] == "rl"]
-    assert all(m["foreign/steps_mean"] == 2.0 and m["foreign/done_mean"] == 1.0 for m in rl)
+    assert len(rl) == 2 and all(m["foreign/steps_mean"] == 2.0 and m["foreign/done_mean"] == 1.0 for m in rl)
+    assert all(m["foreign_infra_failed"] == 0.0 and m["agent_errors"] == 0.0 for m in rl), rl
     rec = records(run, 1)[0]
     assert [c["name"] for c in rec["turns"][0]["tool_calls"]] == ["search"]
     assert "pet" in rec["turns"][0]["results"][0]["content"]
@@ -145,10 +155,11 @@ def test_the_eval_command_runs_the_foreign_environment(tmp_path: Path) -> None:
     assert leftover_children() == []
 
 
-def test_a_server_that_dies_mid_episode_is_an_infrastructure_failure(tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_server_that_dies_mid_episode_is_an_infrastructure_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     mode: str) -> None:
     tr = Trainer(foreign_cfg(tmp_path / "run", LOOKUP, "rollout.max_new_tokens_per_turn=64", "eval.before_rl=false",
-                             steps=1))
+                             *(ASYNC if mode == "async" else ()), steps=1))
     policy = lookup_policy(lambda p: True)
 
     def dying(ctx: str) -> str:

@@ -64,11 +64,14 @@ def keep_updates(tr: Any, monkeypatch: Any) -> list[dict[str, Any]]:
 
 
 def script_policy(tr: Any, monkeypatch: Any, script: Callable[[str], str]) -> Any:
-    """The trainer's engine replaced by a scripted one (`script(context text) -> reply text`), calls recorded."""
+    """The trainer's engines (the sync one, the async worker's) replaced by a scripted one (`script(context text) ->
+    reply text`), calls recorded."""
     from agent_support import ScriptedEngine
 
     engine = ScriptedEngine(tr.tokenizer, script)
     monkeypatch.setattr(tr.source.engine, "generate_batch", lambda *a, **k: engine)
+    # rollout.mode: async: the agent worker's engine (its own copy of the policy) too
+    monkeypatch.setattr("rlf_train.rollout.agent_source.local_generate_batch", lambda *a, **k: engine)
     return engine
 
 

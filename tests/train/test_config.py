@@ -55,6 +55,21 @@ def test_bad_config_errors_name_the_key(override: str, needle: str) -> None:
     assert needle in str(ei.value)
 
 
+def test_foreign_environments_say_what_they_run_with() -> None:
+    """`rollout.environment` runs sync or async (the thread worker, as agents), on backend local, without
+    group_reward; each refusal says why and what to set."""
+    env = "rollout.environment=openenv:http://127.0.0.1:9"
+    cfg = load_config(None, [env, "rollout.mode=async", "rollout.async_worker=thread"])
+    assert cfg.rollout.mode == "async" and cfg.env.id == "rlf/Foreign-v0"
+    for extra, needle in ((["rollout.mode=async"], "rollout.environment with rollout.mode: async runs its episodes "
+                                                   "on a thread of the trainer"),
+                          (["backend=openrlhf"], "set backend: local"),
+                          (["group_reward={judge: {base_url: 'http://127.0.0.1:9/v1', model: m}}"],
+                           "the foreign environment's own scorer gives the reward")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(None, [env, *extra])
+
+
 def test_bad_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")

@@ -167,11 +167,10 @@ class RolloutConfig(_Section):
         if self.environment is not None and self.agent is not None:
             raise ValueError("rollout.environment and rollout.agent both name the code that makes the episodes: "
                              "give one of them")
-        if self.environment is not None and self.mode == "async":
-            raise ValueError("rollout.environment runs with rollout.mode: sync for now")
-        if self.agent is not None and self.mode == "async" and (
+        if (self.agent is not None or self.environment is not None) and self.mode == "async" and (
                 self.async_worker != "thread" or self.async_schedule != "free" or not self.partial_rollouts):
-            raise ValueError("rollout.agent with rollout.mode: async runs its episodes on a thread of the trainer, "
+            key = "rollout.agent" if self.agent is not None else "rollout.environment"
+            raise ValueError(f"{key} with rollout.mode: async runs its episodes on a thread of the trainer, "
                              "with the free schedule and partial rollouts: set rollout.async_worker: thread (and "
                              "leave async_schedule: free, partial_rollouts: true)")
         if self.engine == "vllm" and self.mode != "sync":
@@ -415,9 +414,12 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _backend(self) -> TrainConfig:
         if self.rollout.environment is not None and self.backend != "local":
-            raise ValueError("rollout.environment runs on backend: local for now")
-        if self.group_reward is not None and (self.backend != "local" or self.rollout.agent is not None
-                                              or self.rollout.environment is not None):
+            raise ValueError("rollout.environment runs on backend: local (OpenRLHF's Ray rollout workers step rlf "
+                             "envs, not a foreign environment's own rollout): set backend: local")
+        if self.group_reward is not None and self.rollout.environment is not None:
+            raise ValueError("group_reward with rollout.environment: the foreign environment's own scorer gives the "
+                             "reward; remove group_reward")
+        if self.group_reward is not None and (self.backend != "local" or self.rollout.agent is not None):
             raise ValueError("group_reward runs on backend: local with env-driven rollouts (not rollout.agent) "
                              "for now; remove it, or score with the env's verifier")
         if self.algorithm.name == "ppo" and self.backend == "local" and self.rollout.agent is not None:

@@ -259,6 +259,17 @@ class AgentEpisodes:
     rewards: list[float]  # per episode
     stats: AgentStats
 
+    @classmethod
+    def concat(cls, parts: Sequence[AgentEpisodes]) -> AgentEpisodes:
+        """Batches one after another (the async worker's groups of an update): episodes renumbered in order."""
+        out = cls([], [], [], AgentStats())
+        for p in parts:
+            out.episode_of_row.extend(len(out.rewards) + e for e in p.episode_of_row)
+            out.trajectories.extend(p.trajectories)
+            out.rewards.extend(p.rewards)
+            out.stats.add(p.stats)
+        return out
+
 
 class AgentRunner:
     """Runs the agent function on tasks against the policy endpoint; see the module docstring."""

@@ -17,7 +17,6 @@ import torch
 from rlf_envs import runtime
 from rlf_envs.errors import RlfError
 from rlf_envs.formats.chat import ChatCodec
-from rlf_envs.types import Trajectory
 from rlf_train.config import ConfigError
 from rlf_train.rollout.agent_runner import AgentEpisodes, AgentFn, AgentRunner, AgentStats, load_agent
 from rlf_train.rollout.async_worker import AsyncBatch, AsyncPlan, AsyncWorker, frozen_copy
@@ -83,8 +82,7 @@ class AgentSource:
         version = self.engine.version()
         if self.runner is None:
             self.front = EngineFront(generate_batch, self.codec.stop_strings, version)
-            self.runner = AgentRunner(self.agent, self.codec, self.tokenizer, self.limits, self.concurrency,
-                                      self.front)
+            self.runner = self.make_runner(self.front)
             run_on_rlf_loop(self.runner.start())
         front = self.front
         assert front is not None
@@ -102,6 +100,14 @@ class AgentSource:
                              gen_tokens=front.stats.gen_tokens, turns=eps.stats.calls)
         front.stats = EngineStats()
         self.account(stage, eps.stats)
+        return self.rollouts(stage, eps, stats)
+
+    def make_runner(self, front: EngineFront) -> AgentRunner:
+        """The runner of this source's episodes against `front` (the sync engine's, or the async worker's)."""
+        return AgentRunner(self.agent, self.codec, self.tokenizer, self.limits, self.concurrency, front)
+
+    def rollouts(self, stage: Stage, eps: AgentEpisodes, stats: RolloutStats) -> Rollouts:
+        """A batch of episodes (accounted) as the learner's rows: every segment, the rewards per episode."""
         return Rollouts(eps.trajectories, eps.episode_of_row, stats, eps.stats.metrics(), eps.rewards)
 
     def account(self, stage: str, stats: AgentStats) -> None:
@@ -199,8 +205,7 @@ class AgentWorker(AsyncWorker):
                                      batch_size=batch_size, gen=gen, logprobs=True)
         self.front = EngineFront(inner, source.codec.stop_strings)
         self.front.refresh = self._refresh
-        self.runner = AgentRunner(source.agent, source.codec, source.tokenizer, source.limits, source.concurrency,
-                                  self.front)
+        self.runner = source.make_runner(self.front)
         self._seed_base = row_seeds(1, gen)[0]  # group k's episode i samples with mix_seed(base, k * G + i)
         self._t0 = 0.0
 
@@ -248,20 +253,11 @@ class AgentWorker(AsyncWorker):
 
     def _batch(self, update: int, parts: dict[int, AgentEpisodes]) -> AsyncBatch:
         """Every group of `update`, rows in data order; `episodes` says which episode each row is (segments)."""
-        B = self.admission.groups_per_update
-        rows: list[Trajectory] = []
-        owner: list[int] = []
-        rewards: list[float] = []
-        stats = AgentStats()
-        for b in range(B):
-            eps = parts[b]
-            owner.extend(len(rewards) + e for e in eps.episode_of_row)
-            rows.extend(eps.trajectories)
-            rewards.extend(eps.rewards)
-            stats.add(eps.stats)
-        self.source.account("train", stats)
-        tokens = sum(sum(r.loss_mask or []) for r in rows)
+        first = parts[0]
+        eps = type(first).concat([parts[b] for b in range(self.admission.groups_per_update)])
+        self.source.account("train", eps.stats)
+        tokens = sum(sum(r.loss_mask or []) for r in eps.trajectories)
         self.times.generate = self.front.stats.gen_seconds
         self.times.wall = time.perf_counter() - self._t0
-        episodes = Rollouts(rows, owner, RolloutStats(gen_tokens=tokens), stats.metrics(), rewards)
-        return AsyncBatch(update, rows, tokens, episodes)
+        episodes = self.source.rollouts("train", eps, RolloutStats(gen_tokens=tokens))
+        return AsyncBatch(update, episodes.trajectories, tokens, episodes)

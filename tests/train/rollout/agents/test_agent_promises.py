@@ -141,7 +141,9 @@ def test_every_generation_is_labelled_with_the_version_that_sampled_it() -> None
 
     sessions = asyncio.run(main())
     labels = [(g.version, g.reply.answer) for s in sessions for seg in s.segments for g in seg.turns]
-    assert len(labels) == 36 and len({v for v, _ in labels}) > 3  # versions moved on during the run
+    # versions moved on during the run: each of an agent's 3 turns waits for the one before, so there are at least 3
+    # engine batches (more when the agents' requests spread out), each loading a newer version first
+    assert len(labels) == 36 and len({v for v, _ in labels}) >= 3
     assert all(a == f"v{v}" for v, a in labels), [x for x in labels if x[1] != f"v{x[0]}"][:5]
 
 

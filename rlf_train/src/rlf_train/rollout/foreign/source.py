@@ -27,9 +27,10 @@ from rlf_envs.formats.chat import ChatCodec
 from rlf_envs.rewards.base import Verifier
 from rlf_envs.types import Task
 from rlf_train.config import ConfigError
-from rlf_train.rollout.agent_runner import AgentEpisodes, AgentLoop, AgentResult, AgentRunner, _Reporter
-from rlf_train.rollout.agent_source import AgentFailed, AgentSource, run_on_rlf_loop
-from rlf_train.rollout.batch import Rollouts, SamplingParams
+from rlf_train.rollout.agent_runner import AgentEpisodes, AgentLoop, AgentResult, AgentRunner, AgentStats, _Reporter
+from rlf_train.rollout.agent_source import AgentFailed, AgentSource, AgentWorker, run_on_rlf_loop
+from rlf_train.rollout.async_worker import AsyncPlan
+from rlf_train.rollout.batch import Rollouts, RolloutStats, SamplingParams
 from rlf_train.rollout.endpoint.engine import EngineFront
 from rlf_train.rollout.endpoint.sessions import EndpointLimits
 from rlf_train.rollout.env_factory import Stage
@@ -86,19 +87,40 @@ class ForeignStats:
                 f"{self.no_reward} without a reward, {self.budget} past rlf's budgets")
 
 
+@dataclass
+class ForeignEpisodes(AgentEpisodes):
+    """A batch of foreign episodes: the agent runner's, plus what the foreign scorers said (`foreign`) and which
+    episodes the infrastructure failed (`failed`, indices into the batch)."""
+
+    foreign: ForeignStats = field(default_factory=ForeignStats)
+    failed: list[int] = field(default_factory=list)
+
+    @classmethod
+    def concat(cls, parts: Sequence[AgentEpisodes]) -> ForeignEpisodes:
+        out = cls([], [], [], AgentStats())
+        for p in parts:
+            assert isinstance(p, ForeignEpisodes)
+            out.failed.extend(len(out.rewards) + e for e in p.failed)
+            out.episode_of_row.extend(len(out.rewards) + e for e in p.episode_of_row)
+            out.trajectories.extend(p.trajectories)
+            out.rewards.extend(p.rewards)
+            out.stats.add(p.stats)
+            out.foreign.add(p.foreign)
+        return out
+
+
 class ForeignRunner(AgentRunner):
     """An `AgentRunner` whose episodes are the foreign environment's: each gets a task object of its own (the same
-    task, so rows keep its id) that names its slot, and its rows come back with the outcome applied."""
+    task, so rows keep its id) that names its slot, and its rows come back with the outcome applied. Batches may
+    run at once (the async worker runs a batch per GRPO group): each one's outcomes come back with it."""
 
     def __init__(self, source: ForeignSource, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.source = source
         self.stage: Stage = "train"
-        self.last = ForeignStats()
-        self.failed_episodes: list[int] = []  # of the last batch: the episodes the infrastructure failed
 
     async def run(self, tasks: Sequence[Task], verifier: Verifier, seeds: Sequence[int] | None = None
-                  ) -> AgentEpisodes:
+                  ) -> ForeignEpisodes:
         src = self.source
         backend = src.backends[self.stage]
         copies = [dataclasses.replace(t) for t in tasks]
@@ -115,14 +137,14 @@ class ForeignRunner(AgentRunner):
             for k in slots:
                 src.slots.pop(k, None)
         stats = ForeignStats(episodes=len(tasks))
-        self.failed_episodes = []
+        failed: list[int] = []
         by_copy = {id(c): (e, slots[id(c)]) for e, c in enumerate(copies)}
         for e, c in enumerate(copies):
             o = slots[id(c)].outcome
             if o is None:  # the agent side ended it (a timeout, a cancel): the runner counted and scored it
                 continue
             if o.infra_error is not None:
-                self.failed_episodes.append(e)
+                failed.append(e)
                 stats.infra_failed += 1
                 stats.kinds[o.infra_error[:160]] += 1
                 eps.rewards[e] = 0.0
@@ -146,8 +168,7 @@ class ForeignRunner(AgentRunner):
             if o.infra_error is not None:
                 row.infra_error = o.infra_error
                 row.reward = 0.0
-        self.last = stats
-        return eps
+        return ForeignEpisodes(eps.trajectories, eps.episode_of_row, eps.rewards, eps.stats, stats, failed)
 
 
 def _finite(v: Any) -> bool:
@@ -249,24 +270,36 @@ class ForeignSource(AgentSource):
     def collect(self, stage: Stage, task_indices: Sequence[int], params: SamplingParams, seed_base: int,
                 gen: torch.Generator | None) -> Rollouts:
         self._ensure_started(self.backends[stage])
-        if self.runner is None:  # (the agent source makes a plain AgentRunner when none is set)
+        if self.runner is None:  # (the agent source's collect makes it with make_runner: a ForeignRunner)
             generate_batch = self.engine.generate_batch(params, gen, self.codec.stop_strings)
             self.front = EngineFront(generate_batch, self.codec.stop_strings, self.engine.version())
-            self.runner = ForeignRunner(self, self.agent, self.codec, self.tokenizer, self.limits, self.concurrency,
-                                        self.front)
+            self.runner = self.make_runner(self.front)
             run_on_rlf_loop(self.runner.start())
         runner = self.runner
         assert isinstance(runner, ForeignRunner)
         runner.stage = stage
-        out = super().collect(stage, task_indices, params, seed_base, gen)
-        stats, failed = runner.last, set(runner.failed_episodes)
-        self.foreign_totals["train" if stage == "train" else "eval"].add(stats)
+        return super().collect(stage, task_indices, params, seed_base, gen)
+
+    def make_runner(self, front: EngineFront) -> ForeignRunner:
+        return ForeignRunner(self, self.agent, self.codec, self.tokenizer, self.limits, self.concurrency, front)
+
+    def rollouts(self, stage: Stage, eps: AgentEpisodes, stats: RolloutStats) -> Rollouts:
+        """The agent source's rows, with the foreign outcomes: eval drops the infra-failed episodes, training the
+        GRPO groups that hold one; the foreign counters join the metrics."""
+        assert isinstance(eps, ForeignEpisodes)
+        out = super().rollouts(stage, eps, stats)
+        self.foreign_totals["train" if stage == "train" else "eval"].add(eps.foreign)
         if stage != "train":
-            self.pending_foreign.add(stats)
-            return _drop_episodes(out, failed)
-        out = self._drop_failed_groups(out, stats, failed)
-        out.metrics.update(stats.as_metrics())
+            self.pending_foreign.add(eps.foreign)
+            return _drop_episodes(out, set(eps.failed))
+        out = self._drop_failed_groups(out, eps.foreign, set(eps.failed))
+        out.metrics.update(eps.foreign.as_metrics())
         return out
+
+    def async_worker(self, plan: AsyncPlan) -> AgentWorker:
+        """`rollout.mode: async`: the agent worker, its episodes the foreign environment's (started first)."""
+        self._ensure_started(self.backends["train"])
+        return super().async_worker(plan)
 
     def _drop_failed_groups(self, out: Rollouts, stats: ForeignStats, failed: set[int]) -> Rollouts:
         """Training: the rows of every GRPO group holding an infra-failed episode leave the batch (the rewards stay
@@ -333,4 +366,5 @@ def _drop_episodes(out: Rollouts, failed: set[int]) -> Rollouts:
     return Rollouts([t for t, _ in rows], [e for _, e in rows], out.stats, out.metrics, kept_rewards)
 
 
-__all__ = ["ForeignInfraFailed", "ForeignRunner", "ForeignSource", "ForeignStats", "ForeignStartFailed"]
+__all__ = ["ForeignEpisodes", "ForeignInfraFailed", "ForeignRunner", "ForeignSource", "ForeignStats",
+           "ForeignStartFailed"]
