@@ -177,12 +177,16 @@ def test_shipped_multireward_env_scores_every_component(tmp_path: Path, monkeypa
     nothing_left(leftovers)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
 def test_shipped_single_tool_call_env_trains_the_tiny_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             leftovers: Any) -> None:
+                                                             leftovers: Any, mode: str) -> None:
     """NeMo-Gym's example_single_tool_call with the real tiny policy generating: its `/verify` gives 1.0 to every
-    rollout, and every row carries it (an unscored episode would be 0); the rows are the engine's exact tokens."""
+    rollout, and every row carries it (an unscored episode would be 0); the rows are the engine's exact tokens.
+    `rollout.mode: async` too: the agent worker's copy of the policy generates, group by group, ahead of the
+    learner."""
     run = tmp_path / "run"
-    tr = Trainer(foreign_cfg(run, "nemo_gym:example_single_tool_call", "rollout.max_new_tokens_per_turn=16"))
+    tr = Trainer(foreign_cfg(run, "nemo_gym:example_single_tool_call", "rollout.max_new_tokens_per_turn=16",
+                             *(("rollout.mode=async", "rollout.async_worker=thread") if mode == "async" else ())))
     seen = keep_updates(tr, monkeypatch)
     tr.run()
     assert len(seen) == 2
