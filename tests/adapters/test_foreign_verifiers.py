@@ -48,14 +48,17 @@ def process_env() -> Any:
     forget_backends()
 
 
-def test_search_env_trains_with_its_mcp_tool_and_its_rubric(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_search_env_trains_with_its_mcp_tool_and_its_rubric(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            mode: str) -> None:
     """Multi-turn with tools: the env's harness asks rlf's endpoint, calls its own MCP `search` server (started by
     verifiers), and its `@vf.reward` functions score the answer. The policy is scripted (it searches, then answers
     right for some entities only): the rewards are the rubric's, the rows token-exact, the records show the tool
-    calls and what the tool returned."""
+    calls and what the tool returned. Sync, and `rollout.mode: async` (the agent worker, group by group)."""
     run = tmp_path / "run"
     tr = Trainer(foreign_cfg(run, SEARCH, "env.kwargs.options={taskset: {num_tasks: 8}, agent: {harness: {id: "
-                                          "foreign_vf_search, max_tokens: 96}}}", "rollout.max_new_tokens_per_turn=96"))
+                                          "foreign_vf_search, max_tokens: 96}}}", "rollout.max_new_tokens_per_turn=96",
+                             *(("rollout.mode=async", "rollout.async_worker=thread") if mode == "async" else ())))
     assert len(tr.train_tasks) == 8 and tr.train_tasks[0].id == "train-00000"
     assert tr.eval_envs().envs[0].tasks[0].id == "test-00000", "eval is the taskset's test split"
     right = lambda entity: len(entity) % 2 == 0  # noqa: E731
