@@ -536,6 +536,7 @@ def launcher_main(sock: Any, st: dict[str, Any]) -> None:  # pragma: no cover - 
         # between (the command's own `kill -9 -1` may reach it just as the command ends) leaves a zombie to C, which
         # reads the status itself; reaped first, that status would be lost with L
         w = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)
+        assert w is not None  # (None only with WNOHANG)
         code = w.si_status if w.si_code == os.CLD_EXITED else -w.si_status
         sock.send(json.dumps({"returncode": code}).encode())
         p.wait()
