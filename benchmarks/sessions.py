@@ -152,11 +152,11 @@ async def dockerpy_episodes(n: int, image: str, seed: str) -> float:
         client.close()
 
 
-async def episodes(b: SessionBackend, spec: SessionSpec, n: int) -> tuple[float, int]:
-    failures = 0
+async def episodes(b: SessionBackend, spec: SessionSpec, n: int) -> tuple[float, list[str]]:
+    """n episodes at once: episodes/s and each failed episode's error (kept in the JSON: `errors_<n>`)."""
+    failures: list[str] = []
 
     async def one() -> None:
-        nonlocal failures
         try:
             async with await b.create(spec) as s:
                 await s.exec(["true"])
@@ -166,7 +166,7 @@ async def episodes(b: SessionBackend, spec: SessionSpec, n: int) -> tuple[float,
                 await s.read_file("f.txt")
                 await s.diff()
         except Exception as e:
-            failures += 1
+            failures.append(repr(e)[:500])
             print(f"  episode failed: {e!r}", file=sys.stderr)
 
     t = time.perf_counter()
@@ -225,7 +225,7 @@ async def local(runs: int, levels: list[int], seed: str) -> dict[str, Any]:
             eps, fail = await episodes(b, spec, n)
         finally:
             await b.aclose()
-        res[f"episodes_per_s_{n}"], res[f"failures_{n}"] = eps, fail
+        res[f"episodes_per_s_{n}"], res[f"failures_{n}"], res[f"errors_{n}"] = eps, len(fail), fail
         res[f"unisolated_episodes_per_s_{n}"] = await unisolated_episodes(n, seed)
     return res
 
@@ -268,7 +268,7 @@ async def docker(runs: int, levels: list[int], image: str, seed: str) -> dict[st
             eps, fail = await episodes(b, spec, n)
         finally:
             await b.aclose()
-        res[f"episodes_per_s_{n}"], res[f"failures_{n}"] = eps, fail
+        res[f"episodes_per_s_{n}"], res[f"failures_{n}"], res[f"errors_{n}"] = eps, len(fail), fail
         res[f"dockerpy_episodes_per_s_{n}"] = await dockerpy_episodes(n, image, seed)
     return res
 
@@ -333,9 +333,10 @@ async def ray_bench(runs: int, levels: list[int], seed: str, address: str | None
         res["create_p50_s"], res["local_create_p50_s"] = statistics.median(c_ray), statistics.median(c_loc)
         for lvl in levels:
             eps, fail = await episodes(rb, spec, lvl)
-            res[f"episodes_per_s_{lvl}"], res[f"failures_{lvl}"] = eps, fail
+            res[f"episodes_per_s_{lvl}"], res[f"failures_{lvl}"], res[f"errors_{lvl}"] = eps, len(fail), fail
             eps, fail = await episodes(lb, spec, lvl)
-            res[f"local_episodes_per_s_{lvl}"], res[f"local_failures_{lvl}"] = eps, fail
+            res[f"local_episodes_per_s_{lvl}"], res[f"local_failures_{lvl}"] = eps, len(fail)
+            res[f"local_errors_{lvl}"] = fail
         spread = [h.load for h in rb.hosts()]
         res["hosts_load_after"] = spread
     finally:
