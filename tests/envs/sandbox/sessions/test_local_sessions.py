@@ -431,9 +431,9 @@ def test_the_launcher_killed_or_stopped_by_the_session_fails_only_its_own_exec()
         async with await b.create(SessionSpec(limits=FAST)) as s:
             # (a moment first: L reports the command's pid just after starting it; a command that kills L before
             # that is reported killed, 137, below)
-            r = await s.exec("sleep 0.2; kill -KILL $PPID; sleep 0.3; echo survived; exit 3")
+            r = await s.exec("sleep 0.5; kill -KILL $PPID; sleep 0.3; echo survived; exit 3")
             assert (r.exit_code, r.stdout, r.timed_out) == (3, "survived\n", False), r
-            r = await s.exec("sleep 0.2; kill -9 -1; echo after-kill-all")
+            r = await s.exec("sleep 0.5; kill -9 -1; echo after-kill-all")
             assert (r.exit_code, r.stdout) == (0, "after-kill-all\n"), r
             # killed at once: either L reported the pid first (the command goes on) or the exec is reported killed;
             # never a host failure, never run twice
