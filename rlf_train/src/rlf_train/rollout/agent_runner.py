@@ -57,6 +57,7 @@ from rlf_train.config import ConfigError
 from rlf_train.rollout.endpoint.engine import EngineFront
 from rlf_train.rollout.endpoint.server import PolicyServer
 from rlf_train.rollout.endpoint.sessions import BREAK_KINDS, EndpointLimits, GenTurn, Session
+from rlf_train.rollout.env_factory import Stage
 
 log = logging.getLogger(__name__)
 
@@ -264,11 +265,15 @@ class AgentEpisodes:
         """Batches one after another (the async worker's groups of an update): episodes renumbered in order."""
         out = cls([], [], [], AgentStats())
         for p in parts:
-            out.episode_of_row.extend(len(out.rewards) + e for e in p.episode_of_row)
-            out.trajectories.extend(p.trajectories)
-            out.rewards.extend(p.rewards)
-            out.stats.add(p.stats)
+            out.append(p)
         return out
+
+    def append(self, p: AgentEpisodes) -> None:
+        """`p`'s episodes after these (its episode numbers shifted by how many there are)."""
+        self.episode_of_row.extend(len(self.rewards) + e for e in p.episode_of_row)
+        self.trajectories.extend(p.trajectories)
+        self.rewards.extend(p.rewards)
+        self.stats.add(p.stats)
 
 
 class AgentRunner:
@@ -333,10 +338,11 @@ class AgentRunner:
         c.model = "rlf-policy"  # type: ignore[attr-defined]  # what agents pass as `model` (any name works)
         return c
 
-    async def run(self, tasks: Sequence[Task], verifier: Verifier, seeds: Sequence[int] | None = None
-                  ) -> AgentEpisodes:
+    async def run(self, tasks: Sequence[Task], verifier: Verifier, seeds: Sequence[int] | None = None,
+                  stage: Stage = "train") -> AgentEpisodes:
         """One episode per task (in order), at most `concurrency` at once; episode e samples with seed `seeds[e]`
-        (`rlf_train.rollout.seeds`: a function of the run's seed, so the run does not depend on arrival order)."""
+        (`rlf_train.rollout.seeds`: a function of the run's seed, so the run does not depend on arrival order).
+        `stage`: the split the tasks come from (a subclass may run each split's episodes elsewhere)."""
         t0 = time.perf_counter()
         if self._sem is None:  # one bound for every batch in flight (the async worker runs several)
             self._sem = asyncio.Semaphore(self.concurrency)

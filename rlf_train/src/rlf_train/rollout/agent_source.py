@@ -93,7 +93,7 @@ class AgentSource:
         base = row_seeds(1, gen)[0]  # episode e samples with mix_seed(base, e): the run's seed fixes the run
         try:
             eps = run_on_rlf_loop(self.runner.run([env.tasks[i] for i in task_indices], env.verifier,
-                                                  [mix_seed(base, e) for e in range(len(task_indices))]))
+                                                  [mix_seed(base, e) for e in range(len(task_indices))], stage))
         finally:
             model.train(was_training)
         stats = RolloutStats(gen_seconds=front.stats.gen_seconds, total_seconds=eps.stats.seconds,

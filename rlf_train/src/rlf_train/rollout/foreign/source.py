@@ -27,7 +27,7 @@ from rlf_envs.formats.chat import ChatCodec
 from rlf_envs.rewards.base import Verifier
 from rlf_envs.types import Task
 from rlf_train.config import ConfigError
-from rlf_train.rollout.agent_runner import AgentEpisodes, AgentLoop, AgentResult, AgentRunner, AgentStats, _Reporter
+from rlf_train.rollout.agent_runner import AgentEpisodes, AgentLoop, AgentResult, AgentRunner, _Reporter
 from rlf_train.rollout.agent_source import AgentFailed, AgentSource, AgentWorker, run_on_rlf_loop
 from rlf_train.rollout.async_worker import AsyncPlan
 from rlf_train.rollout.batch import Rollouts, RolloutStats, SamplingParams
@@ -95,34 +95,27 @@ class ForeignEpisodes(AgentEpisodes):
     foreign: ForeignStats = field(default_factory=ForeignStats)
     failed: list[int] = field(default_factory=list)
 
-    @classmethod
-    def concat(cls, parts: Sequence[AgentEpisodes]) -> ForeignEpisodes:
-        out = cls([], [], [], AgentStats())
-        for p in parts:
-            assert isinstance(p, ForeignEpisodes)
-            out.failed.extend(len(out.rewards) + e for e in p.failed)
-            out.episode_of_row.extend(len(out.rewards) + e for e in p.episode_of_row)
-            out.trajectories.extend(p.trajectories)
-            out.rewards.extend(p.rewards)
-            out.stats.add(p.stats)
-            out.foreign.add(p.foreign)
-        return out
+    def append(self, p: AgentEpisodes) -> None:
+        assert isinstance(p, ForeignEpisodes)
+        self.failed.extend(len(self.rewards) + e for e in p.failed)
+        self.foreign.add(p.foreign)
+        super().append(p)
 
 
 class ForeignRunner(AgentRunner):
     """An `AgentRunner` whose episodes are the foreign environment's: each gets a task object of its own (the same
     task, so rows keep its id) that names its slot, and its rows come back with the outcome applied. Batches may
-    run at once (the async worker runs a batch per GRPO group): each one's outcomes come back with it."""
+    run at once (the async worker runs a batch per GRPO group): each one's outcomes come back with it. `stage`
+    picks the split's backend."""
 
     def __init__(self, source: ForeignSource, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.source = source
-        self.stage: Stage = "train"
 
-    async def run(self, tasks: Sequence[Task], verifier: Verifier, seeds: Sequence[int] | None = None
-                  ) -> ForeignEpisodes:
+    async def run(self, tasks: Sequence[Task], verifier: Verifier, seeds: Sequence[int] | None = None,
+                  stage: Stage = "train") -> ForeignEpisodes:
         src = self.source
-        backend = src.backends[self.stage]
+        backend = src.backends[stage]
         copies = [dataclasses.replace(t) for t in tasks]
         first: dict[str, int] = {}
         slots = {}
@@ -132,7 +125,7 @@ class ForeignRunner(AgentRunner):
             slots[id(c)] = _Slot(t, backend, seed)
         src.slots.update(slots)
         try:
-            eps = await super().run(copies, verifier, seeds)
+            eps = await super().run(copies, verifier, seeds, stage)
         finally:
             for k in slots:
                 src.slots.pop(k, None)
@@ -270,14 +263,6 @@ class ForeignSource(AgentSource):
     def collect(self, stage: Stage, task_indices: Sequence[int], params: SamplingParams, seed_base: int,
                 gen: torch.Generator | None) -> Rollouts:
         self._ensure_started(self.backends[stage])
-        if self.runner is None:  # (the agent source's collect makes it with make_runner: a ForeignRunner)
-            generate_batch = self.engine.generate_batch(params, gen, self.codec.stop_strings)
-            self.front = EngineFront(generate_batch, self.codec.stop_strings, self.engine.version())
-            self.runner = self.make_runner(self.front)
-            run_on_rlf_loop(self.runner.start())
-        runner = self.runner
-        assert isinstance(runner, ForeignRunner)
-        runner.stage = stage
         return super().collect(stage, task_indices, params, seed_base, gen)
 
     def make_runner(self, front: EngineFront) -> ForeignRunner:
