@@ -64,14 +64,17 @@ def test_search_env_trains_with_its_mcp_tool_and_its_rubric(tmp_path: Path, monk
     right = lambda entity: len(entity) % 2 == 0  # noqa: E731
     engine = script_policy(tr, monkeypatch, search_oracle(right))
     seen = keep_updates(tr, monkeypatch)
-    kept, counted = tr.update, []
+    counted: list[int] = []
 
-    def update(*a: Any, **k: Any) -> Any:  # between batches, the interception keeps no episode's upstream client
+    def count() -> None:  # the upstream clients the interception keeps for episodes still running
         counted.extend(len(s.clients) for e in tr.source.backends["train"].envs.values()
                        for s in e._interception.servers)
-        return kept(*a, **k)
 
-    monkeypatch.setattr(tr, "update", update)
+    # sync: between batches no episode runs. Async: the worker runs the next groups while the learner updates, so
+    # the quiet point is the run's end, once the worker stopped (its episodes in flight are cancelled then)
+    where, name = (tr, "update") if mode == "sync" else (tr.source, "close")
+    kept = getattr(where, name)
+    monkeypatch.setattr(where, name, lambda *a, **k: (count(), kept(*a, **k))[1])
     tr.run()
     assert len(seen) == 2 and counted and set(counted) == {0}
     for s in seen:
