@@ -189,3 +189,57 @@ def test_docker_warm_pool_serves_creates_and_close_leaves_no_container(seed: Pat
         assert mine == []
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("commit", [True, False], ids=["derived", "engine-cannot-commit"])
+def test_containers_get_pid_1_from_one_derived_image_and_the_seed_in_one_archive(
+        seed: Path, monkeypatch: pytest.MonkeyPatch, commit: bool) -> None:
+    """Each archive call costs the engine a helper process: pid 1 (an execute-only sleep) is committed once into an
+    image derived from the session image, and a container's one archive call is its seed's. The derived image goes
+    with the backend. Where the engine cannot commit, pid 1 travels in that same archive instead."""
+    import docker
+
+    from rlf_envs.sandbox.sessions import docker as dk
+
+    client = docker.from_env()
+    base = client.images.get(IMAGE).id
+    puts: list[str] = []  # the containers put_archive was called for
+    sessions: set[str] = set()
+    if not commit:
+        monkeypatch.setattr(type(client.api), "commit", lambda *a, **k: (_ for _ in ()).throw(
+            docker.errors.APIError("commit refused (test)")))
+
+    async def go(b: Any) -> tuple[set[str], dict[str, Any]]:
+        real = b.client.api.put_archive
+
+        def put(cid: str, path: str, data: bytes) -> Any:
+            puts.append(cid)
+            return real(cid, path, data)
+
+        monkeypatch.setattr(b.client.api, "put_archive", put)
+        made = set()
+        for _ in range(3):
+            async with await b.create(spec(seed_dir=str(seed))) as s:
+                sessions.add(s._c.id)
+                made.add(b.client.api.inspect_container(s._c.id)["Image"])
+                r = await s.exec(["stat", "-c", "%a %u", dk.INIT])
+                assert (r.exit_code, r.stdout) == (0, "111 0\n"), "pid 1 is execute-only, root's"
+                assert (await s.exec(["cat", "/proc/1/cmdline"])).stdout.startswith(dk.INIT + "\x00")
+                assert await s.read_file("pkg/mod.py") == b"def f():\n    return 1\n"
+                owner = await s.exec(["stat", "-c", "%u", "pkg/mod.py"])
+                assert owner.stdout == "0\n"  # (the image's user)
+        return made, await asyncio.to_thread(b.client.api.inspect_image, next(iter(made)))
+
+    made, info = run(go, pool_size=0)
+    assert len(made) == 1, "every session container comes from the same image"
+    (image,) = made
+    if commit:
+        assert image != base and info["RepoTags"][0].startswith("rlf-init:")
+        assert info["Config"]["Labels"][dk.INIT_LABEL] == base
+        assert len([c for c in puts if c in sessions]) == 3, "one archive call per container: the seed's"
+        with pytest.raises(docker.errors.ImageNotFound):
+            client.images.get(image)  # removed with the backend
+    else:
+        assert image == base and len([c for c in puts if c in sessions]) == 3, "pid 1 and the seed in one archive"
+    assert not client.images.list(filters={"label": dk.INIT_LABEL})
+    client.close()

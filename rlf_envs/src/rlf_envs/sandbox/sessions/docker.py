@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -90,6 +91,8 @@ LABEL = "rlf.session"
 #: on the images `tasks.harbor.build_docker_image` builds (with the builder's owner labels); `rlf.keep=1`: kept
 IMAGE_LABEL = "rlf.image"
 KEEP_LABEL = "rlf.keep"
+#: on the images the backend derives (an image with pid 1 put in, `DockerBackend._image`): the image it was made from
+INIT_LABEL = "rlf.init-for"
 #: how long a call may take to end after its deadline kill before the session is ended
 GRACE_S = 10.0
 API_TIMEOUT_S = 120
@@ -152,7 +155,11 @@ def _is_root(user: str) -> bool:
     return user.split(":", 1)[0] in ("", "0", "root")
 
 
-def _tar_of_dir(src: str, uid: int = 0, gid: int = 0) -> bytes:
+def _tar_of_dir(src: str, uid: int = 0, gid: int = 0, under: str = "", head: bytes = b"") -> bytes:
+    """A tar of the directory `src`'s entries (owned by uid:gid), named relative to it, or below `under` (a relative
+    '/'-separated path, whose own directories get no entries); after the members of the tar `head` (its two closing
+    zero blocks dropped), so one archive can carry both."""
+
     def own(t: tarfile.TarInfo) -> tarfile.TarInfo:
         t.uid, t.gid, t.uname, t.gname = uid, gid, "", ""
         return t
@@ -160,8 +167,14 @@ def _tar_of_dir(src: str, uid: int = 0, gid: int = 0) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
         for name in sorted(os.listdir(src)):
-            tf.add(os.path.join(src, name), arcname=name, filter=own)
-    return buf.getvalue()
+            tf.add(os.path.join(src, name), arcname=posixpath.join(under, name) if under else name, filter=own)
+    if not head:
+        return buf.getvalue()
+    with tarfile.open(fileobj=io.BytesIO(head), mode="r:") as tf:
+        end = tf.offset  # (after its last member: what follows are the end-of-archive blocks)
+        for _m in tf:
+            end = tf.offset
+    return head[:end] + buf.getvalue()
 
 
 def _tar_of_file(name: str, data: bytes, mode: int, uid: int, gid: int, parents: bool) -> bytes:
@@ -177,6 +190,11 @@ def _tar_of_file(name: str, data: bytes, mode: int, uid: int, gid: int, parents:
         info.size, info.mode, info.mtime, info.uid, info.gid = len(data), mode & 0o7777, int(time.time()), uid, gid
         tf.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+def _children_first(images: list[Any]) -> list[Any]:
+    """Images in an order the engine removes them in: the ones derived with pid 1 (`INIT_LABEL`) before the rest."""
+    return sorted(images, key=lambda img: INIT_LABEL not in (img.labels or {}))
 
 
 @contextlib.contextmanager
@@ -454,8 +472,10 @@ async def _remove(c: Any) -> None:
 @dataclass(frozen=True)
 class _Image:
     """What the backend learnt of an image once: its id, the user its commands run as (and whether root), that
-    user's numeric ids (for the files the backend writes), the shell a str command runs under, and the tar that puts
-    its execute-only pid 1 in place."""
+    user's numeric ids (for the files the backend writes), the shell a str command runs under, the tar that puts
+    its execute-only pid 1 in place, and the image session containers are created from (`run`: the image with that
+    pid 1 in it, derived once; the image itself where the engine could not commit, pid 1 then put in every
+    container's first archive)."""
 
     id: str
     user: str
@@ -464,6 +484,11 @@ class _Image:
     gid: int = 0
     shell: tuple[str, ...] = ("/bin/bash", "-lc")
     init: bytes = b""
+    run: str = ""
+
+    @property
+    def derived(self) -> bool:
+        return bool(self.run) and self.run != self.id
 
 
 @dataclass
@@ -868,6 +893,7 @@ class DockerBackend(PooledBackend):
             self.pool_size, usable=lambda box: time.monotonic() - box.born <= self.pool_idle_s,
             discard=lambda box: _remove_quietly(box.c), what="docker session")
         self._images: dict[str, _Image] = {}
+        self._image_lock = threading.Lock()  # one thread learns an image (and derives its pid-1 image) at a time
         self.host = socket.gethostname()
         self.reaped_at_start = self.reap()
 
@@ -925,7 +951,8 @@ class DockerBackend(PooledBackend):
                         c.remove(force=True)
                         n += 1
         with contextlib.suppress(Exception):
-            for img in self.client.images.list(filters={"label": [IMAGE_LABEL, f"rlf.owner.host={self.host}"]}):
+            for img in _children_first(self.client.images.list(filters={"label": [IMAGE_LABEL,
+                                                                                  f"rlf.owner.host={self.host}"]})):
                 lab = img.labels or {}
                 if lab.get(KEEP_LABEL) != "1" and self._owner_gone(lab):
                     n += self._remove_image(img)
@@ -942,12 +969,13 @@ class DockerBackend(PooledBackend):
             return 0
 
     def remove_built_images(self) -> int:
-        """Remove the Harbor images this process built (`rlf.image` with this process as owner, not `rlf.keep`)."""
+        """Remove the images this process built (`rlf.image` with this process as owner, not `rlf.keep`): Harbor
+        tasks' images and the ones with pid 1 put in, these first."""
         lab = self._labels()
         want = [IMAGE_LABEL, f"rlf.owner.pid={lab['rlf.owner.pid']}", f"rlf.owner.host={self.host}"]
         n = 0
         with contextlib.suppress(Exception):
-            for img in self.client.images.list(filters={"label": want}):
+            for img in _children_first(self.client.images.list(filters={"label": want})):
                 if (img.labels or {}).get(KEEP_LABEL) != "1" and \
                         (img.labels or {}).get("rlf.owner.start") == lab["rlf.owner.start"]:
                     n += self._remove_image(img)
@@ -989,39 +1017,66 @@ class DockerBackend(PooledBackend):
             raise
         return box, started
 
-    def _image(self, ref: str, cid: str | None = None) -> _Image:
-        """The image's facts: its id and user from the engine (once per ref); with a created container `cid`, the
-        shell and the init binary from its files (once per image)."""
+    def _image(self, ref: str) -> _Image:
+        """The image's facts, learnt once per ref (one thread at a time): its id and user from the engine; the shell
+        and pid 1 (an execute-only copy of its sleep) from its files, in a container made for that; and the image
+        sessions are created from: that container with pid 1 put in, committed (`INIT_LABEL`, owned like the Harbor
+        images: removed with the backend, or by a later reaper). Each archive call costs the engine a helper process
+        (about an exec's CPU): so a session container's only one is its seed's. Where the engine cannot commit, the
+        image itself, and pid 1 goes into each container's first archive."""
         img = self._images.get(ref)
-        api = self.client.api
-        if img is None:
-            attrs = api.inspect_image(ref)
-            user = (attrs.get("Config") or {}).get("User") or "0"
-            img = _Image(attrs["Id"], user, _is_root(user))
-            self._images[ref] = img
-        if cid is None or img.init:
+        if img is not None:
             return img
-        shell = ("/bin/bash", "-lc") if self._file(cid, "/bin/bash", 64 << 20) is not None else ("/bin/sh", "-c")
-        body = None
-        for path in ("/bin/sleep", "/usr/bin/sleep"):
-            body = self._file(cid, path, 16 << 20)
-            if body is not None:
-                break
-        if body is None:
-            raise SessionError(f"image {ref!r} has no `sleep` (/bin/sleep): the docker backend's session containers "
-                               "run it as pid 1")
-        buf = io.BytesIO()
-        with tarfile.open(fileobj=buf, mode="w") as tf:
-            d = tarfile.TarInfo(posixpath.dirname(INIT).lstrip("/"))
-            d.type, d.mode = tarfile.DIRTYPE, 0o755
-            tf.addfile(d)
-            f = tarfile.TarInfo(INIT.lstrip("/"))
-            f.size, f.mode = len(body), 0o111  # execute-only: pid 1 is then not dumpable (no ptrace, no /proc/1/mem)
-            tf.addfile(f, io.BytesIO(body))
-        uid, gid = (0, 0) if img.root else self._ids(cid, img.user)
-        img = _Image(img.id, img.user, img.root, uid, gid, shell, buf.getvalue())
-        self._images[ref] = img
-        return img
+        with self._image_lock:
+            img = self._images.get(ref)
+            if img is None:
+                img = self._learn(ref)
+                self._images[ref] = img
+            return img
+
+    def _learn(self, ref: str) -> _Image:
+        api = self.client.api
+        attrs = api.inspect_image(ref)
+        user = (attrs.get("Config") or {}).get("User") or "0"
+        base = _Image(attrs["Id"], user, _is_root(user))
+        labels = {**self._labels(), IMAGE_LABEL: "1", INIT_LABEL: base.id}
+        cid = api.create_container(base.id, command=[INIT], entrypoint=[INIT], user=INIT_USER, labels=labels,
+                                   name="rlf-init-" + uuid.uuid4().hex[:12], network_disabled=True,
+                                   use_config_proxy=False)["Id"]
+        try:
+            shell = ("/bin/bash", "-lc") if self._file(cid, "/bin/bash", 64 << 20) is not None else ("/bin/sh", "-c")
+            body = None
+            for path in ("/bin/sleep", "/usr/bin/sleep"):
+                body = self._file(cid, path, 16 << 20)
+                if body is not None:
+                    break
+            if body is None:
+                raise SessionError(f"image {ref!r} has no `sleep` (/bin/sleep): the docker backend's session "
+                                   "containers run it as pid 1")
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tf:
+                d = tarfile.TarInfo(posixpath.dirname(INIT).lstrip("/"))
+                d.type, d.mode = tarfile.DIRTYPE, 0o755
+                tf.addfile(d)
+                f = tarfile.TarInfo(INIT.lstrip("/"))
+                # execute-only: pid 1 is then not dumpable (no ptrace, no /proc/1/mem)
+                f.size, f.mode = len(body), 0o111
+                tf.addfile(f, io.BytesIO(body))
+            uid, gid = (0, 0) if base.root else self._ids(cid, user)
+            img = _Image(base.id, user, base.root, uid, gid, shell, buf.getvalue(), base.id)
+            try:
+                if not api.put_archive(cid, "/", img.init):
+                    raise SessionInfraError("the engine did not take the archive")
+                run = api.commit(cid, repository="rlf-init", tag=f"{base.id.split(':')[-1][:12]}-"
+                                 f"{uuid.uuid4().hex[:8]}")["Id"]
+                img = dataclasses.replace(img, run=run)
+            except Exception as e:  # every container then gets pid 1 in its first archive
+                log.info("docker sessions: could not derive an image with pid 1 from %s (%s); putting it into each "
+                         "container instead", ref, e)
+            return img
+        finally:
+            with contextlib.suppress(Exception):
+                api.remove_container(cid, force=True)
 
     def _file(self, cid: str, path: str, limit: int) -> bytes | None:
         """A regular file of a (created) container, links followed; None when there is none."""
@@ -1072,8 +1127,7 @@ class DockerBackend(PooledBackend):
         """Create and start a session container (pid 1: the image's sleep, execute-only, as INIT_USER, for the
         session's wall clock + LIFETIME_MARGIN_S + `idle_s`), the seed copied in. (The box, when it was started.)"""
         lim = spec.limits
-        ref = _image_ref(spec.image)
-        img = self._image(ref)
+        img = self._image(_image_ref(spec.image))
         lifetime = math.ceil(lim.session_timeout_s + LIFETIME_MARGIN_S + idle_s)
         api = self.client.api
         hc = api.create_host_config(
@@ -1081,22 +1135,22 @@ class DockerBackend(PooledBackend):
             memswap_limit=f"{lim.memory_mb}m", pids_limit=lim.pids, cap_drop=CAP_DROP,
             security_opt=[] if img.root else ["no-new-privileges"], init=False, auto_remove=True)
         name = "rlf-" + uuid.uuid4().hex[:16]
-        cid = api.create_container(img.id, command=[str(lifetime)], entrypoint=[INIT], user=INIT_USER, name=name,
+        cid = api.create_container(img.run, command=[str(lifetime)], entrypoint=[INIT], user=INIT_USER, name=name,
                                    labels=self._labels(), working_dir=spec.workdir, environment=spec.env,
                                    host_config=hc, hostname="sandbox", detach=True, use_config_proxy=False)["Id"]
         try:
-            img = self._image(ref, cid)
-            if not api.put_archive(cid, "/", img.init):
-                raise SessionInfraError("could not put the session's pid 1 into the container")
+            # one archive at most, before the start: the seed, with pid 1 where the image has none (not derived)
+            head = b"" if img.derived else img.init
+            first = _tar_of_dir(spec.seed_dir, img.uid, img.gid, spec.workdir.strip("/"), head) if spec.seed_dir \
+                else head
+            if first and not api.put_archive(cid, "/", first):
+                raise SessionInfraError("could not put the session's seed (and pid 1) into the container")
             born = time.monotonic()
             api.start(cid)
             attrs = api.inspect_container(cid)
             pid1 = int((attrs.get("State") or {}).get("Pid") or 0)
             box = _Box(self.client.containers.prepare_model(attrs), img, _Host.find(cid, pid1) if pid1 else None,
                        born, float(lifetime))
-            if spec.seed_dir and not api.put_archive(cid, spec.workdir, _tar_of_dir(spec.seed_dir, img.uid,
-                                                                                    img.gid)):
-                raise SessionInfraError("could not copy the seed into the container")
         except BaseException:
             with contextlib.suppress(Exception):
                 api.remove_container(cid, force=True)
