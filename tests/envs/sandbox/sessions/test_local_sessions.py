@@ -587,6 +587,27 @@ def test_sigkill_of_an_owner_with_32_open_sessions_leaves_nothing(tmp_path: Path
             p.stdout.close()
 
 
+def test_a_label_directory_someone_else_made_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reaper SIGKILLs what the labels name: a label directory that another user made first (in a
+    world-writable parent such as /dev/shm or /tmp), a link, or one others may write to is refused with what to do,
+    never used; the default one is this user's own, mode 0700."""
+    assert owners.label_dir().startswith("/dev/shm/rlf-sessions-")  # a tmpfs: labels cost no journal flush
+    st = os.lstat(owners.label_dir())
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
+    bad = [tmp_path / "open", tmp_path / "link", tmp_path / "theirs"]
+    bad[0].mkdir(mode=0o777)
+    bad[0].chmod(0o777)
+    bad[1].symlink_to(tmp_path)
+    bad[2].mkdir(mode=0o700)
+    os.chown(bad[2], 12345, 12345)
+    for d in bad:
+        monkeypatch.setenv("RLF_SESSIONS_DIR", str(d))
+        with pytest.raises(PermissionError, match="not this user's own.*RLF_SESSIONS_DIR"):
+            owners.label_dir()
+    monkeypatch.setenv("RLF_SESSIONS_DIR", str(tmp_path / "mine"))
+    assert owners.label_dir() == str(tmp_path / "mine") and (tmp_path / "mine").stat().st_mode & 0o777 == 0o700
+
+
 def test_session_processes_have_no_leftover_uid_processes_after_close() -> None:
     async def go(b: LocalBackend) -> int:
         s = await b.create(SessionSpec(limits=FAST))

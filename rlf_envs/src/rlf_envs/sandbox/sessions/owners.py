@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -23,10 +24,31 @@ from rlf_envs.sandbox._cgroup import remove_cgroups
 RUN_ID = os.environ.get("RLF_RUN_ID") or uuid.uuid4().hex[:12]
 
 
+#: the label directories checked so far (`label_dir`), by the RLF_SESSIONS_DIR they were found for
+_checked: dict[str | None, str] = {}
+
+
 def label_dir() -> str:
-    """Where the labels live: RLF_SESSIONS_DIR, else <tmp>/rlf-sessions-<euid>; made 0700 on first use."""
-    d = os.environ.get("RLF_SESSIONS_DIR") or os.path.join(tempfile.gettempdir(), f"rlf-sessions-{os.geteuid()}")
+    """Where the labels live: RLF_SESSIONS_DIR, else rlf-sessions-<euid> in /dev/shm (a tmpfs on Linux: a label is
+    written three times per session, and on a disk's filesystem each atomic replace costs a journal flush, ~0.5-1 ms
+    on the event loop), or in the temp dir where there is none; made 0700 on first use. The reaper SIGKILLs what the
+    labels name, so the directory must be ours: PermissionError, saying what to do, when it is another user's, a
+    link, or writable by others (made by someone else before us in a world-writable parent)."""
+    env = os.environ.get("RLF_SESSIONS_DIR")
+    got = _checked.get(env)
+    if got is not None:
+        return got
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK) \
+        else tempfile.gettempdir()
+    d = env or os.path.join(base, f"rlf-sessions-{os.geteuid()}")
     os.makedirs(d, mode=0o700, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(f"the session label directory {d} is not this user's own (a link, owned by uid "
+                              f"{st.st_uid}, or writable by others, mode {stat.S_IMODE(st.st_mode):o}); the reaper "
+                              "kills what its labels name, so it is not used: remove it, or set RLF_SESSIONS_DIR to "
+                              "a directory of your own")
+    _checked[env] = d
     return d
 
 
