@@ -2,7 +2,7 @@
 the same run.
 
     python benchmarks/sessions.py [--runs 40] [--levels 16 64 256] [--docker-levels 16 64 256] [--json out.json]
-                                  [--ray-levels 16 64] [--ray-nodes 2] [--ray-address ADDR]
+                                  [--ray-levels 16 64] [--ray-nodes 2] [--ray-address ADDR] [--pairs 1]
 
 Measured:
   bare      `subprocess.run(["true"])` (fork+exec from the benchmark process, no isolation): the baseline
@@ -16,7 +16,8 @@ Measured:
             the bare baseline runs the same 3 commands per episode as plain subprocesses at the same concurrency;
             beside it, back to back at each level, the whole episode unisolated (`unisolated_episode`: a copy of the
             seed, every step a shell command the way mini-swe-agent's LocalEnvironment runs it, a thread per
-            episode) and, for docker, the whole episode in plain docker-py (`dockerpy_episode`)
+            episode) and, for docker, the whole episode in plain docker-py (`dockerpy_episode`); with --pairs N,
+            N such pairs per level, the order alternating, their medians and every pair's ratio (`ratios_<n>`)
   ray       the ray backend (a host actor per node, each running the local backend there) on a multi-raylet
             cluster started here (`ray.cluster_utils.Cluster`: a head without sessions and --ray-nodes session
             nodes, all on this machine) or on --ray-address; beside a local backend in the same run: the hop's
@@ -188,7 +189,7 @@ async def exec_p50(b: SessionBackend, spec: SessionSpec, runs: int) -> dict[str,
     return {"exec_argv_p50_s": statistics.median(argv), "exec_shell_p50_s": statistics.median(shell)}
 
 
-async def local(runs: int, levels: list[int], seed: str) -> dict[str, Any]:
+async def local(runs: int, levels: list[int], seed: str, pairs: int = 1) -> dict[str, Any]:
     res: dict[str, Any] = {}
     spec = SessionSpec(limits=LIM, seed_dir=seed)
     cold = LocalBackend(pool_size=0, creates_per_s=0)
@@ -219,18 +220,39 @@ async def local(runs: int, levels: list[int], seed: str) -> dict[str, Any]:
         res.update(await exec_p50(warm, spec, runs))
     finally:
         await warm.aclose()
-    for n in levels:  # rlf's local backend and the unisolated runtime back to back at each level
+    async def ours(n: int) -> tuple[float, list[str]]:
         b = LocalBackend(pool_size=8)
         try:
-            eps, fail = await episodes(b, spec, n)
+            return await episodes(b, spec, n)
         finally:
             await b.aclose()
-        res[f"episodes_per_s_{n}"], res[f"failures_{n}"], res[f"errors_{n}"] = eps, len(fail), fail
-        res[f"unisolated_episodes_per_s_{n}"] = await unisolated_episodes(n, seed)
+
+    for n in levels:  # rlf's local backend and the unisolated runtime back to back at each level
+        await paired(res, n, pairs, ours, lambda n: unisolated_episodes(n, seed), "unisolated")
     return res
 
 
-async def docker(runs: int, levels: list[int], image: str, seed: str) -> dict[str, Any]:
+async def paired(res: dict[str, Any], n: int, pairs: int, ours: Any, base: Any, name: str) -> None:
+    """`pairs` back-to-back runs of rlf's episodes and the baseline's at concurrency n, the order alternating (the box's
+    load drifts): the medians of each side as episodes_per_s_<n> / <name>_episodes_per_s_<n>, every pair's ratio
+    in ratios_<n>, failures and their errors summed over the runs."""
+    mine, theirs, ratios, errors = [], [], [], []
+    for i in range(pairs):
+        if i % 2:
+            b = await base(n)
+            eps, fail = await ours(n)
+        else:
+            eps, fail = await ours(n)
+            b = await base(n)
+        mine.append(eps)
+        theirs.append(b)
+        ratios.append(eps / b)
+        errors += fail
+    res[f"episodes_per_s_{n}"], res[f"{name}_episodes_per_s_{n}"] = statistics.median(mine), statistics.median(theirs)
+    res[f"ratios_{n}"], res[f"failures_{n}"], res[f"errors_{n}"] = ratios, len(errors), errors
+
+
+async def docker(runs: int, levels: list[int], image: str, seed: str, pairs: int = 1) -> dict[str, Any]:
     from rlf_envs.sandbox.sessions.docker import DockerBackend
 
     res: dict[str, Any] = {}
@@ -262,14 +284,15 @@ async def docker(runs: int, levels: list[int], image: str, seed: str) -> dict[st
         res["sdk_exec_run_p50_s"] = statistics.median(raw)
     finally:
         await b.aclose()
-    for n in levels:  # rlf's docker backend and the same episode in plain docker-py back to back at each level
+    async def ours(n: int) -> tuple[float, list[str]]:
         b = DockerBackend()
         try:
-            eps, fail = await episodes(b, spec, n)
+            return await episodes(b, spec, n)
         finally:
             await b.aclose()
-        res[f"episodes_per_s_{n}"], res[f"failures_{n}"], res[f"errors_{n}"] = eps, len(fail), fail
-        res[f"dockerpy_episodes_per_s_{n}"] = await dockerpy_episodes(n, image, seed)
+
+    for n in levels:  # rlf's docker backend and the same episode in plain docker-py back to back at each level
+        await paired(res, n, pairs, ours, lambda n: dockerpy_episodes(n, image, seed), "dockerpy")
     return res
 
 
@@ -375,7 +398,16 @@ def print_local(L: dict[str, Any], b50: float, levels: list[int], bare: dict[str
         uni = L[f"unisolated_episodes_per_s_{n}"]
         print(f"local  {n:4d} concurrent episodes: {L[f'episodes_per_s_{n}']:.1f}/s = "
               f"{L[f'episodes_per_s_{n}'] / uni:.2f}x unisolated (mini-swe-agent's way: {uni:.1f}/s; "
-              f"bare commands {bare[f'episodes_per_s_{n}']:.1f}/s), failures {L[f'failures_{n}']}")
+              f"bare commands {bare[f'episodes_per_s_{n}']:.1f}/s), failures {L[f'failures_{n}']}"
+              f"{spread(L[f'ratios_{n}'])}")
+
+
+def spread(ratios: list[float]) -> str:
+    """The pairs' ratios (median and range), where there was more than one pair."""
+    if len(ratios) < 2:
+        return ""
+    return (f"; {len(ratios)} pairs: median {statistics.median(ratios):.2f}x, "
+            f"{min(ratios):.2f}-{max(ratios):.2f}x")
 
 
 def ray_reason() -> str | None:
@@ -415,6 +447,8 @@ async def main() -> None:
     ap.add_argument("--ray-nodes", type=int, default=2, help="session raylets of the cluster started here")
     ap.add_argument("--ray-address", default=None, help="an existing cluster instead (its nodes without GPUs)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["local", "docker", "ray"])
+    ap.add_argument("--pairs", type=int, default=1, help="back-to-back runs of rlf's episodes and the baseline's at "
+                    "each level, the order alternating: medians and each pair's ratio reported")
     a = ap.parse_args()
     out: dict[str, Any] = {"machine": f"{platform.node()} {os.cpu_count()} cpus", "runs": a.runs}
     with tempfile.TemporaryDirectory() as seed:
@@ -424,12 +458,12 @@ async def main() -> None:
         out["bare"] = {"subprocess_run_true_p50_s": statistics.median(bare)}
         for n in sorted(set(a.levels) | set(a.docker_levels)):
             out["bare"][f"episodes_per_s_{n}"] = await bare_episodes(n)
-        out["local"] = {"skipped": "--skip"} if "local" in a.skip else await local(a.runs, a.levels, seed)
+        out["local"] = {"skipped": "--skip"} if "local" in a.skip else await local(a.runs, a.levels, seed, a.pairs)
         why = "--skip" if "docker" in a.skip else docker_reason(a.docker_image)
         if why:
             out["docker"] = {"skipped": why}
         else:
-            out["docker"] = await docker(a.runs, a.docker_levels, a.docker_image, seed)
+            out["docker"] = await docker(a.runs, a.docker_levels, a.docker_image, seed, a.pairs)
         why = "--skip" if "ray" in a.skip else ray_reason()
         if why:
             out["ray"] = {"skipped": why}
@@ -452,7 +486,8 @@ async def main() -> None:
         for n in a.docker_levels:
             dpy = D[f"dockerpy_episodes_per_s_{n}"]
             print(f"docker {n:4d} concurrent episodes: {D[f'episodes_per_s_{n}']:.1f}/s = "
-                  f"{D[f'episodes_per_s_{n}'] / dpy:.2f}x plain docker-py ({dpy:.1f}/s), failures {D[f'failures_{n}']}")
+                  f"{D[f'episodes_per_s_{n}'] / dpy:.2f}x plain docker-py ({dpy:.1f}/s), failures {D[f'failures_{n}']}"
+                  f"{spread(D[f'ratios_{n}'])}")
     R = out["ray"]
     if "skipped" in R:
         print(f"ray skipped: {R['skipped']}")

@@ -5,6 +5,7 @@ made by .ci/run with `docker import` of the mmdebstrap test root) is missing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -243,3 +244,52 @@ def test_containers_get_pid_1_from_one_derived_image_and_the_seed_in_one_archive
         assert image == base and len([c for c in puts if c in sessions]) == 3, "pid 1 and the seed in one archive"
     assert not client.images.list(filters={"label": dk.INIT_LABEL})
     client.close()
+
+
+def test_read_file_on_a_local_engine_is_the_kernels_and_never_leaves_the_container(
+        seed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a local engine `read_file` of a plain path is read by this host's kernel in pid 1's root (no archive call,
+    no program of the container). Links, `..`, /proc and other mounts, FIFOs and directories are left to the
+    engine, so nothing resolves outside the container: a host file the container's links and paths name is never
+    returned."""
+    from rlf_envs.sandbox.sessions import SessionError
+
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("HOST-ONLY\n")
+    archive_calls: list[str] = []
+
+    async def go(b: Any) -> None:
+        from rlf_envs.sandbox.sessions import docker as dk
+
+        real = dk._archive
+
+        @contextlib.contextmanager
+        def counted(api: Any, cid: str, path: str) -> Any:
+            archive_calls.append(path)
+            with real(api, cid, path) as got:
+                yield got
+
+        monkeypatch.setattr(dk, "_archive", counted)
+        async with await b.create(spec(seed_dir=str(seed))) as s:
+            assert s._host is not None, "the test engine is local"
+            archive_calls.clear()  # (learning the image read its bash and sleep)
+            assert await s.read_file("pkg/mod.py") == b"def f():\n    return 1\n"
+            assert await s.read_file("/workspace/blob.bin") == bytes(range(256))
+            await s.write_file("new.txt", "fresh\n")
+            assert await s.read_file("new.txt") == b"fresh\n"
+            assert archive_calls == [], "plain paths are read without the engine"
+            with pytest.raises(SessionFileNotFound):
+                await s.read_file("missing.txt")
+            assert (await s.exec(f"ln -s {secret} abs && ln -s ../../../../..{secret} rel && mkfifo fifo && "
+                                 "mkdir d && ln -s /proc/self/root/etc/hostname magic")).exit_code == 0
+            for path in ("abs", "rel", "magic", f"../../../../../../..{secret}", f"/proc/1/root{secret}",
+                         f"/proc/self/root{secret}", "fifo", "d"):
+                try:
+                    got = await asyncio.wait_for(s.read_file(path), 30)
+                except (SessionFileNotFound, SessionError):
+                    continue
+                assert b"HOST-ONLY" not in got, path
+            assert archive_calls, "links, /proc, FIFOs and directories went to the engine"
+
+    run(go)
+
