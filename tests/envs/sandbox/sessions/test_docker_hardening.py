@@ -501,8 +501,15 @@ def test_harbor_build_logs_stay_off_stdout_and_its_image_leaves_with_the_backend
     task = _task(tmp_path / "b")
     kept = build_docker_image(task, {"BASE_IMAGE": IMAGE})
     try:
-        run(lambda b: asyncio.sleep(0))  # a backend opened and closed
+        async def use_kept(b: Any) -> None:
+            async with await b.create(SessionSpec(image=kept, limits=FAST)) as s:
+                assert (await s.exec("echo ok")).stdout == "ok\n"
+
+        run(use_kept)  # a backend opened, a session of the kept image (pid 1 derived from it), closed
         assert _exists(client, kept), "RLF_KEEP_DOCKER_IMAGES=1 keeps them (reused by content hash)"
+        from rlf_envs.sandbox.sessions.docker import INIT_LABEL
+
+        assert not client.images.list(filters={"label": INIT_LABEL}), "the derived pid-1 image is not kept with it"
         caplog.clear()
         assert build_docker_image(task, {"BASE_IMAGE": IMAGE}) == kept
         assert "docker build" not in caplog.text  # reused, not rebuilt

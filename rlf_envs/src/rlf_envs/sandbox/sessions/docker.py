@@ -1098,7 +1098,8 @@ class DockerBackend(PooledBackend):
         attrs = api.inspect_image(ref)
         user = (attrs.get("Config") or {}).get("User") or "0"
         base = _Image(attrs["Id"], user, _is_root(user))
-        labels = {**self._labels(), IMAGE_LABEL: "1", INIT_LABEL: base.id}
+        # (a container's labels add to its image's: a kept Harbor image's `rlf.keep` is not the derived one's)
+        labels = {**self._labels(), IMAGE_LABEL: "1", INIT_LABEL: base.id, KEEP_LABEL: "0"}
         cid = api.create_container(base.id, command=[INIT], entrypoint=[INIT], user=INIT_USER, labels=labels,
                                    name="rlf-init-" + uuid.uuid4().hex[:12], network_disabled=True,
                                    use_config_proxy=False)["Id"]
