@@ -293,3 +293,32 @@ def test_read_file_on_a_local_engine_is_the_kernels_and_never_leaves_the_contain
 
     run(go)
 
+
+
+def test_two_backends_of_one_process_each_keep_their_derived_image_until_they_close(seed: Path) -> None:
+    """Envs of one process each open a backend: one closing must not take the image another still creates from."""
+    import docker
+
+    from rlf_envs.sandbox.sessions import docker as dk
+
+    client = docker.from_env()
+
+    async def main() -> None:
+        a, b = dk.DockerBackend(pool_size=0), dk.DockerBackend(pool_size=0)
+        try:
+            async with await a.create(spec(seed_dir=str(seed))), await b.create(spec(seed_dir=str(seed))):
+                pass
+            await a.aclose()
+            async with await b.create(spec(seed_dir=str(seed))) as s:  # b's image is still there
+                assert (await s.exec(["cat", "pkg/mod.py"])).stdout.startswith("def f")
+            (derived,) = client.images.list(filters={"label": dk.INIT_LABEL})
+            client.images.remove(derived.id, force=True)  # removed from outside: derived again at the next create
+            async with await b.create(spec(seed_dir=str(seed))) as s:
+                assert (await s.exec(["cat", "/proc/1/cmdline"])).stdout.startswith(dk.INIT)
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    asyncio.run(main())
+    assert not client.images.list(filters={"label": dk.INIT_LABEL})
+    client.close()

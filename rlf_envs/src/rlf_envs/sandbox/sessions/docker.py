@@ -100,8 +100,10 @@ LABEL = "rlf.session"
 #: on the images `tasks.harbor.build_docker_image` builds (with the builder's owner labels); `rlf.keep=1`: kept
 IMAGE_LABEL = "rlf.image"
 KEEP_LABEL = "rlf.keep"
-#: on the images the backend derives (an image with pid 1 put in, `DockerBackend._image`): the image it was made from
+#: on the images the backend derives (an image with pid 1 put in, `DockerBackend._image`): the image it was made from,
+#: and the backend that made it (several backends of one process each close their own)
 INIT_LABEL = "rlf.init-for"
+INIT_BACKEND_LABEL = "rlf.init-backend"
 #: how long a call may take to end after its deadline kill before the session is ended
 GRACE_S = 10.0
 API_TIMEOUT_S = 120
@@ -953,6 +955,7 @@ class DockerBackend(PooledBackend):
             discard=lambda box: _remove_quietly(box.c), what="docker session")
         self._images: dict[str, _Image] = {}
         self._image_lock = threading.Lock()  # one thread learns an image (and derives its pid-1 image) at a time
+        self._bid = uuid.uuid4().hex[:12]  # this backend, on the images it derives
         self.host = socket.gethostname()
         self.reaped_at_start = self.reap()
 
@@ -1029,14 +1032,16 @@ class DockerBackend(PooledBackend):
 
     def remove_built_images(self) -> int:
         """Remove the images this process built (`rlf.image` with this process as owner, not `rlf.keep`): Harbor
-        tasks' images and the ones with pid 1 put in, these first."""
+        tasks' images and this backend's own ones with pid 1 put in (another backend of the process may still
+        create from its own), these first."""
         lab = self._labels()
         want = [IMAGE_LABEL, f"rlf.owner.pid={lab['rlf.owner.pid']}", f"rlf.owner.host={self.host}"]
         n = 0
         with contextlib.suppress(Exception):
             for img in _children_first(self.client.images.list(filters={"label": want})):
-                if (img.labels or {}).get(KEEP_LABEL) != "1" and \
-                        (img.labels or {}).get("rlf.owner.start") == lab["rlf.owner.start"]:
+                got = img.labels or {}
+                if got.get(KEEP_LABEL) != "1" and got.get("rlf.owner.start") == lab["rlf.owner.start"] and \
+                        got.get(INIT_BACKEND_LABEL, self._bid) == self._bid:
                     n += self._remove_image(img)
         return n
 
@@ -1099,7 +1104,8 @@ class DockerBackend(PooledBackend):
         user = (attrs.get("Config") or {}).get("User") or "0"
         base = _Image(attrs["Id"], user, _is_root(user))
         # (a container's labels add to its image's: a kept Harbor image's `rlf.keep` is not the derived one's)
-        labels = {**self._labels(), IMAGE_LABEL: "1", INIT_LABEL: base.id, KEEP_LABEL: "0"}
+        labels = {**self._labels(), IMAGE_LABEL: "1", INIT_LABEL: base.id, INIT_BACKEND_LABEL: self._bid,
+                  KEEP_LABEL: "0"}
         cid = api.create_container(base.id, command=[INIT], entrypoint=[INIT], user=INIT_USER, labels=labels,
                                    name="rlf-init-" + uuid.uuid4().hex[:12], network_disabled=True,
                                    use_config_proxy=False)["Id"]
@@ -1187,7 +1193,8 @@ class DockerBackend(PooledBackend):
         """Create and start a session container (pid 1: the image's sleep, execute-only, as INIT_USER, for the
         session's wall clock + LIFETIME_MARGIN_S + `idle_s`), the seed copied in. (The box, when it was started.)"""
         lim = spec.limits
-        img = self._image(_image_ref(spec.image))
+        ref = _image_ref(spec.image)
+        img = self._image(ref)
         lifetime = math.ceil(lim.session_timeout_s + LIFETIME_MARGIN_S + idle_s)
         api = self.client.api
         hc = api.create_host_config(
@@ -1195,9 +1202,23 @@ class DockerBackend(PooledBackend):
             memswap_limit=f"{lim.memory_mb}m", pids_limit=lim.pids, cap_drop=CAP_DROP,
             security_opt=[] if img.root else ["no-new-privileges"], init=False, auto_remove=True)
         name = "rlf-" + uuid.uuid4().hex[:16]
-        cid = api.create_container(img.run, command=[str(lifetime)], entrypoint=[INIT], user=INIT_USER, name=name,
-                                   labels=self._labels(), working_dir=spec.workdir, environment=spec.env,
-                                   host_config=hc, hostname="sandbox", detach=True, use_config_proxy=False)["Id"]
+        def make(run: str) -> str:
+            return str(api.create_container(run, command=[str(lifetime)], entrypoint=[INIT], user=INIT_USER,
+                                            name=name, labels=self._labels(), working_dir=spec.workdir,
+                                            environment=spec.env, host_config=hc, hostname="sandbox", detach=True,
+                                            use_config_proxy=False)["Id"])
+
+        try:
+            cid = make(img.run)
+        except self._docker.errors.ImageNotFound:
+            if not img.derived:
+                raise
+            # the derived image was removed from outside (`docker rmi`, a prune): derived again, once
+            with self._image_lock:
+                if self._images.get(ref) is img:
+                    del self._images[ref]
+            img = self._image(ref)
+            cid = make(img.run)
         try:
             # one archive at most, before the start: the seed, with pid 1 where the image has none (not derived)
             head = b"" if img.derived else img.init
