@@ -277,9 +277,11 @@ def test_read_file_on_a_local_engine_is_the_kernels_and_never_leaves_the_contain
             assert await s.read_file("/workspace/blob.bin") == bytes(range(256))
             await s.write_file("new.txt", "fresh\n")
             assert await s.read_file("new.txt") == b"fresh\n"
-            assert archive_calls == [], "plain paths are read without the engine"
             with pytest.raises(SessionFileNotFound):
                 await s.read_file("missing.txt")
+            with pytest.raises(SessionFileNotFound):
+                await s.read_file("/nowhere/at/all")
+            assert archive_calls == [], "plain paths are read without the engine (a missing one too)"
             assert (await s.exec(f"ln -s {secret} abs && ln -s ../../../../..{secret} rel && mkfifo fifo && "
                                  "mkdir d && ln -s /proc/self/root/etc/hostname magic")).exit_code == 0
             for path in ("abs", "rel", "magic", f"../../../../../../..{secret}", f"/proc/1/root{secret}",

@@ -345,6 +345,7 @@ class _Host:
         except OSError:
             return None
         fd = root = -1
+        missing = False
         try:
             # the descriptor names one process: if pid 1 is gone, what it reads fails, whoever reuses the pid
             with open(os.open("stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc), "rb") as f:
@@ -356,7 +357,8 @@ class _Host:
                 fd = _openat2(root, "/" + path.lstrip("/"), os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT |
                               RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV)
             except FileNotFoundError:
-                raise
+                missing = True
+                return None
             except OSError:
                 return None
             st = os.fstat(fd)
@@ -371,6 +373,8 @@ class _Host:
             for d in (fd, root, proc):
                 if d >= 0:
                     os.close(d)
+            if missing:
+                raise FileNotFoundError(path)  # (raised here: the handler above would take it for "cannot answer")
 
     def pids(self) -> list[int]:
         if self.cgroup is not None:
