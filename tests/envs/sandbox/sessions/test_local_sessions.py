@@ -591,6 +591,7 @@ def test_a_label_directory_someone_else_made_is_refused(tmp_path: Path, monkeypa
     """The reaper SIGKILLs what the labels name: a label directory that another user made first (in a
     world-writable parent such as /dev/shm or /tmp), a link, or one others may write to is refused with what to do,
     never used; the default one is this user's own, mode 0700."""
+    monkeypatch.delenv("RLF_SESSIONS_DIR", raising=False)
     assert owners.label_dir().startswith("/dev/shm/rlf-sessions-")  # a tmpfs: labels cost no journal flush
     st = os.lstat(owners.label_dir())
     assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o700
