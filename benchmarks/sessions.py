@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +233,8 @@ async def local(runs: int, levels: list[int], seed: str, pairs: int = 1) -> dict
     return res
 
 
-async def paired(res: dict[str, Any], n: int, pairs: int, ours: Any, base: Any, name: str) -> None:
+async def paired(res: dict[str, Any], n: int, pairs: int, ours: Callable[[int], Awaitable[tuple[float, list[str]]]],
+                 base: Callable[[int], Awaitable[float]], name: str) -> None:
     """`pairs` back-to-back runs of rlf's episodes and the baseline's at concurrency n, the order alternating (the box's
     load drifts): the medians of each side as episodes_per_s_<n> / <name>_episodes_per_s_<n>, every pair's ratio
     in ratios_<n>, failures and their errors summed over the runs."""

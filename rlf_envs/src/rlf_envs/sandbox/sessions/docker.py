@@ -166,26 +166,30 @@ def _is_root(user: str) -> bool:
     return user.split(":", 1)[0] in ("", "0", "root")
 
 
-def _tar_of_dir(src: str, uid: int = 0, gid: int = 0, under: str = "", head: bytes = b"") -> bytes:
+def _tar_of_dir(src: str | None, uid: int = 0, gid: int = 0, under: str = "", sleep: bytes = b"") -> bytes:
     """A tar of the directory `src`'s entries (owned by uid:gid), named relative to it, or below `under` (a relative
-    '/'-separated path, whose own directories get no entries); after the members of the tar `head` (its two closing
-    zero blocks dropped), so one archive can carry both."""
+    '/'-separated path, whose own directories get no entries); with `sleep` (an image's sleep binary), pid 1 first:
+    INIT, execute-only (pid 1 is then not dumpable: no ptrace, no /proc/1/mem). b"" when there is neither."""
 
     def own(t: tarfile.TarInfo) -> tarfile.TarInfo:
         t.uid, t.gid, t.uname, t.gname = uid, gid, "", ""
         return t
 
+    if not src and not sleep:
+        return b""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
-        for name in sorted(os.listdir(src)):
-            tf.add(os.path.join(src, name), arcname=posixpath.join(under, name) if under else name, filter=own)
-    if not head:
-        return buf.getvalue()
-    with tarfile.open(fileobj=io.BytesIO(head), mode="r:") as tf:
-        end = tf.offset  # (after its last member: what follows are the end-of-archive blocks)
-        for _m in tf:
-            end = tf.offset
-    return head[:end] + buf.getvalue()
+        if sleep:
+            d = tarfile.TarInfo(posixpath.dirname(INIT).lstrip("/"))
+            d.type, d.mode = tarfile.DIRTYPE, 0o755
+            tf.addfile(d)
+            f = tarfile.TarInfo(INIT.lstrip("/"))
+            f.size, f.mode = len(sleep), 0o111
+            tf.addfile(f, io.BytesIO(sleep))
+        if src:
+            for name in sorted(os.listdir(src)):
+                tf.add(os.path.join(src, name), arcname=posixpath.join(under, name) if under else name, filter=own)
+    return buf.getvalue()
 
 
 def _tar_of_file(name: str, data: bytes, mode: int, uid: int, gid: int, parents: bool) -> bytes:
@@ -263,11 +267,16 @@ def _boot_ticks() -> int:
     return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
 
 
-def _proc_start(pid: int) -> tuple[int, str] | None:
-    """(start time in clock ticks since boot, state) of a host process, from the kernel's /proc/<pid>/stat."""
+def _proc_start(pid: int, dir_fd: int | None = None) -> tuple[int, str] | None:
+    """(start time in clock ticks since boot, state) of a host process, from the kernel's /proc/<pid>/stat (or
+    `stat` of a /proc/<pid> descriptor `dir_fd`: that one process, whoever reuses its pid)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+        if dir_fd is None:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read()
+        else:
+            with open(os.open("stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd), "rb") as f:
+                data = f.read()
     except OSError:
         return None
     rest = data[data.rfind(b")") + 2:].split()  # after the command name, which may hold anything
@@ -338,43 +347,49 @@ class _Host:
         a magic link nor a mount crossed on the way. None where that cannot answer (a path through a link or another
         mount, a file that is not regular, no openat2, pid 1 not the process started): the engine's archive call
         answers those as before. FileNotFoundError when a path of plain directories names nothing."""
-        if self.start is None or SYS_OPENAT2 is None:
+        root = self._root()
+        if root is None:
             return None
         try:
-            proc = os.open(f"/proc/{self.pid1}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return None
-        fd = root = -1
-        missing = False
-        try:
-            # the descriptor names one process: if pid 1 is gone, what it reads fails, whoever reuses the pid
-            with open(os.open("stat", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc), "rb") as f:
-                data = f.read()
-            if int(data[data.rfind(b")") + 2:].split()[19]) != self.start:
-                return None
-            root = os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc)
             try:
                 fd = _openat2(root, "/" + path.lstrip("/"), os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT |
                               RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV)
             except FileNotFoundError:
-                missing = True
-                return None
+                raise
             except OSError:
                 return None
+        finally:
+            os.close(root)
+        try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
                 return None  # (the engine's call says what it is, or that it is too large)
             with open(f"/proc/self/fd/{fd}", "rb", buffering=0) as f:  # (reopened for reading: a regular file)
                 got = f.read(limit + 1)
             return got if len(got) <= limit else None
-        except (OSError, ValueError, IndexError):
+        except OSError:
             return None
         finally:
-            for d in (fd, root, proc):
-                if d >= 0:
-                    os.close(d)
-            if missing:
-                raise FileNotFoundError(path)  # (raised here: the handler above would take it for "cannot answer")
+            os.close(fd)
+
+    def _root(self) -> int | None:
+        """A descriptor of pid 1's root, or None: no openat2 to resolve in it, or pid 1 is not the process started
+        (the /proc descriptor names one process: if pid 1 is gone, what it reads fails, whoever reuses the pid)."""
+        if self.start is None or SYS_OPENAT2 is None:
+            return None
+        try:
+            proc = os.open(f"/proc/{self.pid1}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            st = _proc_start(self.pid1, proc)
+            if st is None or st[0] != self.start:
+                return None
+            return os.open("root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=proc)
+        except OSError:
+            return None
+        finally:
+            os.close(proc)
 
     def pids(self) -> list[int]:
         if self.cgroup is not None:
@@ -529,10 +544,10 @@ async def _remove(c: Any) -> None:
 @dataclass(frozen=True)
 class _Image:
     """What the backend learnt of an image once: its id, the user its commands run as (and whether root), that
-    user's numeric ids (for the files the backend writes), the shell a str command runs under, the tar that puts
-    its execute-only pid 1 in place, and the image session containers are created from (`run`: the image with that
-    pid 1 in it, derived once; the image itself where the engine could not commit, pid 1 then put in every
-    container's first archive)."""
+    user's numeric ids (for the files the backend writes), the shell a str command runs under, its sleep binary
+    (pid 1's content), and the image session containers are created from (`run`: the image with that pid 1 in it,
+    derived once; the image itself where the engine could not commit, pid 1 then put in every container's first
+    archive)."""
 
     id: str
     user: str
@@ -540,7 +555,7 @@ class _Image:
     uid: int = 0
     gid: int = 0
     shell: tuple[str, ...] = ("/bin/bash", "-lc")
-    init: bytes = b""
+    sleep: bytes = b""
     run: str = ""
 
     @property
@@ -1123,19 +1138,10 @@ class DockerBackend(PooledBackend):
             if body is None:
                 raise SessionError(f"image {ref!r} has no `sleep` (/bin/sleep): the docker backend's session "
                                    "containers run it as pid 1")
-            buf = io.BytesIO()
-            with tarfile.open(fileobj=buf, mode="w") as tf:
-                d = tarfile.TarInfo(posixpath.dirname(INIT).lstrip("/"))
-                d.type, d.mode = tarfile.DIRTYPE, 0o755
-                tf.addfile(d)
-                f = tarfile.TarInfo(INIT.lstrip("/"))
-                # execute-only: pid 1 is then not dumpable (no ptrace, no /proc/1/mem)
-                f.size, f.mode = len(body), 0o111
-                tf.addfile(f, io.BytesIO(body))
             uid, gid = (0, 0) if base.root else self._ids(cid, user)
-            img = _Image(base.id, user, base.root, uid, gid, shell, buf.getvalue(), base.id)
+            img = _Image(base.id, user, base.root, uid, gid, shell, body, base.id)
             try:
-                if not api.put_archive(cid, "/", img.init):
+                if not api.put_archive(cid, "/", _tar_of_dir(None, sleep=body)):
                     raise SessionInfraError("the engine did not take the archive")
                 run = api.commit(cid, repository="rlf-init", tag=f"{base.id.split(':')[-1][:12]}-"
                                  f"{uuid.uuid4().hex[:8]}")["Id"]
@@ -1225,9 +1231,8 @@ class DockerBackend(PooledBackend):
             cid = make(img.run)
         try:
             # one archive at most, before the start: the seed, with pid 1 where the image has none (not derived)
-            head = b"" if img.derived else img.init
-            first = _tar_of_dir(spec.seed_dir, img.uid, img.gid, spec.workdir.strip("/"), head) if spec.seed_dir \
-                else head
+            first = _tar_of_dir(spec.seed_dir, img.uid, img.gid, spec.workdir.strip("/"),
+                                b"" if img.derived else img.sleep)
             if first and not api.put_archive(cid, "/", first):
                 raise SessionInfraError("could not put the session's seed (and pid 1) into the container")
             born = time.monotonic()
