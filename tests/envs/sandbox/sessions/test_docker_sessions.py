@@ -158,6 +158,10 @@ def test_docker_sigkill_of_an_owner_with_32_sessions_leaves_no_container() -> No
         assert run(reap) >= 32
         left = [c.id for c in client.containers.list(all=True, filters={"label": "rlf.session"}) if c.id in ids]
         assert left == []
+        from rlf_envs.sandbox.sessions.docker import INIT_LABEL
+
+        derived = client.images.list(filters={"label": [INIT_LABEL, f"rlf.owner.pid={p.pid}"]})
+        assert derived == [], "the dead owner's pid-1 image went with its containers"
     finally:
         if p.poll() is None:
             p.kill()
