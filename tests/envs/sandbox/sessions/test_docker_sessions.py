@@ -301,6 +301,117 @@ def test_read_file_on_a_local_engine_is_the_kernels_and_never_leaves_the_contain
 
 
 
+def _count_archives(monkeypatch: pytest.MonkeyPatch, b: Any, calls: list[str]) -> None:
+    """Every archive call of the backend `b` (get and put) appended to `calls` as 'get <path>' / 'put <path>'."""
+    from rlf_envs.sandbox.sessions import docker as dk
+
+    real_get, api = dk._archive, b.client.api
+    real_put = api.put_archive
+
+    @contextlib.contextmanager
+    def get(api: Any, cid: str, path: str) -> Any:
+        calls.append(f"get {path}")
+        with real_get(api, cid, path) as got:
+            yield got
+
+    def put(cid: str, path: str, data: bytes) -> Any:
+        calls.append(f"put {path}")
+        return real_put(cid, path, data)
+
+    monkeypatch.setattr(dk, "_archive", get)
+    monkeypatch.setattr(api, "put_archive", put)
+
+
+def test_write_file_on_a_local_engine_is_the_kernels_and_never_writes_a_host_file(
+        seed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a local engine `write_file` of a plain path is written by this host's kernel (no archive call): the mode
+    asked, a new inode as the engine's archive makes (a hard link's other name keeps the old content), no temp name
+    left. A link to a host file or directory, a path through /proc, a FIFO: left to the engine, and no host file is
+    ever written or created."""
+    from rlf_envs.sandbox.sessions import SessionError
+    from rlf_envs.sandbox.sessions import docker as dk
+
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("HOST-ONLY\n")
+    calls: list[str] = []
+    assert dk._identity_maps(os.getpid())
+
+    async def go(b: Any) -> None:
+        async with await b.create(spec(seed_dir=str(seed))) as s:
+            assert s._host is not None and s._host.same_ids, "the test engine is local, without a user namespace"
+            _count_archives(monkeypatch, b, calls)
+            assert (await s.exec("ln pkg/mod.py hard")).exit_code == 0
+            await s.write_file("pkg/mod.py", "v2\n", mode=0o755)
+            await s.write_file("/workspace/new.txt", b"\x00fresh")
+            assert calls == [], "plain paths are written without the engine"
+            r = await s.exec("stat -c '%a %u:%g %h' pkg/mod.py new.txt; cat hard; ls -a; ls -a pkg")
+            lines = r.stdout.splitlines()
+            assert lines[:2] == ["755 0:0 1", "644 0:0 1"], r.stdout
+            assert lines[2] == "def f():", "a hard link's other name keeps its content (a new inode)"
+            assert not [x for x in lines if x.startswith(".rlf-write")], r.stdout
+            assert await s.read_file("new.txt") == b"\x00fresh"
+            assert (await s.exec(f"ln -s {secret} abs && ln -s {tmp_path} hostdir && mkfifo fifo")).exit_code == 0
+            for path in ("abs", "hostdir/pwn.txt", f"/proc/self/root{tmp_path}/pwn2.txt",
+                         f"/proc/1/root{secret}", f"../../../../../..{secret}", "fifo"):
+                with contextlib.suppress(SessionError):
+                    await asyncio.wait_for(s.write_file(path, "PWNED\n"), 30)
+            assert secret.read_text() == "HOST-ONLY\n"
+            assert not (tmp_path / "pwn.txt").exists() and not (tmp_path / "pwn2.txt").exists()
+            assert calls, "links, /proc and FIFOs went to the engine"
+            calls.clear()
+            await s.write_file("deep/er/x.txt", "made\n")  # missing parents: the engine makes them
+            assert calls[-1] == "put /workspace" and await s.read_file("deep/er/x.txt") == b"made\n"
+
+    run(go)
+
+
+def test_the_diff_on_a_local_engine_is_copied_by_the_kernel_and_equals_the_engines(
+        seed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a local engine `diff` copies the workdir by this host's kernel (no archive call) and gives the patch the
+    archive path gives, byte for byte: changed, new, removed and executable files, nested and empty directories,
+    links (their text, never followed: a link to a host file or directory shows no host content), a FIFO, `.git`
+    left out. A tree deeper than DIFF_HOST_DEPTH goes to the engine."""
+    from rlf_envs.sandbox.sessions import SessionDiffTooLarge
+    from rlf_envs.sandbox.sessions import docker as dk
+
+    secret = tmp_path / "host-secret.txt"
+    secret.write_text("HOST-ONLY\n")
+    (tmp_path / "host-dir").mkdir()
+    (tmp_path / "host-dir" / "inside.txt").write_text("HOST-ONLY too\n")
+    calls: list[str] = []
+
+    async def go(b: Any) -> None:
+        async with await b.create(spec(seed_dir=str(seed))) as s:
+            assert s._host is not None
+            _count_archives(monkeypatch, b, calls)
+            setup = (f"printf 'def f():\\n    return 2\\n' > pkg/mod.py && rm gone.txt && mkdir -p a/b/c empty && "
+                     f"echo deep > a/b/c/new.txt && chmod +x a/b/c/new.txt && ln -s {secret} link && "
+                     f"ln -s {tmp_path}/host-dir dirlink && mkfifo pipe && mkdir -p .git && echo x > .git/HEAD && "
+                     "mkdir -p sub/.git && echo y > sub/.git/config && ln pkg/mod.py hardlink")
+            assert (await s.exec(setup)).exit_code == 0
+            fast = await asyncio.wait_for(s.diff(), 60)
+            assert calls == [], "the diff read the workdir without the engine"
+            host, s._host = s._host, None
+            engine = await s.diff()
+            assert calls == ["get /workspace"]
+            assert fast == engine
+            assert "return 2" in fast and "gone.txt" in fast and "a/b/c/new.txt" in fast and "100755" in fast
+            assert "HOST-ONLY" not in fast and ".git" not in fast and str(secret) in fast  # (the link's text)
+            s._host = host
+            calls.clear()
+            deep = "/".join(["d"] * (dk.DIFF_HOST_DEPTH + 2))
+            assert (await s.exec(f"mkdir -p {deep} && echo bottom > {deep}/f.txt")).exit_code == 0
+            got = await s.diff()
+            assert calls == ["get /workspace"] and f"{deep}/f.txt" in got, "a deeper tree went to the engine"
+            calls.clear()
+            assert (await s.exec("rm -rf d && for i in $(seq 60); do echo $i > n$i.txt; done")).exit_code == 0
+            with pytest.raises(SessionDiffTooLarge):
+                await s.diff(max_bytes=2000)  # the new files' headers alone pass it, counted on the host's copy
+            assert calls == []
+
+    run(go)
+
+
 def test_two_backends_of_one_process_each_keep_their_derived_image_until_they_close(seed: Path) -> None:
     """Envs of one process each open a backend: one closing must not take the image another still creates from."""
     import docker

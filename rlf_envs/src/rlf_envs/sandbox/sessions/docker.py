@@ -33,10 +33,13 @@ image's user, root in most images, so they can rewrite any file of the container
   session is ended (container removed) and the call raises SessionLimitExceeded(limit="exec_deadline") when the
   engine answers a ping (the policy's doing), SessionInfraError when it does not.
 
-Files go through put/get archive (paths validated first: a str without NUL); `diff` fetches the workdir as a tar
-(regular files, dirs and links only, `.git` left out, the content and the entry count bounded, a patch larger than
-`max_bytes` refused from the names alone where it can be) into a host temp dir and compares it with the seed in a
-child process under a CPU limit (`gitdiff.diff_trees`, the patch counted as it is built). The
+Files go through put/get archive (paths validated first: a str without NUL); on a local engine (`_Host`) a plain
+path is read and written, and the diff's workdir copied, by this host's kernel in pid 1's root instead (`openat2`
+RESOLVE_IN_ROOT with no link or mount crossed, every name below opened O_NOFOLLOW / O_PATH, a write made under a
+fresh name and renamed over), anything else going to the archive call. `diff` fetches the workdir (regular files,
+dirs and links only, `.git` left out, the content and the entry count bounded, a patch larger than `max_bytes`
+refused from the names alone where it can be) into a host temp dir and compares it with the seed in a child process
+under a CPU limit (`gitdiff.diff_trees`, the patch counted as it is built). The
 reaper removes this host's labelled containers whose owner process is gone, and the Harbor images (`rlf.image`)
 whose builder is gone; `aclose` removes the images this process built (unless built with RLF_KEEP_DOCKER_IMAGES=1).
 """
@@ -317,6 +320,74 @@ def _cgroup_dir(cgroup_file: str) -> str | None:
     return None
 
 
+#: how a path of the container is resolved from the host (`_Host`): in pid 1's root, crossing no link and no mount
+_IN_ROOT = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV
+#: the deepest directory the host-side diff copy descends to (deeper workspaces go through the archive call)
+DIFF_HOST_DEPTH = 64
+
+
+def _identity_maps(pid: int) -> bool:
+    """Whether the process's user namespace maps every uid and gid to itself (the initial namespace's maps)."""
+    try:
+        for kind in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{kind}") as f:
+                if f.read().split() != ["0", "0", "4294967295"]:
+                    return False
+    except OSError:
+        return False
+    return True
+
+
+def _copy_regular(fd: int, size: int, target: str, mode: int) -> None:
+    """The regular file behind the O_PATH descriptor `fd` (at most `size` bytes of it: what was counted) into the
+    new file `target`, with `mode`."""
+    src = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(src).st_mode):
+            raise OSError("not a regular file")
+        out = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            left = size
+            while left > 0:
+                chunk = os.read(src, min(left, 1 << 20))
+                if not chunk:
+                    break
+                os.write(out, chunk)
+                left -= len(chunk)
+            os.fchmod(out, mode)
+        finally:
+            os.close(out)
+    finally:
+        os.close(src)
+
+
+@dataclass
+class _DiffBudget:
+    """What the diff may read of a workspace, counted entry by entry as it is fetched (the archive or the host-side
+    copy): SessionDiffTooLarge at more file content than DIFF_READ_BYTES, more entries than the seed's +
+    DIFF_MAX_NEW_ENTRIES, or new files whose patch headers alone pass `limit`."""
+
+    seed: set[str]
+    limit: int
+    content: int = 0
+    entries: int = 0
+    least: int = 0
+
+    def add(self, rel: str, size: int, is_dir: bool) -> None:
+        self.content += size
+        self.entries += 1
+        if rel and not is_dir and rel not in self.seed:
+            self.least += 2 * len(rel.encode("utf-8", "surrogateescape")) + 120  # its patch's headers, at least
+        if self.content > DIFF_READ_BYTES:
+            raise SessionDiffTooLarge(f"the workspace holds more than {DIFF_READ_BYTES} bytes of files")
+        if self.entries > len(self.seed) + DIFF_MAX_NEW_ENTRIES:
+            raise SessionDiffTooLarge(f"the workspace holds more than {DIFF_MAX_NEW_ENTRIES} entries beyond its "
+                                      "seed's")
+        if self.least > self.limit:
+            raise SessionDiffTooLarge(f"the workspace's patch is larger than max_bytes={self.limit} (the headers "
+                                      "of its new files alone)")
+
+
 @dataclass
 class _Host:
     """A local engine's container as this host's kernel sees it: pid 1's host pid, its cgroup directory (every
@@ -327,6 +398,7 @@ class _Host:
     cgroup: str | None
     pidns: int
     start: int | None = None  # pid 1's start time (boot ticks): a reused pid is never taken for it
+    same_ids: bool = False  # the container's uids and gids are this host's (no user namespace remapping them)
 
     @classmethod
     def find(cls, cid: str, pid1: int) -> _Host | None:
@@ -339,7 +411,7 @@ class _Host:
         if cid not in text:  # another machine's or another pid namespace's pid: the engine is not local
             return None
         st = _proc_start(pid1)
-        return cls(pid1, _cgroup_dir(text), pidns, st[0] if st else None)
+        return cls(pid1, _cgroup_dir(text), pidns, st[0] if st else None, _identity_maps(pid1))
 
     def read(self, path: str, limit: int) -> bytes | None:
         """A regular file of the container read by this host's kernel, with no engine call and no program of the
@@ -352,8 +424,7 @@ class _Host:
             return None
         try:
             try:
-                fd = _openat2(root, "/" + path.lstrip("/"), os.O_PATH | os.O_CLOEXEC, 0, RESOLVE_IN_ROOT |
-                              RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV)
+                fd = _openat2(root, "/" + path.lstrip("/"), os.O_PATH | os.O_CLOEXEC, 0, _IN_ROOT)
             except FileNotFoundError:
                 raise
             except OSError:
@@ -371,6 +442,114 @@ class _Host:
             return None
         finally:
             os.close(fd)
+
+    def write(self, path: str, data: bytes, mode: int, uid: int, gid: int) -> bool:
+        """`data` put as the regular file `path` of the container by this host's kernel, owned uid:gid with `mode`,
+        as the engine's archive call would (a new inode: a hard link's other names keep the old content). The
+        parent is resolved as `read` resolves a path (in pid 1's root; no symlink, magic link or mount on the way);
+        the file is written under a fresh name in that directory (O_EXCL, O_NOFOLLOW) and renamed over `path`, so
+        neither a link nor a name the session's code made is ever written through, and a failed write leaves
+        nothing. False where this cannot answer, having changed nothing: a missing parent, a link or mount on the
+        way, `path` something other than a regular file, the container's ids mapped by a user namespace, an
+        error of the write itself; the engine's archive call then does it (and says what went wrong)."""
+        parent, name = posixpath.split("/" + path.lstrip("/"))
+        if not self.same_ids or name in ("", ".", ".."):
+            return False
+        root = self._root()
+        if root is None:
+            return False
+        try:
+            pfd = _openat2(root, parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, 0, _IN_ROOT)
+        except OSError:
+            return False
+        finally:
+            os.close(root)
+        tmp = f".rlf-write-{uuid.uuid4().hex}"
+        made = False
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISREG(os.stat(name, dir_fd=pfd, follow_symlinks=False).st_mode):
+                    return False
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+            made = True
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fchown(fd, uid, gid)
+                os.fchmod(fd, mode & 0o7777)  # (after the chown, which clears set-id bits)
+            finally:
+                os.close(fd)
+            os.rename(tmp, name, src_dir_fd=pfd, dst_dir_fd=pfd)
+            return True
+        except OSError:
+            if made:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=pfd)
+            return False
+        finally:
+            os.close(pfd)
+
+    def copy_tree(self, wd: str, dst: str, budget: _DiffBudget) -> bool:
+        """The container's directory `wd` copied by this host's kernel into the new host directory `dst`, under
+        the rules of the archive path (`DockerSession._fetch`): regular files (mode bits u+rw, group/other r-x at
+        most), directories and symlinks (their target text, never followed), `.git` left out, every entry counted
+        by `budget` (SessionDiffTooLarge on the way). `wd` is resolved as `read` resolves a path; below it every
+        name is opened relative to its directory with O_NOFOLLOW, anything else than a regular file is opened
+        O_PATH only (a device node or FIFO is never opened for reading here) and a regular file is read through
+        that descriptor. False where this cannot answer (`wd` not a plain directory, a mount inside it, deeper
+        than DIFF_HOST_DEPTH, a file that changes type or vanishes on the way): the caller then uses the archive
+        call, in a fresh directory with a fresh budget."""
+        root = self._root()
+        if root is None:
+            return False
+        try:
+            top = _openat2(root, "/" + wd.strip("/"), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0, _IN_ROOT)
+        except OSError:
+            return False
+        finally:
+            os.close(root)
+        stack: list[tuple[int, str, str]] = [(top, "", dst)]  # (an open directory, its relative path, its copy)
+        try:
+            dev = os.fstat(top).st_dev
+            os.mkdir(dst, 0o700)
+            budget.add("", 0, True)
+            while stack:
+                dfd, rel, out = stack.pop()
+                try:
+                    for e in os.scandir(dfd):
+                        r = f"{rel}/{e.name}" if rel else e.name
+                        if e.name == ".git":
+                            continue
+                        fd = os.open(e.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+                        try:
+                            st = os.fstat(fd)
+                            target = os.path.join(out, e.name)
+                            if stat.S_ISDIR(st.st_mode):
+                                if st.st_dev != dev or r.count("/") >= DIFF_HOST_DEPTH:
+                                    return False
+                                budget.add(r, 0, True)
+                                os.mkdir(target, 0o700)
+                                os.chmod(target, (st.st_mode & 0o755) | 0o700)
+                                sub = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                                stack.append((sub, r, target))
+                            elif stat.S_ISREG(st.st_mode):
+                                budget.add(r, st.st_size, False)
+                                _copy_regular(fd, st.st_size, target, (st.st_mode & 0o755) | 0o600)
+                            elif stat.S_ISLNK(st.st_mode):
+                                budget.add(r, 0, False)
+                                os.symlink(os.readlink(e.name, dir_fd=dfd), target)
+                        finally:
+                            os.close(fd)
+                finally:
+                    os.close(dfd)
+            return True
+        except OSError:
+            return False
+        finally:
+            for dfd, _, _ in stack:
+                with contextlib.suppress(OSError):
+                    os.close(dfd)
 
     def _root(self) -> int | None:
         """A descriptor of pid 1's root, or None: no openat2 to resolve in it, or pid 1 is not the process started
@@ -845,6 +1024,10 @@ class DockerSession(Session):
 
         async with self._lock:
             self._check()
+            host = self._host
+            # a local engine: written by this host's kernel where it can (no archive call)
+            if host is not None and await _thread(host.write, p, raw, mode, img.uid, img.gid):
+                return
             await self._api(put)
 
     def _seed(self) -> set[str]:
@@ -863,8 +1046,12 @@ class DockerSession(Session):
             tmp = os.path.realpath(tempfile.mkdtemp(prefix="rlf-docker-diff-"))
             cleanup.sweep_once(os.path.dirname(tmp))  # what a killed trainer's `discard` below left there
             try:
-                with _archive(self._b.client.api, self._c.id, wd) as (stream, _):
-                    root = self._fetch(stream, tmp, seed, limit)
+                host, root = self._host, os.path.join(tmp, "host")
+                # a local engine: the workdir copied by this host's kernel where it can (no archive call)
+                if host is None or not host.copy_tree(wd, root, _DiffBudget(seed, limit)):
+                    os.mkdir(os.path.join(tmp, "engine"), 0o700)
+                    with _archive(self._b.client.api, self._c.id, wd) as (stream, _):
+                        root = self._fetch(stream, os.path.join(tmp, "engine"), seed, limit)
                 return _patch(self.spec.seed_dir, root, limit, self.spec.limits.exec_timeout_s)
             finally:
                 cleanup.discard(tmp)  # what the container held: any depth or mode, removed off the call's path
@@ -883,7 +1070,7 @@ class DockerSession(Session):
         top = posixpath.basename(wd)
         # the raw stream's bound: the content the diff may read plus headers for the entries it may hold
         cap = DIFF_READ_BYTES + (len(seed) + DIFF_MAX_NEW_ENTRIES + 16) * 1536
-        content = entries = least = 0
+        budget = _DiffBudget(seed, limit)
         with tarfile.open(fileobj=io.BufferedReader(_Cap(stream, cap, SessionDiffTooLarge)), mode="r|") as tf:
             for m in tf:
                 name = posixpath.normpath(m.name)
@@ -893,19 +1080,7 @@ class DockerSession(Session):
                         raise SessionError(f"session {self.id}: the workdir {wd} is no longer a directory")
                 elif parts[0] != top or ".." in parts or ".git" in parts:
                     continue
-                rel = name[len(top) + 1:]
-                content += m.size if m.isreg() else 0
-                entries += 1
-                if rel and not m.isdir() and rel not in seed:
-                    least += 2 * len(rel.encode("utf-8", "surrogateescape")) + 120  # its patch's headers, at least
-                if content > DIFF_READ_BYTES:
-                    raise SessionDiffTooLarge(f"the workspace holds more than {DIFF_READ_BYTES} bytes of files")
-                if entries > len(seed) + DIFF_MAX_NEW_ENTRIES:
-                    raise SessionDiffTooLarge(f"the workspace holds more than {DIFF_MAX_NEW_ENTRIES} entries beyond "
-                                              "its seed's")
-                if least > limit:
-                    raise SessionDiffTooLarge(f"the workspace's patch is larger than max_bytes={limit} (the headers "
-                                              "of its new files alone)")
+                budget.add(name[len(top) + 1:], m.size if m.isreg() else 0, m.isdir())
                 target = os.path.join(tmp, name)
                 if not (m.isreg() or m.isdir() or m.issym() or m.islnk()) or \
                         not inside(tmp, os.path.dirname(target)):  # never through a link a member made
