@@ -326,6 +326,10 @@ _IN_ROOT = RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLINKS | RESOL
 DIFF_HOST_DEPTH = 64
 
 
+class _GiveUp(OSError):
+    """The host-side copy cannot answer for this entry (another mount, too deep): the archive call does."""
+
+
 def _identity_maps(pid: int) -> bool:
     """Whether the process's user namespace maps every uid and gid to itself (the initial namespace's maps)."""
     try:
@@ -336,6 +340,13 @@ def _identity_maps(pid: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    """All of `data` to `fd` (a write may take less than it is given)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _copy_regular(fd: int, size: int, target: str, mode: int) -> None:
@@ -352,7 +363,7 @@ def _copy_regular(fd: int, size: int, target: str, mode: int) -> None:
                 chunk = os.read(src, min(left, 1 << 20))
                 if not chunk:
                     break
-                os.write(out, chunk)
+                _write_all(out, chunk)
                 left -= len(chunk)
             os.fchmod(out, mode)
         finally:
@@ -473,9 +484,7 @@ class _Host:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
             made = True
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                _write_all(fd, data)
                 os.fchown(fd, uid, gid)
                 os.fchmod(fd, mode & 0o7777)  # (after the chown, which clears set-id bits)
             finally:
@@ -517,30 +526,11 @@ class _Host:
             while stack:
                 dfd, rel, out = stack.pop()
                 try:
-                    for e in os.scandir(dfd):
-                        r = f"{rel}/{e.name}" if rel else e.name
-                        if e.name == ".git":
-                            continue
-                        fd = os.open(e.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-                        try:
-                            st = os.fstat(fd)
-                            target = os.path.join(out, e.name)
-                            if stat.S_ISDIR(st.st_mode):
-                                if st.st_dev != dev or r.count("/") >= DIFF_HOST_DEPTH:
-                                    return False
-                                budget.add(r, 0, True)
-                                os.mkdir(target, 0o700)
-                                os.chmod(target, (st.st_mode & 0o755) | 0o700)
-                                sub = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                                stack.append((sub, r, target))
-                            elif stat.S_ISREG(st.st_mode):
-                                budget.add(r, st.st_size, False)
-                                _copy_regular(fd, st.st_size, target, (st.st_mode & 0o755) | 0o600)
-                            elif stat.S_ISLNK(st.st_mode):
-                                budget.add(r, 0, False)
-                                os.symlink(os.readlink(e.name, dir_fd=dfd), target)
-                        finally:
-                            os.close(fd)
+                    with os.scandir(dfd) as entries:  # (streamed: the budget stops a huge directory as it is read)
+                        for e in entries:
+                            if e.name != ".git":
+                                self._copy_entry(dfd, e.name, f"{rel}/{e.name}" if rel else e.name,
+                                                 os.path.join(out, e.name), dev, budget, stack)
                 finally:
                     os.close(dfd)
             return True
@@ -550,6 +540,31 @@ class _Host:
             for dfd, _, _ in stack:
                 with contextlib.suppress(OSError):
                     os.close(dfd)
+
+    @staticmethod
+    def _copy_entry(dfd: int, name: str, rel: str, target: str, dev: int, budget: _DiffBudget,
+                    stack: list[tuple[int, str, str]]) -> None:
+        """One entry of `copy_tree`: `name` in the open directory `dfd` copied to `target` (a directory is made
+        there and pushed on `stack`, opened, to be copied in its turn). _GiveUp where the copy cannot answer."""
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                if st.st_dev != dev or rel.count("/") >= DIFF_HOST_DEPTH:
+                    raise _GiveUp(rel)
+                budget.add(rel, 0, True)
+                os.mkdir(target, 0o700)
+                os.chmod(target, (st.st_mode & 0o755) | 0o700)
+                stack.append((os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC), rel,
+                              target))
+            elif stat.S_ISREG(st.st_mode):
+                budget.add(rel, st.st_size, False)
+                _copy_regular(fd, st.st_size, target, (st.st_mode & 0o755) | 0o600)
+            elif stat.S_ISLNK(st.st_mode):
+                budget.add(rel, 0, False)
+                os.symlink(os.readlink(name, dir_fd=dfd), target)
+        finally:
+            os.close(fd)
 
     def _root(self) -> int | None:
         """A descriptor of pid 1's root, or None: no openat2 to resolve in it, or pid 1 is not the process started
