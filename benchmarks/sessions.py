@@ -3,6 +3,7 @@ the same run.
 
     python benchmarks/sessions.py [--runs 40] [--levels 16 64 256] [--docker-levels 16 64 256] [--json out.json]
                                   [--ray-levels 16 64] [--ray-nodes 2] [--ray-address ADDR] [--pairs 1]
+                                  [--rounds 3]
 
 Measured:
   bare      `subprocess.run(["true"])` (fork+exec from the benchmark process, no isolation): the baseline
@@ -16,8 +17,11 @@ Measured:
             the bare baseline runs the same 3 commands per episode as plain subprocesses at the same concurrency;
             beside it, back to back at each level, the whole episode unisolated (`unisolated_episode`: a copy of the
             seed, every step a shell command the way mini-swe-agent's LocalEnvironment runs it, a thread per
-            episode) and, for docker, the whole episode in plain docker-py (`dockerpy_episode`); with --pairs N,
-            N such pairs per level, the order alternating, their medians and every pair's ratio (`ratios_<n>`)
+            episode) and, for docker, the whole episode in plain docker-py (`dockerpy_episode`); each side runs
+            --rounds rounds of N episodes on one backend (a training run's steps: the local backend recycles the
+            agents of closed sessions for the next round), episodes/s over all rounds, the first (cold) round's
+            and the later rounds' beside it (`round_eps_<n>`); with --pairs N, N such pairs per level, the order
+            alternating, their medians and every pair's ratio (`ratios_<n>`)
   ray       the ray backend (a host actor per node, each running the local backend there) on a multi-raylet
             cluster started here (`ray.cluster_utils.Cluster`: a head without sessions and --ray-nodes session
             nodes, all on this machine) or on --ray-address; beside a local backend in the same run: the hop's
@@ -49,6 +53,19 @@ from rlf_envs.sandbox.sessions import SessionBackend, SessionLimits, SessionSpec
 from rlf_envs.sandbox.sessions.local import LocalBackend
 
 LIM = SessionLimits(exec_timeout_s=120, session_timeout_s=1800, disk_mb=32, memory_mb=512, pids=128)
+#: rounds of N concurrent episodes per measurement (--rounds), on one backend
+ROUNDS = 3
+
+
+async def in_rounds(one_round: Callable[[], Awaitable[Any]]) -> tuple[float, list[float]]:
+    """ROUNDS rounds of `one_round` (N episodes at once) back to back: the seconds of all, and each round's."""
+    per = []
+    t0 = time.perf_counter()
+    for _ in range(ROUNDS):
+        t = time.perf_counter()
+        await one_round()
+        per.append(time.perf_counter() - t)
+    return time.perf_counter() - t0, per
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -111,9 +128,9 @@ async def unisolated_episodes(n: int, seed: str) -> float:
 
     loop = asyncio.get_running_loop()
     with ThreadPoolExecutor(max_workers=n) as pool:
-        t = time.perf_counter()
-        await asyncio.gather(*(loop.run_in_executor(pool, unisolated_episode, seed) for _ in range(n)))
-        return n / (time.perf_counter() - t)
+        took, _ = await in_rounds(lambda: asyncio.gather(*(loop.run_in_executor(pool, unisolated_episode, seed)
+                                                           for _ in range(n))))
+        return n * ROUNDS / took
 
 
 def dockerpy_episode(client: Any, image: str, seed_tar: bytes) -> None:
@@ -146,16 +163,17 @@ async def dockerpy_episodes(n: int, image: str, seed: str) -> float:
     loop = asyncio.get_running_loop()
     try:
         with ThreadPoolExecutor(max_workers=n) as pool:
-            t = time.perf_counter()
-            await asyncio.gather(*(loop.run_in_executor(pool, dockerpy_episode, client, image, buf.getvalue())
-                                   for _ in range(n)))
-            return n / (time.perf_counter() - t)
+            took, _ = await in_rounds(lambda: asyncio.gather(*(
+                loop.run_in_executor(pool, dockerpy_episode, client, image, buf.getvalue()) for _ in range(n))))
+            return n * ROUNDS / took
     finally:
         client.close()
 
 
-async def episodes(b: SessionBackend, spec: SessionSpec, n: int) -> tuple[float, list[str]]:
-    """n episodes at once: episodes/s and each failed episode's error (kept in the JSON: `errors_<n>`)."""
+async def episodes(b: SessionBackend, spec: SessionSpec, n: int,
+                   rounds: list[float] | None = None) -> tuple[float, list[str]]:
+    """ROUNDS rounds of n episodes at once: episodes/s over all, and each failed episode's error (kept in the JSON:
+    `errors_<n>`); each round's episodes/s appended to `rounds`."""
     failures: list[str] = []
 
     async def one() -> None:
@@ -171,9 +189,10 @@ async def episodes(b: SessionBackend, spec: SessionSpec, n: int) -> tuple[float,
             failures.append(repr(e)[:500])
             print(f"  episode failed: {e!r}", file=sys.stderr)
 
-    t = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(n)))
-    return n / (time.perf_counter() - t), failures
+    took, per = await in_rounds(lambda: asyncio.gather(*(one() for _ in range(n))))
+    if rounds is not None:
+        rounds += [n / t for t in per]
+    return n * ROUNDS / took, failures
 
 
 async def exec_p50(b: SessionBackend, spec: SessionSpec, runs: int) -> dict[str, float]:
@@ -221,15 +240,19 @@ async def local(runs: int, levels: list[int], seed: str, pairs: int = 1) -> dict
         res.update(await exec_p50(warm, spec, runs))
     finally:
         await warm.aclose()
-    async def ours(n: int) -> tuple[float, list[str]]:
-        b = LocalBackend(pool_size=8)
-        try:
-            return await episodes(b, spec, n)
-        finally:
-            await b.aclose()
-
     for n in levels:  # rlf's local backend and the unisolated runtime back to back at each level
+        rounds: list[float] = []
+
+        async def ours(n: int, rounds: list[float] = rounds) -> tuple[float, list[str]]:
+            b = LocalBackend(pool_size=8)
+            try:
+                return await episodes(b, spec, n, rounds)
+            finally:
+                res[f"recycled_{n}"] = res.get(f"recycled_{n}", 0) + b.recycled
+                await b.aclose()
+
         await paired(res, n, pairs, ours, lambda n: unisolated_episodes(n, seed), "unisolated")
+        res[f"round_eps_{n}"] = rounds
     return res
 
 
@@ -398,10 +421,16 @@ def print_local(L: dict[str, Any], b50: float, levels: list[int], bare: dict[str
           f"  exec 'true' (bash -lc) p50 {L['exec_shell_p50_s'] * 1e3:.1f} ms")
     for n in levels:
         uni = L[f"unisolated_episodes_per_s_{n}"]
+        per = L[f"round_eps_{n}"]
+        first = [r for i, r in enumerate(per) if i % ROUNDS == 0]
+        later = [r for i, r in enumerate(per) if i % ROUNDS]
         print(f"local  {n:4d} concurrent episodes: {L[f'episodes_per_s_{n}']:.1f}/s = "
               f"{L[f'episodes_per_s_{n}'] / uni:.2f}x unisolated (mini-swe-agent's way: {uni:.1f}/s; "
-              f"bare commands {bare[f'episodes_per_s_{n}']:.1f}/s), failures {L[f'failures_{n}']}"
-              f"{spread(L[f'ratios_{n}'])}")
+              f"bare commands {bare[f'episodes_per_s_{n}']:.1f}/s), failures {L[f'failures_{n}']}; "
+              f"{ROUNDS} rounds: the first {statistics.median(first):.1f}/s"
+              + (f", later ones {statistics.median(later):.1f}/s on {L[f'recycled_{n}']} recycled agents"
+                 if later else "")
+              + spread(L[f"ratios_{n}"]))
 
 
 def spread(ratios: list[float]) -> str:
@@ -439,6 +468,7 @@ def print_ray(R: dict[str, Any]) -> None:
 
 
 async def main() -> None:
+    global ROUNDS
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--levels", type=int, nargs="+", default=[16, 64, 256])
@@ -451,7 +481,10 @@ async def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=["local", "docker", "ray"])
     ap.add_argument("--pairs", type=int, default=1, help="back-to-back runs of rlf's episodes and the baseline's at "
                     "each level, the order alternating: medians and each pair's ratio reported")
+    ap.add_argument("--rounds", type=int, default=ROUNDS, help="rounds of N episodes per measurement, on one "
+                    "backend (a training run's steps)")
     a = ap.parse_args()
+    ROUNDS = a.rounds
     out: dict[str, Any] = {"machine": f"{platform.node()} {os.cpu_count()} cpus", "runs": a.runs}
     with tempfile.TemporaryDirectory() as seed:
         for i in range(20):

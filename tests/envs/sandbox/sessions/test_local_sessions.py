@@ -36,9 +36,19 @@ FAST = SessionLimits(exec_timeout_s=20, session_timeout_s=120, memory_mb=512, pi
 
 
 def run(fn: Callable[[LocalBackend], Awaitable[Any]], **kw: Any) -> Any:
+    """`fn` on a fresh backend. Recycling is on unless `recycle=False`: a first session (closed before `fn` runs)
+    leaves its agent recycled, so `fn`'s first session of the default image runs on an agent another session used
+    (every promise below holds for a recycled agent as for a fresh one); `warm_up=False`: no such first session."""
+    warm_up = kw.pop("warm_up", True)
+
     async def main() -> Any:
         b = LocalBackend(pool_size=kw.pop("pool_size", 0), **kw)
         try:
+            if warm_up and b.recycle and b.pool_size == 0:
+                s = await b.create(SessionSpec(limits=FAST))
+                await s.exec("echo used > /tmp/used; sleep 1000 > /dev/null 2>&1 &")
+                await s.aclose()
+                assert s._agent in b.pool.all_idle(), "the first session's agent was not recycled"
             return await fn(b)
         finally:
             await b.aclose()
@@ -184,7 +194,7 @@ def test_close_is_idempotent_and_calls_after_close_fail(seed: Path) -> None:
         for p in pids:
             assert not owners.alive(p, None) or _zombie(p)
 
-    run(go)
+    run(go, recycle=False)
 
 
 def _zombie(pid: int) -> bool:
@@ -323,7 +333,7 @@ def test_memory_cgroup_bounds_the_whole_session() -> None:
             await asyncio.sleep(0.1)
         assert not any(os.path.isdir(d) for d in cg)  # removed with the session
 
-    run(go)
+    run(go, recycle=False)
 
 
 def test_session_wall_clock() -> None:

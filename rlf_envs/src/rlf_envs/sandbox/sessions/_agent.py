@@ -93,6 +93,7 @@ from rlf_envs.sandbox._base import (  # the sandbox's Linux ABI
     _set_name,
     _umount2,
     check_path,
+    move_mount_fd,
 )
 from rlf_envs.sandbox._base import _mount as mount
 from rlf_envs.sandbox._base import _prctl as prctl
@@ -109,6 +110,12 @@ MAX_FILE = 64 << 20
 #: may enter, so the session's user cannot reach it (the agent reads it with root's rights)
 SEED_DIR = "/.rlf"
 SEED = SEED_DIR + "/seed"
+#: (an image's root) the image directory, bound read-only for the next root of a recycled agent, and where that next
+#: root is staged: both under SEED_DIR, which only root may enter
+IMAGE = SEED_DIR + "/image"
+STAGE = SEED_DIR + "/stage"
+#: (the host image's kept root) where a recycled agent's next scratch tmpfs is mounted
+SCRATCH = SEED_DIR + "/scratch"
 #: SysV IPC of the session's ipc namespace: a shared memory segment outlives its processes (no OOM kill frees it, and
 #: it is charged to the session's cgroup), so it is bounded (8 MiB in all), as are message queues
 IPC_LIMITS = (("shmmax", str(8 << 20)), ("shmall", str((8 << 20) // 4096)), ("shmmni", "64"), ("msgmni", "16"))
@@ -300,49 +307,88 @@ def open_root(r: str) -> None:
             os.chmod(dirpath, stat.S_IMODE(st.st_mode) | 0o1777)
 
 
-def finish_root(r: str, s: str, workdir: str, uid: int, seed: str | None) -> None:
-    """The per-session part: /proc, /dev, and the scratch tmpfs's directories bound as the workspace (a copy of the
-    seed, the session user's), /tmp, /var/tmp and /dev/shm; the seed itself bound read-only at SEED (for the diff)."""
-    for d in ("/proc", "/tmp", "/dev"):
-        os.makedirs(r + d, mode=0o755, exist_ok=True)
-    _devices(r)
-    mount("proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+def _root_only_dir(r: str) -> None:
+    """SEED_DIR in the root `r`: a directory only root may enter (made here, after `open_root`)."""
+    os.makedirs(r + SEED_DIR, mode=0o700, exist_ok=True)
+    st = os.lstat(r + SEED_DIR)
+    if not stat.S_ISDIR(st.st_mode):
+        raise OSError(errno.EEXIST, f"the image holds {SEED_DIR}, which the agent needs")
+    os.chown(r + SEED_DIR, 0, 0)
+    os.chmod(r + SEED_DIR, 0o700)
+
+
+#: the root's own /etc/passwd and /etc/group before the session's user was added (read from the first root this agent
+#: built), so that every later root gets exactly one line for its session's user
+_PRISTINE: dict[str, bytes] = {}
+
+
+def finish_root(r: str, s: str, workdir: str, uid: int, seed: str | int | None, image: str | None = None,
+                fresh: bool = True) -> tuple[list[str], list[str]]:
+    """The per-session part: /proc and /dev (`fresh`: a root no session has used yet), and the scratch tmpfs's
+    directories bound as the workspace (a copy of the seed, the session user's), /tmp, /var/tmp and /dev/shm; the
+    seed itself mounted read-only at SEED (for the diff): `seed` is a detached mount's descriptor
+    (`_base.open_tree_clone`, passed by the trainer: attached here, then closed by the caller) or a host path (bound;
+    reachable only before the first `switch_root`). `image` (an image's root): the image directory bound read-only at
+    IMAGE, the lower layer of a recycled agent's next root. Returns the session's own mounts and the directories
+    made for them, as paths of the root (what a reset of a kept root undoes: `reset`)."""
+    if fresh:
+        for d in ("/proc", "/tmp", "/dev"):
+            os.makedirs(r + d, mode=0o755, exist_ok=True)
+        _devices(r)
+        mount("proc", r + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for name, mode in (("tmp", 0o1777), ("vartmp", 0o1777), ("shm", 0o1777), ("ws", 0o755)):
         os.mkdir(f"{s}/{name}", mode)
         os.chmod(f"{s}/{name}", mode)
     os.chown(s + "/ws", uid, uid)
+    mounts = ["/tmp", "/dev/shm"]
     bind(s + "/tmp", r + "/tmp", True, MS_NODEV)
     if os.path.isdir(r + "/var/tmp") and not os.path.islink(r + "/var/tmp"):
         bind(s + "/vartmp", r + "/var/tmp", True, MS_NODEV)
+        mounts.append("/var/tmp")
     bind(s + "/shm", r + "/dev/shm", True, MS_NODEV)
     ws = r + workdir
+    made = []
+    d = posixpath.normpath(workdir)
+    while d != "/" and not os.path.lexists(r + d):
+        made.append(d)
+        d = posixpath.dirname(d)
     os.makedirs(ws, mode=0o755, exist_ok=True)
     bind(s + "/ws", ws, True, MS_NODEV)
-    if seed:
-        shutil.copytree(seed, ws, symlinks=True, dirs_exist_ok=True)
+    mounts.append(posixpath.normpath(workdir))
+    if image is not None:
+        _root_only_dir(r)
+        os.makedirs(r + IMAGE, mode=0o700, exist_ok=True)
+        bind(image, r + IMAGE, False, MS_NODEV)
+    if seed is not None:
+        _root_only_dir(r)
+        os.makedirs(r + SEED, mode=0o700, exist_ok=True)
+        if isinstance(seed, int):
+            move_mount_fd(seed, r + SEED)
+            mount(None, r + SEED, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY)
+        else:
+            bind(seed, r + SEED, False, MS_NODEV | MS_NOEXEC)
+        mounts.append(SEED)
+        shutil.copytree(r + SEED, ws, symlinks=True, dirs_exist_ok=True)
         os.chmod(ws, 0o755)
         for dirpath, dirnames, filenames in os.walk(ws):
             for n in dirnames + filenames:
                 os.lchown(os.path.join(dirpath, n), uid, uid)
-        os.makedirs(r + SEED_DIR, mode=0o700, exist_ok=True)
-        st = os.lstat(r + SEED_DIR)
-        if not stat.S_ISDIR(st.st_mode):
-            raise OSError(errno.EEXIST, f"the image holds {SEED_DIR}, which the agent needs")
-        os.chown(r + SEED_DIR, 0, 0)
-        os.chmod(r + SEED_DIR, 0o700)
-        os.makedirs(r + SEED, mode=0o700, exist_ok=True)
-        bind(seed, r + SEED, False, MS_NODEV | MS_NOEXEC)
-    # the session's user has a name (git, whoami, getpwuid): appended to the root's own copy of the user database
-    # (the host image's is a copy in the root tmpfs, an image's is in the overlay's upper layer)
+    # the session's user has a name (git, whoami, getpwuid): added to the root's own copy of the user database (the
+    # host image's is a copy in the root tmpfs, an image's is in the overlay's upper layer)
     for name, line in (("passwd", f"sandbox:x:{uid}:{uid}:sandbox:{workdir}:/bin/sh\n"),
                        ("group", f"sandbox:x:{uid}:\n")):
         path = f"{r}/etc/{name}"
         try:
             if os.path.isfile(path) and not os.path.islink(path):
-                with open(path, "a") as f:
-                    f.write(line)
+                if name not in _PRISTINE:
+                    with open(path, "rb") as f:
+                        _PRISTINE[name] = f.read()
+                old = _PRISTINE[name]
+                with open(path, "wb") as f:
+                    f.write(old + (b"\n" if old and not old.endswith(b"\n") else b"") + line.encode())
         except OSError:
             pass
+    return mounts, made
 
 
 def _ipc_limits() -> None:
@@ -1020,9 +1066,10 @@ def do_diff(req: dict[str, Any], st: dict[str, Any], blob: Blob) -> tuple[dict[s
 
 
 # ---------------------------------------------------------------- main
-def serve(st: dict[str, Any]) -> None:
-    """Answer requests one at a time. A reply's kind says whose failure an error is: "user" (the request's content:
-    a bad path, type or mode, a missing file -- the caller's), "limit" (the session's own limits), "infra" (ours)."""
+def serve(st: dict[str, Any]) -> Staged:
+    """Answer requests one at a time, until "reset" (returns the next session's root, `reset`), "close" or EOF
+    (exits). A reply's kind says whose failure an error is: "user" (the request's content: a bad path, type or
+    mode, a missing file -- the caller's), "limit" (the session's own limits), "infra" (ours)."""
     ops = {"exec": do_exec, "read": do_read, "write": do_write, "diff": do_diff}
     while True:
         req = read_frame(0)
@@ -1031,6 +1078,14 @@ def serve(st: dict[str, Any]) -> None:
             if req is not None:
                 write_frame(1, {"ok": True})
             os._exit(0)
+        if req.get("op") == "reset":
+            try:
+                staged = reset(st)
+            except Exception as e:  # a session that cannot be reset is never used again: this agent ends
+                write_frame(1, {"ok": False, "error": f"reset: {_show(e)}", "kind": "infra"})
+                os._exit(2)
+            write_frame(1, {"ok": True, "reset": req.get("n"), "how": staged.how})
+            return staged
         n = req.get("blob", 0)
         blob = Blob(0, n if isinstance(n, int) and n > 0 else 0)
         name = req.get("op")
@@ -1065,8 +1120,52 @@ def serve(st: dict[str, Any]) -> None:
         write_frame(1, reply, out)
 
 
+class Staged:
+    """A root ready for `start_session`: its path `r` ("" is our own root), its scratch tmpfs `s`, how it is made,
+    and whether it is `fresh` (no /proc, /dev yet; switched to at start) or our own root, kept."""
+
+    def __init__(self, r: str, s: str, how: str, fresh: bool) -> None:
+        self.r, self.s, self.how, self.fresh = r, s, how, fresh
+
+
+def reset(st: dict[str, Any]) -> Staged:
+    """Make this agent ready for another session, leaving nothing of the last one: every other process of the pid
+    namespace killed and reaped (none may be left), a fresh IPC namespace (the last one's SysV objects and POSIX
+    queues go with it: nothing else holds it), and every place the session could write replaced. The host image's
+    root is kept (nothing in it is the session's to write: root's tmpfs, read-only binds, root's files): the last
+    session's mounts (its scratch tmpfs, workspace, /tmp, /var/tmp, /dev/shm, seed) are detached, the directories
+    made for them removed, and a new scratch tmpfs mounted at SCRATCH. An image's root (an overlay, whose upper layer
+    the session wrote) is built anew at STAGE, and `start_session` switches to it, detaching this one whole."""
+    signal.alarm(0)
+    la = st.pop("launcher", None)
+    _kill_all_but_me()
+    if la is not None:
+        la.lost()
+    left = _session_pids()
+    if left:
+        raise OSError(errno.EBUSY, f"{len(left)} of the session's processes could not be killed")
+    os.chdir("/")
+    _check(_libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
+    disk_mb = st["limits"]["disk_mb"]
+    if st["image"] != "host":
+        os.makedirs(STAGE, mode=0o700, exist_ok=True)
+        return Staged(STAGE + "/root", STAGE + "/s", build_root(STAGE, st["image"], disk_mb), True)
+    for m in reversed(st["mounts"]):
+        _umount2(m, MNT_DETACH)
+    for d in st["made"]:  # (deepest first)
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(d)
+    _root_only_dir("")
+    os.makedirs(SCRATCH, mode=0o700, exist_ok=True)
+    mount("tmpfs", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV,
+          f"size={disk_mb}m,nr_inodes={scratch_inodes(disk_mb)},mode=0700")
+    return Staged("", SCRATCH, "host system dirs read-only (the root kept, the session's mounts new)", False)
+
+
 def session_main(parent_fd: int) -> None:
-    """C: pid 1 of the session's pid namespace."""
+    """C: pid 1 of the session's pid namespace. Builds a root (`prepare`), then serves sessions one after another:
+    each `start` finishes the staged root and switches to it, `serve` answers the session's requests, and a
+    "reset" stages the next root (`reset`) for the next `start`, until "close" or EOF."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if select.select([parent_fd], [], [], 0)[0]:  # P died before we asked to die with it
         os._exit(1)
@@ -1077,29 +1176,63 @@ def session_main(parent_fd: int) -> None:
     prep = read_frame(0)
     if prep is None:
         os._exit(0)
-    base = prep["root_mount"]
-    r, s = base + "/root", base + "/s"
+    base, image = prep["root_mount"], prep["image"]
     try:
-        how = build_root(base, prep["image"], prep["disk_mb"])
+        _check(_libc.unshare(CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")  # (ours alone: P stays out of it)
+        how = build_root(base, image, prep["disk_mb"])
     except Exception as e:
         write_frame(1, {"ok": False, "error": f"building the session root: {e!r}", "kind": "infra"})
         os._exit(2)
     write_frame(1, {"ok": True, "how": how})
-    start = read_frame(0)
-    if start is None:
-        os._exit(0)
+    staged = Staged(base + "/root", base + "/s", how, True)
+    while True:
+        start = read_frame(0)
+        if start is None or start.get("op") == "close":
+            os._exit(0)
+        staged = serve(start_session(start, staged, image))
+        image = image if image == "host" else IMAGE  # (the next overlay's lower layer: the image bound at IMAGE)
+
+
+def _seed_fd(start: dict[str, Any]) -> int | None:
+    """The seed's detached mount, sent by the trainer right after a start whose "seed_fd" is true: one byte with one
+    descriptor (SCM_RIGHTS); read with recvmsg, never with a plain read (which would drop the descriptor)."""
+    if not start.get("seed_fd"):
+        return None
+    sock = socket.socket(fileno=os.dup(0))
     try:
+        sock.setblocking(True)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 2)
+    finally:
+        sock.close()
+    if msg != b"\0" or len(fds) != 1:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(errno.EPROTO, f"the seed's descriptor did not come ({msg!r}, {len(fds)} descriptors)")
+    return fds[0]
+
+
+def start_session(start: dict[str, Any], staged: Staged, image: str) -> dict[str, Any]:
+    """Finish the `staged` root for the session `start` describes, switch to it (a fresh one), and reply; the
+    session's state (`st`) for `serve`. Any failure is replied and ends the agent."""
+    r, s, how = staged.r, staged.s, staged.how
+    try:
+        seed_fd = _seed_fd(start)
         lim = start["limits"]
-        seed = start.get("seed")
+        seed = seed_fd if seed_fd is not None else start.get("seed")
         size_scratch(s, lim["disk_mb"])
         if start.get("writable_root"):
             if not how.startswith("overlay"):
                 raise OSError(f"writable_root needs overlayfs for the session's root ({how})")
             open_root(r)
-        finish_root(r, s, start["workdir"], start["uid"], seed)
+        mounts, made = finish_root(r, s, start["workdir"], start["uid"], seed, None if image == "host" else image,
+                                   staged.fresh)
+        if not staged.fresh:
+            mounts.insert(0, SCRATCH)  # (undone last)
+        if seed_fd is not None:
+            os.close(seed_fd)  # (attached: closing it now leaves the seed mounted, and us holding nothing)
         _ipc_limits()
         _libc.sethostname(b"sandbox", 7)
-        how += "; " + switch_root(r)
+        how += "; " + (switch_root(r) if staged.fresh else "the same root")
         # nothing of the host stays open: stderr (the host's /dev/null) becomes the session's
         devnull = os.open("/dev/null", os.O_RDWR)
         os.dup2(devnull, 2)
@@ -1117,10 +1250,13 @@ def session_main(parent_fd: int) -> None:
         write_frame(1, {"ok": False, "error": f"starting the session: {e!r}", "kind": "infra"})
         os._exit(2)
     st = {"limits": lim, "uid": start["uid"], "workdir": start["workdir"], "env": start["env"],
-          "seed": SEED if seed else None, "proc_dev": proc_dev}
+          "seed": SEED if seed is not None else None, "proc_dev": proc_dev,
+          "image": image if image == "host" else IMAGE, "mounts": mounts, "made": made}
     _seccomp_prog()  # built before the first exec's fork
-    write_frame(1, {"ok": True, "how": how + ("" if _OPENAT2 else "; file paths walked without openat2")})
-    serve(st)
+    # a recycled agent's next root is built from this one (`reset`): not where the image is only bound read-only
+    write_frame(1, {"ok": True, "how": how + ("" if _OPENAT2 else "; file paths walked without openat2"),
+                    "recyclable": how.startswith(("overlay", "host"))})
+    return st
 
 
 def agent_main(network: bool, parent: int) -> None:
@@ -1128,7 +1264,9 @@ def agent_main(network: bool, parent: int) -> None:
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # Z died before we asked to die with it
         os._exit(1)
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (0 if network else CLONE_NEWNET)
+    # (C unshares its IPC namespace itself, and again for each recycled session: no process outside the session,
+    # P included, holds it, so the last session's SysV objects and POSIX queues go with the reset)
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWUTS | (0 if network else CLONE_NEWNET)
     _check(_libc.unshare(flags), "unshare")
     # the session's processes are re-parented to us when C (their pid 1) dies: we reap them, so that the session's
     # cgroups are empty when we exit (the host's init may reap late, or never)

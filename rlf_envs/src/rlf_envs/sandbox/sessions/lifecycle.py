@@ -79,6 +79,14 @@ class WarmPool(Generic[K, W]):
             self.drop(w)
         return None
 
+    def put(self, key: K, w: W) -> bool:
+        """Keep `w` idle for `key` (a worker back from a closed session, made ready for another by its backend);
+        False once the pool is closed (the caller then discards it)."""
+        if self.closed:
+            return False
+        self._idle.setdefault(key, []).append(w)
+        return True
+
     def drop(self, w: W) -> None:
         """Discard `w` in the background (awaited by `aclose`)."""
         self._track(self._discard(w))

@@ -9,11 +9,15 @@ lost during a call in which the session's own cgroup hit its memory or pids limi
 policy's failure), otherwise a SessionInfraError; a session past its wall clock raises SessionExpired. The agents
 start with an empty environment (nothing of the trainer's reaches a session).
 
-`LocalBackend(pool_size=2, max_starting=8, creates_per_s=50)`: a warm pool per (image, network) of agents that are
-already in their namespaces with the image's root built (a create then only makes the workspace and copies the
-seed); at most `max_starting` sessions start at once and creates are rate-limited (a token bucket), so hundreds of
-concurrent episodes queue instead of timing out. Every session is labelled with its owner before any wait
-(`owners.py`); the reaper runs at start-up and every `reap_every_s`.
+`LocalBackend(pool_size=2, max_starting=8, creates_per_s=50, recycle=True, max_idle=256)`: a warm pool per (image,
+network) of agents that are already in their namespaces with the image's root built (a create then only makes the
+workspace and copies the seed); at most `max_starting` sessions start at once and creates are rate-limited (a token
+bucket), so hundreds of concurrent episodes queue instead of timing out. A closed session's agent is recycled
+(`LocalBackend._recycle`): pid 1 of the session kills every other process, takes a new IPC namespace and replaces
+every place the session could write (`_agent.reset`), the trainer checks the session's cgroup holds nothing but the
+agent, and the agent waits idle for the next session of its key -- so a training run's later steps cost no namespace,
+cgroup or process start. Every session is labelled with its owner before any wait (`owners.py`); the reaper runs at
+start-up and every `reap_every_s`.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from dataclasses import asdict
 from typing import Any, TypeVar
 
 from rlf_envs.sandbox import _cgroup
-from rlf_envs.sandbox._base import check_path
+from rlf_envs.sandbox._base import check_path, open_tree_clone
 from rlf_envs.sandbox.sessions import images, owners
 from rlf_envs.sandbox.sessions.lifecycle import PooledBackend, WarmPool
 from rlf_envs.sandbox.sessions.types import (
@@ -68,6 +72,11 @@ MAX_FILE = 64 << 20
 
 #: how old the cgroup's limit counters an agent call compares with may be (reading them costs ~0.3 ms)
 COUNTERS_EVERY_S = 1.0
+#: recycling: how many sessions one agent serves at most, how long a reset may take, and how long a recycled agent
+#: may stay idle (beyond the pool's own size) before the reaper round ends it
+RECYCLE_USES = 200
+RESET_TIMEOUT_S = 30.0
+RECYCLED_IDLE_S = 300.0
 
 T = TypeVar("T")
 
@@ -156,8 +165,16 @@ class _Agent:
         self._cleanup: asyncio.Task[None] | None = None
         self._counters: dict[str, int] = {}  # the cgroup's limit counters (`_limit_counters`) and when they were read
         self._counters_at = -1e9
+        self.uses = 0  # sessions started on this agent (the n-th one's id and label: `<first_id>-<n>`)
+        self.first_id = label.id
+        self.limits: tuple[int, int] | None = None  # the memory and pids limits its cgroup has
+        self.busy = False  # a request sent whose reply is not read yet (a call cancelled midway leaves it set)
+        self.recyclable = False  # its root can be rebuilt for another session (the agent's start reply says)
+        self.idle_since = time.monotonic()
 
-    async def send(self, obj: dict[str, Any], blob: bytes | None = None) -> None:
+    async def send(self, obj: dict[str, Any], blob: bytes | None = None, fd: int | None = None) -> None:
+        """A request frame; `fd` (a descriptor) follows it as one byte with SCM_RIGHTS, once every byte before it
+        is on the socket (the agent reads it with recvmsg: `_agent._seed_fd`)."""
         assert self.proc.stdin is not None
         if blob:
             obj = dict(obj, blob=len(blob))
@@ -166,6 +183,8 @@ class _Agent:
         if blob:
             self.proc.stdin.write(blob)
         await self.proc.stdin.drain()
+        if fd is not None:
+            await self.proc.send_fd(fd)
 
     async def recv(self, max_blob: int = 0) -> tuple[dict[str, Any], bytes]:
         """A reply and the raw bytes after it, which may be at most `max_blob` (what the call can return: more is
@@ -184,16 +203,21 @@ class _Agent:
         return reply, data
 
     async def call(self, obj: dict[str, Any], timeout_s: float, blob: bytes | None = None,
-                   max_blob: int = 0) -> tuple[dict[str, Any], bytes]:
+                   max_blob: int = 0, fd: int | None = None) -> tuple[dict[str, Any], bytes]:
         """One request and its reply, with a deadline. A lost agent is killed and raises SessionLimitExceeded when the
         session's cgroup hit its memory or pids limit during the call (the policy's processes pressed it there),
         else SessionInfraError."""
         if self.cgroup and time.monotonic() - self._counters_at > COUNTERS_EVERY_S:
             self._counters, self._counters_at = _limit_counters(self.cgroup), time.monotonic()
         before = self._counters
+        self.busy = True
         try:
-            await asyncio.wait_for(self.send(obj, blob), timeout_s)
-            return await asyncio.wait_for(self.recv(max_blob), timeout_s)
+            async with asyncio.timeout(timeout_s):  # (no task per call, unlike wait_for)
+                await self.send(obj, blob, fd)
+            async with asyncio.timeout(timeout_s):
+                got = await self.recv(max_blob)
+            self.busy = False
+            return got
         except TimeoutError:
             hit = self._limit_hit(before)
             self.kill()
@@ -266,8 +290,10 @@ class _AgentProc:
     """An agent P as the backend sees it: its socket (frames both ways, as asyncio streams) and a pidfd (P is Z's
     child, not ours: the pidfd says when it exits and signals exactly it, never a reused pid)."""
 
-    def __init__(self, pid: int, pidfd: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, pid: int, pidfd: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 sock: socket.socket | None = None) -> None:
         self.pid = pid
+        self.sock = sock  # the socket under the streams (for `send_fd`)
         self.stdin = writer
         self.stdout = reader
         self.returncode: int | None = None  # -1 once P has exited (its status is Z's: we only learn that it ended)
@@ -281,6 +307,19 @@ class _AgentProc:
         self.returncode = -1
         if not self._exited.done():
             self._exited.set_result(None)
+
+    async def send_fd(self, fd: int) -> None:
+        """One byte carrying `fd` (SCM_RIGHTS), sent on the socket itself once the stream's buffer is empty (so it
+        follows every byte written before it)."""
+        assert self.sock is not None
+        while self.stdin.transport.get_write_buffer_size():
+            await asyncio.sleep(0.001)
+        while True:
+            try:
+                socket.send_fds(self.sock, [b"\0"], [fd])
+                return
+            except BlockingIOError:  # (the agent's receive buffer is full: it reads the frame first)
+                await asyncio.sleep(0.001)
 
     def kill(self) -> None:
         if self.returncode is None and self._pidfd >= 0:
@@ -367,7 +406,7 @@ class _Zygote:
             sock.close()
             os.close(fds[1])
             raise
-        return _AgentProc(int(reply["pid"]), fds[1], reader, writer)
+        return _AgentProc(int(reply["pid"]), fds[1], reader, writer, sock)
 
     def close_now(self) -> None:
         """Close our end: Z reads EOF and exits (every agent it forked dies with it)."""
@@ -545,20 +584,26 @@ class LocalSession(Session):
         return data.decode("utf-8", "surrogateescape")
 
     async def aclose(self) -> None:
+        """Every process of the session killed and its files gone: its agent reset and kept for another session
+        (`LocalBackend._recycle`), or ended."""
         if self._closed:
             return
         self._closed = True
         self._timer.cancel()
+        recycled = False
         try:
-            if not self._agent.dead:
+            recycled = await self._backend._recycle(self)
+            if not recycled and not self._agent.dead:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._agent.send({"op": "close"}), 2)
         finally:
-            self._agent.kill()
             self._backend._sessions.discard(self)
+            self._backend._closed_one(self._agent.key)
+            if not recycled:
+                self._agent.kill()
+                with contextlib.suppress(Exception):
+                    await self._agent.wait_dead()
             self._backend._uids.discard(self.uid)
-            with contextlib.suppress(Exception):
-                await self._agent.wait_dead()
 
 
 class LocalBackend(PooledBackend):
@@ -569,7 +614,7 @@ class LocalBackend(PooledBackend):
     name = "local"
 
     def __init__(self, pool_size: int | None = None, max_starting: int = 8, creates_per_s: float = 50.0,
-                 reap_every_s: float = 30.0) -> None:
+                 reap_every_s: float = 30.0, recycle: bool = True, max_idle: int = 256) -> None:
         if os.geteuid() != 0:
             raise SessionInfraError("the local session backend needs root (mount namespaces, chroot, per-session "
                                     "uids); run as root or use the docker backend")
@@ -587,6 +632,14 @@ class LocalBackend(PooledBackend):
         self.root_mount = os.path.join(owners.label_dir(), ".mnt")
         os.makedirs(self.root_mount, mode=0o755, exist_ok=True)
         self.reaped_at_start = owners.reap("local")
+        #: recycling (`_recycle`): a closed session's agent is reset and kept for the next session of its (image,
+        #: network), up to as many idle as that key ever had open at once (at most `max_idle` in all). Needs the
+        #: kernel's mount API (the seed reaches a recycled root as a detached mount): without it, off (said once)
+        self.max_idle = max_idle
+        self.recycle = recycle and _mount_api(self.root_mount)
+        self._open: dict[tuple[str, bool], int] = {}  # sessions open per key, and the most ever open at once
+        self._peak: dict[tuple[str, bool], int] = {}
+        self.recycled = 0  # sessions started on a recycled agent
 
     def reap(self) -> int:
         return owners.reap("local")
@@ -598,6 +651,13 @@ class LocalBackend(PooledBackend):
         self.reap()
         live = {lab.id for lab in owners.labels()}
         self._made &= live  # keep only ids whose label is still there (the set stays as small as what is open)
+        # recycled agents idle for long (the run's concurrency went down) go, down to the pool's own size per key
+        now = time.monotonic()
+        for key in list(self._peak):
+            idle = self.pool.idle(key)  # (oldest first)
+            old = {id(a) for a in idle[:max(0, len(idle) - self.pool_size)] if now - a.idle_since > RECYCLED_IDLE_S}
+            if old:
+                self.pool.prune(lambda a, old=old: id(a) in old)  # type: ignore[misc]
 
     def _uid(self) -> int:
         while True:
@@ -610,15 +670,57 @@ class LocalBackend(PooledBackend):
         async with self.admit():
             root = images.resolve_local(spec.image)
             key = (root, spec.network)
-            agent = self.pool.lease(key)
-            self.pool.fill(key, lambda: self._spawn(key, spec.limits.disk_mb))
-            if agent is not None:
-                try:
-                    return await self._start(agent, spec)
-                except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
-                    log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
-            await self.rate_limit()
-            return await self._start(await self._spawn(key, spec.limits.disk_mb), spec)
+            self._open[key] = n = self._open.get(key, 0) + 1
+            self._peak[key] = max(self._peak.get(key, 0), n)
+            try:
+                agent = self.pool.lease(key)
+                self.pool.fill(key, lambda: self._spawn(key, spec.limits.disk_mb))
+                if agent is not None:
+                    try:
+                        return await self._start(agent, spec)
+                    except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
+                        log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
+                await self.rate_limit()
+                return await self._start(await self._spawn(key, spec.limits.disk_mb), spec)
+            except BaseException:
+                self._closed_one(key)
+                raise
+
+    def _closed_one(self, key: tuple[str, bool]) -> None:
+        self._open[key] = max(0, self._open.get(key, 0) - 1)
+
+    async def _recycle(self, s: LocalSession) -> bool:
+        """Reset a closing session's agent and keep it idle for the next session of its key, where that is safe and
+        wanted: the agent answered every request (none in flight), did not run past its wall clock, can rebuild its
+        root, has served fewer than RECYCLE_USES sessions, and its key has fewer idle agents than it ever had open
+        at once. The agent (pid 1 of the session) kills every other process, which its cgroup must then confirm,
+        and stages a root of fresh mounts; anything short of that, and the agent is ended instead."""
+        a, key = s._agent, s._agent.key
+        if (not self.recycle or self._closed or self.pool.closed or a.dead or a.busy or s._expired
+                or s._lock.locked() or not a.recyclable or a.uses >= RECYCLE_USES or not self._room(key)):
+            return False
+        try:
+            reply, _ = await a.call({"op": "reset", "n": a.uses}, RESET_TIMEOUT_S)
+        except SessionError as e:  # (the call killed it)
+            log.warning("sessions: an agent could not be reset for another session (%s); it was ended", e)
+            return False
+        if not reply.get("ok") or reply.get("reset") != a.uses:
+            log.warning("sessions: an agent could not be reset for another session (%s); it is ended",
+                        _short(reply.get("error", reply)))
+            return False
+        if a.cgroup and not _only(a.cgroup, {p for p, _ in a.label.procs}):
+            log.warning("sessions: after a reset the session's cgroup still holds other processes; the agent is "
+                        "ended")
+            return False
+        a._counters_at = -1e9  # (the next call compares with fresh counters)
+        a.idle_since = time.monotonic()
+        return self._room(key) and self.pool.put(key, a)  # (again: other sessions closed meanwhile)
+
+    def _room(self, key: tuple[str, bool]) -> bool:
+        """Whether another idle agent of `key` is wanted: fewer than the most sessions of it ever open at once (or
+        the pool's size), and fewer than `max_idle` idle in all."""
+        return (len(self.pool.idle(key)) < max(self.pool_size, self._peak.get(key, 0))
+                and len(self.pool.all_idle()) < self.max_idle)
 
     def _spawn(self, key: tuple[str, bool], disk_mb: int) -> Awaitable[_Agent]:
         return _spawn(self._zygote, key, self.root_mount, disk_mb, self._made)
@@ -629,18 +731,41 @@ class LocalBackend(PooledBackend):
         try:
             if agent.cgroup is not None:
                 try:
-                    _cgroup.limit_cgroup(agent.cgroup, session_memory_bytes(spec.limits), spec.limits.pids + 8)
+                    limits = (session_memory_bytes(spec.limits), spec.limits.pids + 8)
+                    if limits != agent.limits:  # (a recycled agent's cgroup keeps its last session's)
+                        agent.limits = None
+                        _cgroup.limit_cgroup(agent.cgroup, *limits)
+                        agent.limits = limits
                 except OSError as e:
                     raise SessionInfraError(f"could not set the session's cgroup limits: {e}") from None
             env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": spec.workdir,
                    "USER": "sandbox", "TERM": "dumb", **spec.env}
-            reply, _ = await agent.call({"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
-                                         "seed": os.path.abspath(spec.seed_dir) if spec.seed_dir else None,
-                                         "limits": asdict(spec.limits), "writable_root": spec.writable_root},
-                                        START_TIMEOUT_S)
+            req: dict[str, Any] = {"op": "start", "workdir": spec.workdir, "uid": uid, "env": env,
+                                   "limits": asdict(spec.limits), "writable_root": spec.writable_root}
+            seed_fd = None
+            if spec.seed_dir and self.recycle:  # a detached copy of the seed's mount, which any root can attach
+                try:
+                    seed_fd = open_tree_clone(os.path.abspath(spec.seed_dir))
+                except OSError as e:
+                    raise SessionInfraError(f"session start: the seed {spec.seed_dir}: {e}") from None
+                req["seed_fd"] = True
+            elif spec.seed_dir:
+                req["seed"] = os.path.abspath(spec.seed_dir)
+            if agent.uses:  # a recycled agent: its label is renamed for this session (`<label dir>/<session id>.json`)
+                self._made.discard(agent.label.id)
+                self._made.add(agent.label.rename(f"{agent.first_id}-{agent.uses + 1}"))
+            agent.uses += 1
+            try:
+                reply, _ = await agent.call(req, START_TIMEOUT_S, fd=seed_fd)
+            finally:
+                if seed_fd is not None:
+                    os.close(seed_fd)
             if not reply.get("ok"):
                 raise SessionInfraError(f"session start: {reply.get('error')}")
             agent.how = str(reply.get("how", agent.how))
+            agent.recyclable = bool(reply.get("recyclable"))
+            if agent.uses > 1:
+                self.recycled += 1
         except BaseException:
             self.pool.drop(agent)  # killed now, its clean-up awaited by aclose
             self._uids.discard(uid)
@@ -658,6 +783,39 @@ class LocalBackend(PooledBackend):
         await _off_loop(_sweep_labels, made)
         await self._zygote.aclose()
         _OPEN.discard(self)
+
+
+def _short(v: Any) -> str:
+    r = str(v)
+    return r if len(r) <= 300 else r[:300] + "..."
+
+
+def _only(cgroup: list[str], pids: set[int]) -> bool:
+    """Whether the cgroup's directories hold no process but `pids` (an agent's P and C after a reset)."""
+    for d in cgroup:
+        try:
+            with open(os.path.join(d, "cgroup.procs")) as f:
+                if {int(x) for x in f.read().split()} - pids:
+                    return False
+        except (OSError, ValueError):
+            return False
+    return True
+
+
+_warned_mount_api = False
+
+
+def _mount_api(where: str) -> bool:
+    """Whether the kernel's mount API (open_tree) works here, which recycling needs (said once when it does not)."""
+    global _warned_mount_api
+    try:
+        os.close(open_tree_clone(where))
+        return True
+    except OSError as e:
+        if not _warned_mount_api:
+            _warned_mount_api = True
+            log.warning("sessions: no open_tree here (%s): closed sessions' agents are not recycled", e)
+        return False
 
 
 async def _discard_agent(agent: _Agent) -> None:

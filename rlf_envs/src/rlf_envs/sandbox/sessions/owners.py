@@ -10,6 +10,7 @@ backend start-up and on a timer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -96,6 +97,16 @@ class Label:
         with open(tmp, "w") as f:
             json.dump(asdict(self), f)
         os.replace(tmp, p)
+
+    def rename(self, new_id: str) -> str:
+        """The label now names the session `new_id` (a recycled agent's next session): saved under its new name
+        before the old file goes, so a reaper always finds at least one of them. Returns `new_id`."""
+        old = self.path()
+        self.id = new_id
+        self.save()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(old)
+        return new_id
 
     def remove(self) -> None:
         try:
