@@ -7,8 +7,9 @@ the same run.
 
 Measured:
   bare      `subprocess.run(["true"])` (fork+exec from the benchmark process, no isolation): the baseline
-  local     create from a warm pool (`LocalBackend(pool_size=4)`, the pool refilled between creates) and cold
-            (pool_size=0); exec p50 of argv ["true"] and of the shell command "true" (bash -lc)
+  local     create from a warm pool (`LocalBackend(pool_size=4, recycle=False)`, the pool refilled between
+            creates), cold (pool_size=0, recycle=False) and on the last closed session's recycled agent; exec p50 of
+            argv ["true"] and of the shell command "true" (bash -lc)
   docker    create (a container per session; sequential creates, so mostly from the backend's warm pool of 2 with the
             seed copied in, a cold container when the pool has not refilled yet), exec p50 of ["true"] through the
             session, beside `docker exec <c> true`
@@ -212,7 +213,7 @@ async def exec_p50(b: SessionBackend, spec: SessionSpec, runs: int) -> dict[str,
 async def local(runs: int, levels: list[int], seed: str, pairs: int = 1) -> dict[str, Any]:
     res: dict[str, Any] = {}
     spec = SessionSpec(limits=LIM, seed_dir=seed)
-    cold = LocalBackend(pool_size=0, creates_per_s=0)
+    cold = LocalBackend(pool_size=0, creates_per_s=0, recycle=False)
     try:
         ts = []
         for _ in range(runs):
@@ -223,7 +224,7 @@ async def local(runs: int, levels: list[int], seed: str, pairs: int = 1) -> dict
         res["create_cold_p50_s"], res["create_cold_p99_s"] = statistics.median(ts), pct(ts, 0.99)
     finally:
         await cold.aclose()
-    warm = LocalBackend(pool_size=4, creates_per_s=0, max_starting=8)
+    warm = LocalBackend(pool_size=4, creates_per_s=0, max_starting=8, recycle=False)
     try:
         await (await warm.create(spec)).aclose()
         ts = []
@@ -240,6 +241,18 @@ async def local(runs: int, levels: list[int], seed: str, pairs: int = 1) -> dict
         res.update(await exec_p50(warm, spec, runs))
     finally:
         await warm.aclose()
+    again = LocalBackend(pool_size=0, creates_per_s=0)  # every create after the first on the last one's agent
+    try:
+        await (await again.create(spec)).aclose()
+        ts = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            s = await again.create(spec)
+            ts.append(time.perf_counter() - t)
+            await s.aclose()
+        res["create_recycled_p50_s"], res["create_recycled_p99_s"] = statistics.median(ts), pct(ts, 0.99)
+    finally:
+        await again.aclose()
     for n in levels:  # rlf's local backend and the unisolated runtime back to back at each level
         rounds: list[float] = []
 
@@ -416,7 +429,8 @@ def docker_reason(image: str) -> str | None:
 
 def print_local(L: dict[str, Any], b50: float, levels: list[int], bare: dict[str, Any]) -> None:
     print(f"local  create warm p50 {L['create_warm_p50_s'] * 1e3:.1f} ms  p99 {L['create_warm_p99_s'] * 1e3:.1f} ms"
-          f"  cold p50 {L['create_cold_p50_s'] * 1e3:.1f} ms  p99 {L['create_cold_p99_s'] * 1e3:.1f} ms")
+          f"  cold p50 {L['create_cold_p50_s'] * 1e3:.1f} ms  p99 {L['create_cold_p99_s'] * 1e3:.1f} ms"
+          f"  recycled p50 {L['create_recycled_p50_s'] * 1e3:.1f} ms  p99 {L['create_recycled_p99_s'] * 1e3:.1f} ms")
     print(f"local  exec ['true'] p50 {L['exec_argv_p50_s'] * 1e3:.1f} ms ({L['exec_argv_p50_s'] / b50:.2f}x bare)"
           f"  exec 'true' (bash -lc) p50 {L['exec_shell_p50_s'] * 1e3:.1f} ms")
     for n in levels:

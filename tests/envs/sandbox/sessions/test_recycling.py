@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
 import os
 import subprocess
 import time
@@ -255,3 +256,46 @@ def test_without_the_mount_api_sessions_still_work_and_are_never_recycled(tmp_pa
         assert agent.dead and not b.pool.all_idle()
 
     run(go)
+
+
+def test_the_seed_arrives_whole_on_fresh_and_recycled_agents(tmp_path: Path) -> None:
+    """Modes, mtimes, symlinks (kept as links, never followed), a read-only directory's contents, all the session
+    user's; a FIFO in the seed is left out rather than hanging the copy."""
+    seed = tmp_path / "seed"
+    (seed / "ro" / "deep").mkdir(parents=True)
+    (seed / "ro" / "deep" / "f.txt").write_text("deep\n")
+    (seed / "run.sh").write_text("#!/bin/sh\necho ran\n")
+    (seed / "run.sh").chmod(0o755)
+    (seed / "secret").write_text("s\n")
+    (seed / "secret").chmod(0o600)
+    (seed / "link").symlink_to("/etc/shadow")
+    (seed / "big.bin").write_bytes(os.urandom(3 << 20))
+    os.mkfifo(seed / "fifo")
+    os.utime(seed / "secret", ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    (seed / "ro").chmod(0o555)
+    want = ["ro 555 d", "ro/deep 755 d", "ro/deep/f.txt 644 f", "run.sh 755 f", "secret 600 f", "link 777 l",
+            "big.bin 644 f"]
+    look = ("for p in ro ro/deep ro/deep/f.txt run.sh secret link big.bin; do stat -c '%n %a %F %u' $p; done; "
+            "stat -c %Y secret; readlink link; ./run.sh; test -e fifo || echo no-fifo; sha256sum big.bin")
+
+    async def go(b: LocalBackend) -> None:
+        for _ in range(2):  # a fresh agent, then the same agent recycled
+            async with await b.create(SessionSpec(limits=FAST, seed_dir=str(seed))) as s:
+                r = await s.exec(look)
+                lines = r.stdout.splitlines()
+                kinds = {"directory": "d", "regular file": "f", "symbolic link": "l"}
+                got = []
+                for line in lines[:7]:
+                    name, mode, *kind, uid = line.split()
+                    assert int(uid) == s.uid, line
+                    got.append(f"{name} {mode} {kinds[' '.join(kind)]}")
+                assert got == want, r
+                assert lines[7:11] == ["1000000000", "/etc/shadow", "ran", "no-fifo"], r
+                assert lines[11].split()[0] == hashlib.sha256((seed / "big.bin").read_bytes()).hexdigest()
+                assert await s.diff() == ""
+        assert b.recycled == 1
+
+    try:
+        run(go)
+    finally:
+        (seed / "ro").chmod(0o755)
