@@ -213,44 +213,41 @@ async def exec_p50(b: SessionBackend, spec: SessionSpec, runs: int) -> dict[str,
 async def local(runs: int, levels: list[int], seed: str, pairs: int = 1) -> dict[str, Any]:
     res: dict[str, Any] = {}
     spec = SessionSpec(limits=LIM, seed_dir=seed)
-    cold = LocalBackend(pool_size=0, creates_per_s=0, recycle=False)
-    try:
+    async def creates(name: str, b: LocalBackend, before: Callable[[], Awaitable[None]] | None = None) -> None:
+        """create p50/p99 on `b` (`before` each, untimed), as create_<name>_p50_s / _p99_s."""
         ts = []
         for _ in range(runs):
+            if before is not None:
+                await before()
             t = time.perf_counter()
-            s = await cold.create(spec)
+            s = await b.create(spec)
             ts.append(time.perf_counter() - t)
             await s.aclose()
-        res["create_cold_p50_s"], res["create_cold_p99_s"] = statistics.median(ts), pct(ts, 0.99)
+        res[f"create_{name}_p50_s"], res[f"create_{name}_p99_s"] = statistics.median(ts), pct(ts, 0.99)
+
+    cold = LocalBackend(pool_size=0, creates_per_s=0, recycle=False)
+    try:
+        await creates("cold", cold)
     finally:
         await cold.aclose()
     warm = LocalBackend(pool_size=4, creates_per_s=0, max_starting=8, recycle=False)
+
+    async def refilled() -> None:  # a warm pool: let it refill between creates
+        for _ in range(400):
+            if len(warm.pool.idle(("host", False))) >= 4:
+                break
+            await asyncio.sleep(0.01)
+
     try:
         await (await warm.create(spec)).aclose()
-        ts = []
-        for _ in range(runs):
-            for _ in range(400):  # a warm pool: let it refill between creates
-                if len(warm.pool.idle(("host", False))) >= 4:
-                    break
-                await asyncio.sleep(0.01)
-            t = time.perf_counter()
-            s = await warm.create(spec)
-            ts.append(time.perf_counter() - t)
-            await s.aclose()
-        res["create_warm_p50_s"], res["create_warm_p99_s"] = statistics.median(ts), pct(ts, 0.99)
+        await creates("warm", warm, refilled)
         res.update(await exec_p50(warm, spec, runs))
     finally:
         await warm.aclose()
     again = LocalBackend(pool_size=0, creates_per_s=0)  # every create after the first on the last one's agent
     try:
         await (await again.create(spec)).aclose()
-        ts = []
-        for _ in range(runs):
-            t = time.perf_counter()
-            s = await again.create(spec)
-            ts.append(time.perf_counter() - t)
-            await s.aclose()
-        res["create_recycled_p50_s"], res["create_recycled_p99_s"] = statistics.median(ts), pct(ts, 0.99)
+        await creates("recycled", again)
     finally:
         await again.aclose()
     for n in levels:  # rlf's local backend and the unisolated runtime back to back at each level
