@@ -8,15 +8,17 @@ Process tree of one session::
 
     trainer ──requests──▶ Z (`--zygote`: one per backend, everything imported and the seccomp program built; forks
                              a P per request, so an agent costs a fork, not an interpreter's start: ~50 ms of CPU)
-    trainer ──socket frames──▶ P (host pid ns: unshares mount/pid/ipc/uts[/net], forks C, waits for it)
-                                      └─ C = pid 1 of the session's pid namespace: builds the root (tmpfs + read-only
-                                         binds of the host's system dirs, or an overlay over an image root) and the
-                                         session's one scratch tmpfs (disk_mb: the overlay's upper layer, the
-                                         workspace with a copy of the seed, /tmp, /var/tmp, /dev/shm), binds the seed
+    trainer ──socket frames──▶ P (host pid ns: unshares mount/pid/uts[/net], forks C, waits for it)
+                                      └─ C = pid 1 of the session's pid namespace, in an IPC namespace of its own:
+                                         builds the root (tmpfs + read-only binds of the host's system dirs, or an
+                                         overlay over an image root) and the session's one scratch tmpfs (disk_mb:
+                                         the overlay's upper layer, the workspace with a copy of the seed, /tmp,
+                                         /var/tmp, /dev/shm), mounts the seed (a detached mount the trainer sends)
                                          read-only under /.rlf (0700), switches to the root (pivot_root, the old root
-                                         detached), then serves requests one at a time; each exec is a fork that drops
-                                         to the session's uid (rlimits, no_new_privs, no capabilities, the sandbox's
-                                         seccomp filter) and execs the command
+                                         detached), then serves requests one at a time; each exec goes through L, the
+                                         session's launcher (below). At close, "reset" (`reset`) readies C for the
+                                         next session of the same image: every other process killed, a new IPC
+                                         namespace, every place the session could write replaced
 
 What is confined, and how (docs/security.md, "Local backend confinement"): after set-up no process of the session (C
 included) holds a descriptor, cwd or root outside the session's root, and the host's filesystem is not in the
