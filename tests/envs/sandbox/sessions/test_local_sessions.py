@@ -468,6 +468,10 @@ def test_the_launcher_killed_or_stopped_by_the_session_fails_only_its_own_exec()
 def test_bad_specs_are_refused_with_a_reason(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="workdir"):
         SessionSpec(workdir="relative")
+    for kept in ("/proc", "/dev/shm/w", "/sys/x", "/.rlf", "/.rlf/seed"):  # the root's own places
+        with pytest.raises(ValueError, match="keeps for itself"):
+            SessionSpec(workdir=kept)
+    assert SessionSpec(workdir="/devices/w").workdir == "/devices/w"
     with pytest.raises(ValueError, match="seed_dir"):
         SessionSpec(seed_dir=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="memory_mb"):

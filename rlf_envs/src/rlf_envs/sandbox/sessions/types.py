@@ -114,6 +114,10 @@ class SessionSpec:
         if not self.workdir.startswith("/") or posixpath.normpath(self.workdir) in ("/", "//") \
                 or ".." in self.workdir.split("/"):
             raise ValueError(f"SessionSpec.workdir must be an absolute path other than '/', got {self.workdir!r}")
+        top = posixpath.normpath(self.workdir).lstrip("/").split("/")[0]
+        if top in ("proc", "dev", "sys", ".rlf"):
+            raise ValueError(f"SessionSpec.workdir {self.workdir!r} is under /{top}, which the session's root keeps "
+                             "for itself; use a directory such as /workspace or /testbed")
         if self.writable_root and self.image == "host":
             raise ValueError("SessionSpec.writable_root needs an image (a root directory, 'oci-archive:PATH' or "
                              "'docker:REF'): the host's system directories stay read-only")
