@@ -225,6 +225,20 @@ def test_idle_recycled_agents_are_bounded_by_the_peak_and_max_idle() -> None:
     run(go, max_idle=2)
 
 
+def test_past_max_idle_the_agent_idle_longest_of_any_image_makes_room() -> None:
+    """A run moving from one image (here: one network setting) to another keeps the recent ones' agents."""
+    async def go(b: LocalBackend) -> None:
+        old = await b.create(SessionSpec(limits=FAST))
+        await old.aclose()
+        new = await b.create(SessionSpec(limits=FAST, network=True))
+        await new.aclose()
+        assert b.pool.all_idle() == [new._agent]
+        await old._agent.wait_dead()
+        assert old._agent.dead
+
+    run(go, max_idle=1)
+
+
 def test_an_expired_session_is_not_recycled() -> None:
     async def go(b: LocalBackend) -> None:
         a = await b.create(SessionSpec(limits=SessionLimits(exec_timeout_s=5, session_timeout_s=1, memory_mb=256,

@@ -693,8 +693,8 @@ class LocalBackend(PooledBackend):
         """Reset a closing session's agent and keep it idle for the next session of its key, where that is safe and
         wanted: the agent answered every request (none in flight), did not run past its wall clock, can rebuild its
         root, has served fewer than RECYCLE_USES sessions, and its key has fewer idle agents than it ever had open
-        at once. The agent (pid 1 of the session) kills every other process, which its cgroup must then confirm,
-        and stages a root of fresh mounts; anything short of that, and the agent is ended instead."""
+        at once (`_room`). The agent (pid 1 of the session) kills every other process, which its cgroup must then
+        confirm, and stages a root of fresh mounts; anything short of that, and the agent is ended instead."""
         a, key = s._agent, s._agent.key
         if (not self.recycle or self._closed or self.pool.closed or a.dead or a.busy or s._expired
                 or s._lock.locked() or not a.recyclable or a.uses >= RECYCLE_USES or not self._room(key)):
@@ -717,10 +717,16 @@ class LocalBackend(PooledBackend):
         return self._room(key) and self.pool.put(key, a)  # (again: other sessions closed meanwhile)
 
     def _room(self, key: tuple[str, bool]) -> bool:
-        """Whether another idle agent of `key` is wanted: fewer than the most sessions of it ever open at once (or
-        the pool's size), and fewer than `max_idle` idle in all."""
-        return (len(self.pool.idle(key)) < max(self.pool_size, self._peak.get(key, 0))
-                and len(self.pool.all_idle()) < self.max_idle)
+        """Whether another idle agent of `key` is wanted: fewer are idle than the most sessions of it ever open at
+        once (or the pool's size). Past `max_idle` idle agents in all, the one idle longest (of any key: a run
+        moving from image to image keeps the recent ones) is ended to make room."""
+        if self.max_idle <= 0 or len(self.pool.idle(key)) >= max(self.pool_size, self._peak.get(key, 0)):
+            return False
+        idle = self.pool.all_idle()
+        if len(idle) >= self.max_idle:
+            oldest = min(idle, key=lambda a: a.idle_since)
+            self.pool.prune(lambda a: a is oldest)
+        return True
 
     def _spawn(self, key: tuple[str, bool], disk_mb: int) -> Awaitable[_Agent]:
         return _spawn(self._zygote, key, self.root_mount, disk_mb, self._made)
