@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from rlf_envs.sandbox.sessions import SessionLimits, SessionSpec, images, local
+from rlf_envs.sandbox.sessions import SessionLimits, SessionSpec, images, local, owners
 from rlf_envs.sandbox.sessions.local import LocalBackend
 from tests.envs.sandbox.sessions.test_local_sessions import _procs_of_uid
 from tests.envs.sandbox.sessions.test_local_sessions import run as local_run
@@ -313,3 +313,54 @@ def test_the_seed_arrives_whole_on_fresh_and_recycled_agents(tmp_path: Path) -> 
         run(go)
     finally:
         (seed / "ro").chmod(0o755)
+
+
+HOSTILE = [
+    LITTER,
+    ":(){ :|:& };: 2>/dev/null; sleep 1",  # a fork bomb, bounded by the pids limit
+    "python3 -c 'b = bytearray(400 << 20)'; echo after",  # past the memory limit
+    "dd if=/dev/zero of=/tmp/fill bs=1M count=100 2>/dev/null; dd if=/dev/zero of=fill bs=1M 2>/dev/null; true",
+    "kill -STOP $(pgrep rlf-launcher); sleep 0.2",  # the launcher stopped
+    "kill -9 -1",  # every process of the session's uid, the launcher included
+    "for i in $(seq 50); do sleep 1000 & done",
+    "sleep 30",  # past the exec's deadline
+]
+
+
+@pytest.mark.slow
+def test_hostile_sessions_on_recycled_agents_never_see_the_last_and_leave_nothing() -> None:
+    """200 sessions, 8 at a time, each running one of HOSTILE after checking that it finds nothing of the last
+    session of its agent; afterwards no label, cgroup, session process or mount is left."""
+    lim = SessionLimits(exec_timeout_s=10, session_timeout_s=120, memory_mb=256, pids=64, disk_mb=32)
+    mounts = Path("/proc/self/mountinfo").read_text().count("\n")
+    dirty: list[str] = []
+    cgroups: set[str] = set()
+
+    async def worker(b: LocalBackend, n: int, k: int) -> None:
+        for i in range(n):
+            s = await b.create(SessionSpec(limits=lim))
+            cgroups.update(s._agent.cgroup or ())
+            r = await s.exec(LOOK)
+            if "FOUND" in r.stdout or r.stdout.split() != ["1"]:
+                dirty.append(r.stdout)
+            await s.exec(HOSTILE[(i + k) % len(HOSTILE)], timeout_s=3)
+            await s.aclose()
+
+    async def go(b: LocalBackend) -> LocalBackend:
+        await asyncio.gather(*(worker(b, 25, k) for k in range(8)))
+        assert dirty == [] and b.recycled >= 150, (dirty, b.recycled)
+        return b
+
+    b = run(go, pool_size=2)
+    assert [lab for lab in owners.labels() if lab.id in b._made or lab.owner_pid == os.getpid()] == []
+    assert not [p for p in os.listdir("/proc") if p.isdigit() and _session_uid(p)]
+    assert Path("/proc/self/mountinfo").read_text().count("\n") == mounts
+    assert [d for d in cgroups if os.path.isdir(d)] == []
+
+
+def _session_uid(pid: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("Uid:") and int(line.split()[1]) >= local.UID_BASE for line in f)
+    except OSError:
+        return False
