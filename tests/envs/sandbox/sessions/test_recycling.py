@@ -59,7 +59,7 @@ grep -c '^sandbox:' /etc/passwd
 
 
 def run(fn: Callable[[LocalBackend], Awaitable[Any]], **kw: Any) -> Any:
-    return local_run(fn, recycle=True, warm_up=False, **kw)
+    return local_run(fn, **{"recycle": True, "warm_up": False, **kw})
 
 
 def _gone(uid: int, within_s: float = 10) -> bool:
@@ -364,3 +364,15 @@ def _session_uid(pid: str) -> bool:
             return any(line.startswith("Uid:") and int(line.split()[1]) >= local.UID_BASE for line in f)
     except OSError:
         return False
+
+
+def test_rlf_session_recycle_0_turns_recycling_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLF_SESSION_RECYCLE", "0")
+
+    async def go(b: LocalBackend) -> None:
+        assert not b.recycle
+        a = await b.create(SessionSpec(limits=FAST))
+        await a.aclose()
+        assert a._agent.dead and not b.pool.all_idle()
+
+    run(go, recycle=None)

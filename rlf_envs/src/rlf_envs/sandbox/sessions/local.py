@@ -9,7 +9,7 @@ lost during a call in which the session's own cgroup hit its memory or pids limi
 policy's failure), otherwise a SessionInfraError; a session past its wall clock raises SessionExpired. The agents
 start with an empty environment (nothing of the trainer's reaches a session).
 
-`LocalBackend(pool_size=2, max_starting=8, creates_per_s=50, recycle=True, max_idle=256)`: a warm pool per (image,
+`LocalBackend(pool_size=2, max_starting=8, creates_per_s=50, recycle=None, max_idle=256)`: a warm pool per (image,
 network) of agents that are already in their namespaces with the image's root built (a create then only makes the
 workspace and copies the seed); at most `max_starting` sessions start at once and creates are rate-limited (a token
 bucket), so hundreds of concurrent episodes queue instead of timing out. A closed session's agent is recycled
@@ -614,7 +614,7 @@ class LocalBackend(PooledBackend):
     name = "local"
 
     def __init__(self, pool_size: int | None = None, max_starting: int = 8, creates_per_s: float = 50.0,
-                 reap_every_s: float = 30.0, recycle: bool = True, max_idle: int = 256) -> None:
+                 reap_every_s: float = 30.0, recycle: bool | None = None, max_idle: int = 256) -> None:
         if os.geteuid() != 0:
             raise SessionInfraError("the local session backend needs root (mount namespaces, chroot, per-session "
                                     "uids); run as root or use the docker backend")
@@ -636,6 +636,8 @@ class LocalBackend(PooledBackend):
         #: network), up to as many idle as that key ever had open at once (at most `max_idle` in all). Needs the
         #: kernel's mount API (the seed reaches a recycled root as a detached mount): without it, off (said once)
         self.max_idle = max_idle
+        if recycle is None:
+            recycle = os.environ.get("RLF_SESSION_RECYCLE", "1") != "0"
         self.recycle = recycle and _mount_api(self.root_mount)
         self._open: dict[tuple[str, bool], int] = {}  # sessions open per key, and the most ever open at once
         self._peak: dict[tuple[str, bool], int] = {}
