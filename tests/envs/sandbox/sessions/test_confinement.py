@@ -194,16 +194,22 @@ def _agent_holds_nothing_outside(s: Any, host_paths: list[str]) -> None:
     assert "/" in seen["mounts"] and len(seen["mounts"]) < 40, seen["mounts"]
 
 
+@pytest.mark.parametrize("recycled", [False, True], ids=["fresh", "recycled"])
 @pytest.mark.parametrize("image", ["host", pytest.param("image", marks=needs_image)])
-def test_the_agent_holds_nothing_outside_the_session_root(exposed: Path, image: str) -> None:
+def test_the_agent_holds_nothing_outside_the_session_root(exposed: Path, image: str, recycled: bool) -> None:
     """After set-up the agent (pid 1 of the session) has no directory or file descriptor, no cwd and no root outside
     the session's root, and the session's mount namespace holds nothing of the host (pivot_root, old root
-    detached)."""
+    detached); the same on an agent recycled from an earlier session (its seed's descriptor, its old root gone)."""
     spec = SessionSpec(image="host" if image == "host" else str(IMAGE), limits=FAST, seed_dir=str(exposed),
                        writable_root=image != "host")
 
     async def go(b: LocalBackend) -> None:
+        if recycled:
+            first = await b.create(spec)
+            await first.exec("echo x > a.txt; sleep 1000 > /dev/null 2>&1 &")
+            await first.aclose()
         async with await b.create(spec) as s:
+            assert (s._agent.uses > 1) == recycled
             assert "pivot_root" in s._agent.how, s._agent.how
             _agent_holds_nothing_outside(s, [str(exposed), str(exposed.parent / "secret.txt"), str(REPO)])
             await s.write_file("a.txt", "changed\n")
@@ -213,7 +219,7 @@ def test_the_agent_holds_nothing_outside_the_session_root(exposed: Path, image: 
             with pytest.raises(SessionError):
                 await s.read_file("/.rlf/seed/a.txt")
 
-    run(go, pool_size=1)
+    run(go, pool_size=0 if recycled else 1)  # (a warm agent in the pool would take the recycled one's place)
 
 
 def test_the_fallback_walk_refuses_symlinks_and_stays_in_the_root(tmp_path: Path) -> None:

@@ -1255,6 +1255,10 @@ def _seed_fd(start: dict[str, Any]) -> int | None:
     return fds[0]
 
 
+#: how this agent last switched to a fresh root (`switch_root`'s words), said again for a kept root
+_ENTERED = [""]
+
+
 def start_session(start: dict[str, Any], staged: Staged, image: str) -> dict[str, Any]:
     """Finish the `staged` root for the session `start` describes, switch to it (a fresh one), and reply; the
     session's state (`st`) for `serve`. Any failure is replied and ends the agent."""
@@ -1276,7 +1280,11 @@ def start_session(start: dict[str, Any], staged: Staged, image: str) -> dict[str
             os.close(seed_fd)  # (attached: closing it now leaves the seed mounted, and us holding nothing)
         _ipc_limits()
         _libc.sethostname(b"sandbox", 7)
-        how += "; " + (switch_root(r) if staged.fresh else "the same root")
+        if staged.fresh:
+            _ENTERED[0] = switch_root(r)
+            how += "; " + _ENTERED[0]
+        else:
+            how += f"; {_ENTERED[0]}, for an earlier session (this root kept)"
         # nothing of the host stays open: stderr (the host's /dev/null) becomes the session's
         devnull = os.open("/dev/null", os.O_RDWR)
         os.dup2(devnull, 2)
