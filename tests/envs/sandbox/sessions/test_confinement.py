@@ -46,6 +46,7 @@ from rlf_envs.sandbox.sessions import (
     images,
 )
 from rlf_envs.sandbox.sessions.local import LocalBackend
+from tests.envs.sandbox.sessions.test_local_sessions import run as local_run
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(os.geteuid() != 0, reason="the local session backend needs root")]
@@ -58,14 +59,9 @@ needs_image = pytest.mark.skipif(IMAGE is None, reason="the Debian test image is
 
 
 def run(fn: Callable[[LocalBackend], Awaitable[Any]], **kw: Any) -> Any:
-    async def main() -> Any:
-        b = LocalBackend(pool_size=kw.pop("pool_size", 0), **kw)
-        try:
-            return await fn(b)
-        finally:
-            await b.aclose()
-
-    return asyncio.run(main())
+    """`fn` on a fresh backend whose first default-image session runs on a recycled agent (`test_local_sessions.run`:
+    every attack below must fail there as on a fresh agent)."""
+    return local_run(fn, **kw)
 
 
 @pytest.fixture()
