@@ -186,6 +186,15 @@ def enter_cgroup(dirs: list[str], pid: int = 0) -> None:
         _write(os.path.join(d, "cgroup.procs"), str(pid))
 
 
+def procs(dirs: list[str]) -> set[int]:
+    """The pids in the cgroup's directories (`cgroup.procs`); OSError or ValueError when one cannot be read."""
+    out: set[int] = set()
+    for d in dirs:
+        with open(os.path.join(d, "cgroup.procs")) as f:
+            out.update(int(x) for x in f.read().split())
+    return out
+
+
 def remove_cgroups(paths: list[str], wait_s: float = 0.2, kill: bool = False) -> bool:
     """rmdir each cgroup once its processes are gone (the kernel refuses while any is left: retried for `wait_s`);
     with `kill`, SIGKILL what is still in them first (a session whose owner died). Whether all are gone."""
@@ -195,10 +204,10 @@ def remove_cgroups(paths: list[str], wait_s: float = 0.2, kill: bool = False) ->
         busy = []
         for path in left:
             if kill:
-                with contextlib.suppress(OSError), open(os.path.join(path, "cgroup.procs")) as f:
-                    for line in f:
-                        with contextlib.suppress(ProcessLookupError, ValueError):
-                            os.kill(int(line), signal.SIGKILL)
+                with contextlib.suppress(OSError, ValueError):
+                    for pid in procs([path]):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
             try:
                 os.rmdir(path)
             except FileNotFoundError:

@@ -331,27 +331,34 @@ def copy_seed(src: str, dst: str, uid: int) -> None:
                     os.lchown(dp, uid, uid)
                     os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
                 elif stat.S_ISREG(st.st_mode):
-                    fi = os.open(sp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                    try:
-                        fo = os.open(dp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-                        try:
-                            left, off = st.st_size, 0
-                            while left > 0:
-                                n = os.sendfile(fo, fi, off, min(left, 1 << 30))
-                                if n == 0:
-                                    break
-                                off, left = off + n, left - n
-                            os.fchmod(fo, stat.S_IMODE(st.st_mode))
-                            os.fchown(fo, uid, uid)
-                            os.utime(fo, ns=(st.st_atime_ns, st.st_mtime_ns))
-                        finally:
-                            os.close(fo)
-                    finally:
-                        os.close(fi)
+                    _copy_file(sp, dp, st, uid)
     for dp, st in reversed(dirs):  # (modes last: a read-only directory of the seed is still filled)
         os.chown(dp, uid, uid)
         os.chmod(dp, stat.S_IMODE(st.st_mode))
         os.utime(dp, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _copy_file(src: str, dst: str, st: os.stat_result, uid: int) -> None:
+    """One regular file of the seed (`copy_seed`): its data by sendfile, then its mode, owner and times."""
+    fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except BaseException:
+        os.close(fi)
+        raise
+    try:
+        left, off = st.st_size, 0
+        while left > 0:
+            n = os.sendfile(fo, fi, off, min(left, 1 << 30))
+            if n == 0:
+                break
+            off, left = off + n, left - n
+        os.fchmod(fo, stat.S_IMODE(st.st_mode))
+        os.fchown(fo, uid, uid)
+        os.utime(fo, ns=(st.st_atime_ns, st.st_mtime_ns))
+    finally:
+        os.close(fo)
+        os.close(fi)
 
 
 def _root_only_dir(r: str) -> None:
@@ -1166,10 +1173,12 @@ def serve(st: dict[str, Any]) -> Staged:
 
 class Staged:
     """A root ready for `start_session`: its path `r` ("" is our own root), its scratch tmpfs `s`, how it is made,
-    and whether it is `fresh` (no /proc, /dev yet; switched to at start) or our own root, kept."""
+    whether it is `fresh` (no /proc, /dev yet; switched to at start) or our own root, kept, and `image`: "host", or
+    where the image its overlay lies over is reachable from here (the host's path before the first switch, IMAGE
+    after: `finish_root` binds it there for the next reset)."""
 
-    def __init__(self, r: str, s: str, how: str, fresh: bool) -> None:
-        self.r, self.s, self.how, self.fresh = r, s, how, fresh
+    def __init__(self, r: str, s: str, how: str, fresh: bool, image: str) -> None:
+        self.r, self.s, self.how, self.fresh, self.image = r, s, how, fresh, image
 
 
 def reset(st: dict[str, Any]) -> Staged:
@@ -1193,7 +1202,7 @@ def reset(st: dict[str, Any]) -> Staged:
     disk_mb = st["limits"]["disk_mb"]
     if st["image"] != "host":
         os.makedirs(STAGE, mode=0o700, exist_ok=True)
-        return Staged(STAGE + "/root", STAGE + "/s", build_root(STAGE, st["image"], disk_mb), True)
+        return Staged(STAGE + "/root", STAGE + "/s", build_root(STAGE, st["image"], disk_mb), True, st["image"])
     for m in reversed(st["mounts"]):
         _umount2(m, MNT_DETACH)
     for d in st["made"]:  # (deepest first)
@@ -1203,7 +1212,7 @@ def reset(st: dict[str, Any]) -> Staged:
     os.makedirs(SCRATCH, mode=0o700, exist_ok=True)
     mount("tmpfs", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV,
           f"size={disk_mb}m,nr_inodes={scratch_inodes(disk_mb)},mode=0700")
-    return Staged("", SCRATCH, "host system dirs read-only (the root kept, the session's mounts new)", False)
+    return Staged("", SCRATCH, "host system dirs read-only (the root kept, the session's mounts new)", False, "host")
 
 
 def session_main(parent_fd: int) -> None:
@@ -1228,13 +1237,12 @@ def session_main(parent_fd: int) -> None:
         write_frame(1, {"ok": False, "error": f"building the session root: {e!r}", "kind": "infra"})
         os._exit(2)
     write_frame(1, {"ok": True, "how": how})
-    staged = Staged(base + "/root", base + "/s", how, True)
+    staged = Staged(base + "/root", base + "/s", how, True, image)
     while True:
         start = read_frame(0)
         if start is None or start.get("op") == "close":
             os._exit(0)
-        staged = serve(start_session(start, staged, image))
-        image = image if image == "host" else IMAGE  # (the next overlay's lower layer: the image bound at IMAGE)
+        staged = serve(start_session(start, staged))
 
 
 def _seed_fd(start: dict[str, Any]) -> int | None:
@@ -1259,7 +1267,7 @@ def _seed_fd(start: dict[str, Any]) -> int | None:
 _ENTERED = [""]
 
 
-def start_session(start: dict[str, Any], staged: Staged, image: str) -> dict[str, Any]:
+def start_session(start: dict[str, Any], staged: Staged) -> dict[str, Any]:
     """Finish the `staged` root for the session `start` describes, switch to it (a fresh one), and reply; the
     session's state (`st`) for `serve`. Any failure is replied and ends the agent."""
     r, s, how = staged.r, staged.s, staged.how
@@ -1272,8 +1280,8 @@ def start_session(start: dict[str, Any], staged: Staged, image: str) -> dict[str
             if not how.startswith("overlay"):
                 raise OSError(f"writable_root needs overlayfs for the session's root ({how})")
             open_root(r)
-        mounts, made = finish_root(r, s, start["workdir"], start["uid"], seed, None if image == "host" else image,
-                                   staged.fresh)
+        image = None if staged.image == "host" else staged.image
+        mounts, made = finish_root(r, s, start["workdir"], start["uid"], seed, image, staged.fresh)
         if not staged.fresh:
             mounts.insert(0, SCRATCH)  # (undone last)
         if seed_fd is not None:
@@ -1303,7 +1311,7 @@ def start_session(start: dict[str, Any], staged: Staged, image: str) -> dict[str
         os._exit(2)
     st = {"limits": lim, "uid": start["uid"], "workdir": start["workdir"], "env": start["env"],
           "seed": SEED if seed is not None else None, "proc_dev": proc_dev,
-          "image": image if image == "host" else IMAGE, "mounts": mounts, "made": made}
+          "image": "host" if image is None else IMAGE, "mounts": mounts, "made": made}
     _seccomp_prog()  # built before the first exec's fork
     # a recycled agent's next root is built from this one (`reset`): not where the image is only bound read-only
     write_frame(1, {"ok": True, "how": how + ("" if _OPENAT2 else "; file paths walked without openat2"),

@@ -598,7 +598,6 @@ class LocalSession(Session):
                     await asyncio.wait_for(self._agent.send({"op": "close"}), 2)
         finally:
             self._backend._sessions.discard(self)
-            self._backend._closed_one(self._agent.key)
             if not recycled:
                 self._agent.kill()
                 with contextlib.suppress(Exception):
@@ -639,8 +638,7 @@ class LocalBackend(PooledBackend):
         if recycle is None:
             recycle = os.environ.get("RLF_SESSION_RECYCLE", "1") != "0"
         self.recycle = recycle and _mount_api(self.root_mount)
-        self._open: dict[tuple[str, bool], int] = {}  # sessions open per key, and the most ever open at once
-        self._peak: dict[tuple[str, bool], int] = {}
+        self._peak: dict[tuple[str, bool], int] = {}  # the most sessions of each key ever open at once
         self.recycled = 0  # sessions started on a recycled agent
 
     def reap(self) -> int:
@@ -672,24 +670,15 @@ class LocalBackend(PooledBackend):
         async with self.admit():
             root = images.resolve_local(spec.image)
             key = (root, spec.network)
-            self._open[key] = n = self._open.get(key, 0) + 1
-            self._peak[key] = max(self._peak.get(key, 0), n)
-            try:
-                agent = self.pool.lease(key)
-                self.pool.fill(key, lambda: self._spawn(key, spec.limits.disk_mb))
-                if agent is not None:
-                    try:
-                        return await self._start(agent, spec)
-                    except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
-                        log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
-                await self.rate_limit()
-                return await self._start(await self._spawn(key, spec.limits.disk_mb), spec)
-            except BaseException:
-                self._closed_one(key)
-                raise
-
-    def _closed_one(self, key: tuple[str, bool]) -> None:
-        self._open[key] = max(0, self._open.get(key, 0) - 1)
+            agent = self.pool.lease(key)
+            self.pool.fill(key, lambda: self._spawn(key, spec.limits.disk_mb))
+            if agent is not None:
+                try:
+                    return await self._start(agent, spec)
+                except SessionInfraError as e:  # a warm agent that died while idle: start a fresh one
+                    log.warning("sessions: a pooled agent failed to start a session (%s); starting a new one", e)
+            await self.rate_limit()
+            return await self._start(await self._spawn(key, spec.limits.disk_mb), spec)
 
     async def _recycle(self, s: LocalSession) -> bool:
         """Reset a closing session's agent and keep it idle for the next session of its key, where that is safe and
@@ -707,10 +696,10 @@ class LocalBackend(PooledBackend):
             log.warning("sessions: an agent could not be reset for another session (%s); it was ended", e)
             return False
         if not reply.get("ok") or reply.get("reset") != a.uses:
-            log.warning("sessions: an agent could not be reset for another session (%s); it is ended",
-                        _short(reply.get("error", reply)))
+            log.warning("sessions: an agent could not be reset for another session (%.300s); it is ended",
+                        reply.get("error", reply))
             return False
-        if a.cgroup and not _only(a.cgroup, {p for p, _ in a.label.procs}):
+        if a.cgroup and not _only_agent_in(a):
             log.warning("sessions: after a reset the session's cgroup still holds other processes; the agent is "
                         "ended")
             return False
@@ -780,6 +769,8 @@ class LocalBackend(PooledBackend):
             raise
         s = LocalSession(self, agent, spec, uid)
         self._sessions.add(s)
+        n = sum(1 for o in self._sessions if isinstance(o, LocalSession) and o._agent.key == agent.key)
+        self._peak[agent.key] = max(self._peak.get(agent.key, 0), n)
         return s
 
     async def aclose(self) -> None:
@@ -793,21 +784,12 @@ class LocalBackend(PooledBackend):
         _OPEN.discard(self)
 
 
-def _short(v: Any) -> str:
-    r = str(v)
-    return r if len(r) <= 300 else r[:300] + "..."
-
-
-def _only(cgroup: list[str], pids: set[int]) -> bool:
-    """Whether the cgroup's directories hold no process but `pids` (an agent's P and C after a reset)."""
-    for d in cgroup:
-        try:
-            with open(os.path.join(d, "cgroup.procs")) as f:
-                if {int(x) for x in f.read().split()} - pids:
-                    return False
-        except (OSError, ValueError):
-            return False
-    return True
+def _only_agent_in(a: _Agent) -> bool:
+    """Whether the agent's cgroup holds no process but its own two (P and C), as after a reset."""
+    try:
+        return _cgroup.procs(a.cgroup or []) <= {p for p, _ in a.label.procs}
+    except (OSError, ValueError):
+        return False
 
 
 _warned_mount_api = False
